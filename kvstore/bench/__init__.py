@@ -1,0 +1,1 @@
+"""Benchmarks of kvstore's hot paths, run in-process by `kvstore bench`."""

@@ -1,0 +1,168 @@
+"""The `kvstore` command line: one subcommand per entry point (replay, bench).
+
+Runs in the user's shell process; every subcommand validates its arguments here, once, and
+prints either a readable summary or, with --json, one JSON object on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvstore.errors import KVStoreError
+
+
+def _print_result(result: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(result))
+        return
+    width = max(len(name) for name in result)
+    for name, value in result.items():
+        shown = f"{value:.4g}" if isinstance(value, float) else value
+        print(f"{name:<{width}}  {shown}")
+
+
+def _replay(args: argparse.Namespace) -> dict:
+    from kvstore.replay import run_replay
+
+    return run_replay(args.trace, args.policy, args.capacity_blocks, progress=sys.stderr.isatty())
+
+
+def _bench_micro(args: argparse.Namespace) -> dict:
+    from kvstore.bench.micro import run_micro
+
+    return run_micro(runs=args.runs, quick=args.quick)
+
+
+def _metadata_config(args: argparse.Namespace, backend: str | None = None):
+    from kvstore.config import build_config, read_toml_section
+    from kvstore.metadata.server import MetadataConfig
+
+    flags = {name: getattr(args, name, None) for name in _METADATA_FLAGS}
+    if backend:
+        flags["backend"] = backend
+    section = read_toml_section(args.config, "metadata")
+    return build_config(MetadataConfig, section, os.environ, flags, "KVSTORE_METADATA_")
+
+
+_METADATA_FLAGS = (
+    "listen", "backend", "data_dir", "redis_url", "token_file", "tls_cert", "tls_key",
+    "tls_client_ca", "key_quota_per_tenant", "metrics_listen",
+)  # fmt: skip
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from kvstore.serve import run_metadata
+
+    return run_metadata(_metadata_config(args, backend="lmdb"))
+
+
+def _metadata(args: argparse.Namespace) -> int:
+    from kvstore.serve import run_metadata
+
+    return run_metadata(_metadata_config(args))
+
+
+def _stats(args: argparse.Namespace) -> dict | int:
+    from kvstore.metadata.client import MetadataClient
+    from kvstore.stats import format_stats, stats_dict
+
+    with MetadataClient(args.address, token=args.token, tls_ca=args.tls_ca) as client:
+        stats = stats_dict(client.stats())
+    if args.json:
+        return stats
+    print(format_stats(stats))
+    return 0
+
+
+def _add_metadata_flags(parser: argparse.ArgumentParser, with_backend: bool) -> None:
+    parser.add_argument("--config", type=Path, help="TOML file; settings under [metadata]")
+    parser.add_argument("--listen", help="gRPC host:port (default 127.0.0.1:50051)")
+    if with_backend:
+        parser.add_argument("--backend", choices=["lmdb", "memory", "redis"])
+        parser.add_argument("--redis-url", help="redis://host:port/db for --backend redis")
+    parser.add_argument("--data-dir", type=Path, help="where LMDB keeps the index")
+    parser.add_argument("--token-file", type=Path, help="'TOKEN TENANT' lines; enables auth")
+    parser.add_argument("--tls-cert", type=Path)
+    parser.add_argument("--tls-key", type=Path)
+    parser.add_argument("--tls-client-ca", type=Path, help="require client certificates")
+    parser.add_argument("--key-quota-per-tenant", type=int)
+    parser.add_argument("--metrics-listen", help="host:port of the Prometheus endpoint")
+
+
+def _bench_lookup(args: argparse.Namespace) -> dict:
+    from kvstore.bench.lookup import run_lookup
+
+    return run_lookup(runs=args.runs, duration_s=args.duration_s)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kvstore.eviction import policy_names
+
+    parser = argparse.ArgumentParser(prog="kvstore", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser(
+        "serve", help="the embedded default: metadata service on LMDB in one process"
+    )
+    _add_metadata_flags(serve, with_backend=False)
+    serve.set_defaults(handler=_serve)
+
+    metadata = commands.add_parser("metadata", help="run the metadata service alone")
+    _add_metadata_flags(metadata, with_backend=True)
+    metadata.set_defaults(handler=_metadata)
+
+    stats = commands.add_parser("stats", help="cluster stats from a metadata service")
+    stats.add_argument("--address", default="127.0.0.1:50051")
+    stats.add_argument("--token", default=os.environ.get("KVSTORE_TOKEN"))
+    stats.add_argument("--tls-ca", type=Path, help="CA certificate to verify the service")
+    stats.add_argument("--json", action="store_true")
+    stats.set_defaults(handler=_stats)
+
+    replay = commands.add_parser("replay", help="replay a Mooncake-format trace through the store")
+    replay.add_argument("trace", help="path of a Mooncake JSONL trace")
+    replay.add_argument("--policy", default="lru", choices=policy_names())
+    replay.add_argument("--capacity-blocks", type=int, required=True)
+    replay.add_argument("--json", action="store_true", help="print one JSON object")
+    replay.set_defaults(handler=_replay)
+
+    bench = commands.add_parser("bench", help="benchmarks; each prints JSON with --json")
+    benches = bench.add_subparsers(dest="bench", required=True)
+    micro = benches.add_parser("micro", help="hashing, tier and codec throughput vs memcpy")
+    micro.add_argument("--runs", type=int, default=5, help="repetitions; medians are reported")
+    micro.add_argument("--quick", action="store_true", help="small sizes, for smoke tests")
+    micro.add_argument("--json", action="store_true")
+    micro.set_defaults(handler=_bench_micro)
+    lookup = benches.add_parser("lookup", help="metadata lookups over gRPC vs Redis EXISTS")
+    lookup.add_argument("--runs", type=int, default=5, help="repetitions; medians are reported")
+    lookup.add_argument("--duration-s", type=float, default=2.0, help="seconds per measurement")
+    lookup.add_argument("--json", action="store_true")
+    lookup.set_defaults(handler=_bench_lookup)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        result = args.handler(args)
+    except KVStoreError as exc:
+        print(f"kvstore {args.command}: {exc}", file=sys.stderr)
+        return 2
+    if isinstance(result, int):
+        return result
+    _print_result(result, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

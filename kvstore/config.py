@@ -1,0 +1,69 @@
+"""Configuration loading: a TOML file section, then KVSTORE_* environment variables, then flags.
+
+Runs in the CLI process, once, at start-up. Builds one frozen dataclass per component and
+rejects unknown names and unparsable values with a message saying what to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+from kvstore.errors import ConfigError
+
+T = TypeVar("T")
+
+
+def read_toml_section(path: Path | None, section: str) -> dict[str, Any]:
+    """The `[section]` table of a TOML file ({} when no file is given)."""
+    if path is None:
+        return {}
+    try:
+        document = tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+    table = document.get(section, {})
+    if not isinstance(table, dict):
+        raise ConfigError(f"{path}: [{section}] must be a table")
+    return table
+
+
+def build_config(
+    cls: type[T], file_values: Mapping[str, Any], env: Mapping[str, str], flags: Mapping[str, Any],
+    env_prefix: str,
+) -> T:  # fmt: skip
+    """Merge the three sources (later wins) into `cls`, coercing each value to its field type."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = set(file_values) - names
+    if unknown:
+        raise ConfigError(f"unknown setting(s) {sorted(unknown)}; valid: {sorted(names)}")
+    values: dict[str, Any] = {}
+    for name in names:
+        env_name = f"{env_prefix}{name.upper()}"
+        for source, raw in (("file", file_values.get(name)), (env_name, env.get(env_name)),
+                            ("--" + name.replace("_", "-"), flags.get(name))):  # fmt: skip
+            if raw is not None:
+                values[name] = _coerce(raw, hints[name], f"{source} {name}")
+    return cls(**values)
+
+
+def _coerce(raw: Any, hint: Any, where: str) -> Any:
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    target = next(t for t in options if t is not type(None))
+    if dataclasses.is_dataclass(target):
+        raise ConfigError(f"{where}: cannot be set here")
+    try:
+        if target is bool and isinstance(raw, str):
+            return {"1": True, "true": True, "yes": True, "0": False, "false": False,
+                    "no": False}[raw.lower()]  # fmt: skip
+        if target is Path:
+            return Path(raw)
+        return target(raw)
+    except (KeyError, TypeError, ValueError):
+        raise ConfigError(f"{where}: {raw!r} is not a valid {target.__name__}") from None

@@ -1,0 +1,1 @@
+"""The metadata service: which node holds which block in which tier, with leases and events."""

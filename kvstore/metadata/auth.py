@@ -1,0 +1,90 @@
+"""Bearer-token authentication and tenant scoping for the metadata service; TLS credentials.
+
+Runs in the metadata service process. A token maps to one tenant, or to "*" (every tenant:
+node agents and operators). With no tokens configured, authentication is off.
+"""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from kvstore.errors import AuthError, ConfigError, PermissionDeniedError
+
+ALL_TENANTS = "*"
+
+
+@dataclass(frozen=True)
+class TenantScope:
+    """What one caller may touch."""
+
+    tenant: str  # ALL_TENANTS or one tenant
+
+    def require(self, tenant: str) -> None:
+        if self.tenant != ALL_TENANTS and tenant != self.tenant:
+            raise PermissionDeniedError(f"this token may only act for tenant {self.tenant!r}")
+
+    def require_all_tenants(self, action: str) -> None:
+        if self.tenant != ALL_TENANTS:
+            raise PermissionDeniedError(f"a token scoped to tenant {self.tenant!r} cannot {action}")
+
+
+class TokenAuth:
+    """Checks `authorization: Bearer <token>` metadata against a token → tenant table."""
+
+    def __init__(self, tokens: dict[str, str]) -> None:
+        self._tokens = [(token.encode(), tenant) for token, tenant in tokens.items()]
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._tokens)
+
+    def authorize(self, context: grpc.ServicerContext) -> TenantScope:
+        if not self._tokens:
+            return TenantScope(ALL_TENANTS)
+        presented = _bearer_token(context)
+        if presented is None:
+            raise AuthError("missing 'authorization: Bearer <token>' metadata")
+        for token, tenant in self._tokens:  # compare all, in constant time each
+            if hmac.compare_digest(token, presented):
+                return TenantScope(tenant)
+        raise AuthError("the bearer token is not valid")
+
+
+def _bearer_token(context: grpc.ServicerContext) -> bytes | None:
+    for name, value in context.invocation_metadata() or ():
+        if name == "authorization":
+            scheme, _, token = value.partition(" ")
+            return token.encode() if scheme.lower() == "bearer" and token else None
+    return None
+
+
+def load_tokens(path: Path) -> dict[str, str]:
+    """A token file: one `TOKEN TENANT` pair a line (`*` for every tenant); # comments."""
+    tokens = {}
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        if len(parts) != 2 or len(parts[0]) < 16:
+            raise ConfigError(
+                f"{path}:{number}: expected 'TOKEN TENANT' with a token of 16+ characters"
+            )
+        tokens[parts[0]] = parts[1]
+    return tokens
+
+
+def server_credentials(
+    cert_file: Path, key_file: Path, client_ca_file: Path | None = None
+) -> grpc.ServerCredentials:
+    """TLS for the server; with a client CA, clients must present a certificate it signed."""
+    ca = client_ca_file.read_bytes() if client_ca_file else None
+    return grpc.ssl_server_credentials(
+        [(key_file.read_bytes(), cert_file.read_bytes())],
+        root_certificates=ca,
+        require_client_auth=ca is not None,
+    )

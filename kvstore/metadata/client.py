@@ -1,0 +1,146 @@
+"""A typed client of the metadata service, used by node agents, routers and the CLI.
+
+Runs in the caller's process; thread-safe (one gRPC channel). gRPC status codes come back as
+the kvstore exceptions they were mapped from, so callers handle one error tree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from kvstore import errors
+from kvstore.metadata import wire
+from kvstore.metadata.index import BlockEntry, Holding, NodeRecord
+from kvstore.metadata.service import STATUS_FOR
+from kvstore.v1 import metadata_pb2 as pb
+from kvstore.v1 import metadata_pb2_grpc as pb_grpc
+
+_ERROR_FOR = {code: cls for cls, code in reversed(STATUS_FOR)}
+_ERROR_FOR[grpc.StatusCode.UNAVAILABLE] = errors.UnavailableError
+_ERROR_FOR[grpc.StatusCode.DEADLINE_EXCEEDED] = errors.UnavailableError
+
+
+def error_from_rpc(exc: grpc.RpcError) -> errors.KVStoreError:
+    cls = _ERROR_FOR.get(exc.code(), errors.KVStoreError)
+    return cls(f"{exc.code().name}: {exc.details()}")
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    prefix_length: int
+    holders: list[list[Holding]]  # per key of the prefix, ranked for the caller
+    addresses: dict[str, tuple[str, str]]  # node id -> (tcp address, ucx address)
+
+
+class MetadataClient:
+    def __init__(
+        self, address: str, token: str | None = None, tls_ca: Path | None = None,
+        timeout_s: float = 5.0, max_message_bytes: int = 16 << 20,
+    ) -> None:  # fmt: skip
+        options = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ]
+        if tls_ca:
+            creds = grpc.ssl_channel_credentials(root_certificates=tls_ca.read_bytes())
+            self._channel = grpc.secure_channel(address, creds, options=options)
+        else:
+            self._channel = grpc.insecure_channel(address, options=options)
+        self._stub = pb_grpc.MetadataStub(self._channel)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self.timeout_s = timeout_s
+
+    def _call(self, method: str, request):
+        try:
+            return getattr(self._stub, method)(
+                request, timeout=self.timeout_s, metadata=self._metadata
+            )
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc) from None
+
+    def register_node(self, node: NodeRecord, lease_ttl_ms: int = 0) -> tuple[int, int]:
+        """Returns (lease id, lease ttl in ms)."""
+        request = pb.RegisterNodeRequest(node=wire.node_to_proto(node), lease_ttl_ms=lease_ttl_ms)
+        response = self._call("RegisterNode", request)
+        return response.lease_id, response.lease_ttl_ms
+
+    def heartbeat(self, node_id: str, lease_id: int) -> int:
+        return self._call("Heartbeat", pb.HeartbeatRequest(node_id=node_id, lease_id=lease_id))
+
+    def deregister_node(self, node_id: str, lease_id: int) -> int:
+        request = pb.DeregisterNodeRequest(node_id=node_id, lease_id=lease_id)
+        return self._call("DeregisterNode", request).removed_blocks
+
+    def publish(
+        self, node_id: str, lease_id: int, tenant: str, entries: Sequence[BlockEntry]
+    ) -> int:
+        request = pb.PublishRequest(
+            node_id=node_id, lease_id=lease_id, tenant=tenant,
+            entries=wire.entries_to_proto(entries),
+        )  # fmt: skip
+        return self._call("Publish", request).accepted
+
+    def unpublish(
+        self, node_id: str, lease_id: int, tenant: str, entries: Sequence[BlockEntry]
+    ) -> int:
+        request = pb.UnpublishRequest(
+            node_id=node_id, lease_id=lease_id, tenant=tenant,
+            entries=wire.entries_to_proto(entries),
+        )  # fmt: skip
+        return self._call("Unpublish", request).removed
+
+    def lookup(
+        self, tenant: str, keys: Sequence[bytes], caller_node_id: str = "", chunk_tokens: int = 0
+    ) -> LookupResult:
+        request = pb.LookupRequest(
+            tenant=tenant, keys=keys, caller_node_id=caller_node_id, chunk_tokens=chunk_tokens
+        )
+        response = self._call("Lookup", request)
+        nodes = response.nodes
+        addresses = {n.node_id: (n.tcp_address, n.ucx_address) for n in nodes}
+        flat = [
+            Holding(nodes[index].node_id, wire.PROTO_TO_TIER[tier])
+            for index, tier in zip(response.holder_nodes, response.holder_tiers, strict=True)
+        ]
+        holders, start = [], 0
+        for count in response.holder_counts:
+            holders.append(flat[start : start + count])
+            start += count
+        return LookupResult(response.prefix_length, holders, addresses)
+
+    def route(
+        self, tenant: str, keys: Sequence[bytes], candidates: Sequence[str] = ()
+    ) -> tuple[str, int]:
+        """(best node id or "", its prefix length)."""
+        request = pb.RouteRequest(tenant=tenant, keys=keys, candidate_node_ids=candidates)
+        response = self._call("Route", request)
+        return response.node_id, response.prefix_length
+
+    def stats(self) -> pb.StatsResponse:
+        return self._call("Stats", pb.StatsRequest())
+
+    def watch_events(self, from_seq: int = 0, tenant: str = "") -> Iterator[pb.Event]:
+        """Stream events from `from_seq` (0: only new). A KIND_GAP event means events up to its
+        seq were lost: resync, then keep reading. Cancel by closing the iterator."""
+        request = pb.WatchEventsRequest(from_seq=from_seq, tenant=tenant)
+        stream = self._stub.WatchEvents(request, metadata=self._metadata)
+        try:
+            yield from stream
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.CANCELLED:
+                raise error_from_rpc(exc) from None
+        finally:
+            stream.cancel()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> MetadataClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,250 @@
+"""The embedded metadata index: dictionaries in memory, written through to LMDB when given a
+data directory. Runs inside the metadata service process (`kvstore serve` / `kvstore metadata`).
+One lock guards everything; a condition wakes event watchers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+
+from kvstore.errors import LeaseError, NotFoundError, QuotaExceededError
+from kvstore.metadata.index import (
+    BlockEntry,
+    EventPage,
+    Holding,
+    IndexEvent,
+    MetadataIndex,
+    NodeRecord,
+)
+from kvstore.metadata.journal import Journal
+
+Slot = tuple[str, str]  # (node_id, tier)
+
+
+class MemoryIndex(MetadataIndex):
+    backend = "lmdb"
+
+    def __init__(
+        self,
+        data_dir: Path | None = None,
+        key_quota_per_tenant: int = 0,
+        max_events: int = 100_000,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.backend = "lmdb" if data_dir else "memory"
+        self._quota = key_quota_per_tenant
+        self._clock = clock
+        self._cond = threading.Condition(threading.RLock())
+        self._nodes: dict[str, NodeRecord] = {}
+        self._holders: dict[tuple[str, bytes], dict[Slot, Holding]] = {}
+        self._by_node: dict[str, set[tuple[str, bytes, str]]] = {}
+        self._tenant_keys: Counter[str] = Counter()
+        self._events: deque[IndexEvent] = deque(maxlen=max_events)
+        self._journal = Journal(data_dir) if data_dir else None
+        self._last_seq = self._journal.counter("last_seq") if self._journal else 0
+        first_lease = self._journal.counter("last_lease") + 1 if self._journal else 1
+        self._lease_ids = itertools.count(first_lease)
+        self._load()
+
+    def _load(self) -> None:
+        if self._journal is None:
+            return
+        for node in self._journal.nodes():
+            self._nodes[node.node_id] = node
+        for tenant, key, holding in self._journal.holdings():
+            self._add_holding(tenant, key, holding)
+        self.expire_leases()
+
+    # ---- nodes ----------------------------------------------------------------------------
+    def register_node(self, node: NodeRecord, lease_ttl_ms: int) -> NodeRecord:
+        with self._cond:
+            lease_id = next(self._lease_ids)
+            record = replace(
+                node, lease_id=lease_id, lease_ttl_ms=lease_ttl_ms,
+                expires_at=self._clock() + lease_ttl_ms / 1000,
+            )  # fmt: skip
+            self._nodes[node.node_id] = record
+            self._by_node.setdefault(node.node_id, set())
+            if self._journal:
+                with self._journal.write() as txn:
+                    txn.put_node(record)
+                    txn.put_counter("last_lease", lease_id)
+            return record
+
+    def heartbeat(self, node_id: str, lease_id: int) -> NodeRecord:
+        with self._cond:
+            node = self._live_node(node_id, lease_id)
+            record = replace(node, expires_at=self._clock() + node.lease_ttl_ms / 1000)
+            self._nodes[node_id] = record
+            if self._journal:
+                with self._journal.write() as txn:
+                    txn.put_node(record)
+            return record
+
+    def _live_node(self, node_id: str, lease_id: int) -> NodeRecord:
+        node = self._nodes.get(node_id)
+        if node is None:
+            raise NotFoundError(f"unknown node {node_id!r}: register it first")
+        if node.lease_id != lease_id:
+            raise LeaseError(f"node {node_id!r}: lease {lease_id} is not current; register again")
+        if node.expires_at <= self._clock():
+            self._drop_node(node_id)
+            raise LeaseError(f"node {node_id!r}: lease {lease_id} expired; register again")
+        return node
+
+    def deregister_node(self, node_id: str, lease_id: int) -> int:
+        with self._cond:
+            self._live_node(node_id, lease_id)
+            return self._drop_node(node_id)
+
+    def live_nodes(self) -> dict[str, NodeRecord]:
+        with self._cond:
+            now = self._clock()
+            return {n: r for n, r in self._nodes.items() if r.expires_at > now}
+
+    def expire_leases(self) -> list[str]:
+        with self._cond:
+            now = self._clock()
+            expired = [n for n, r in self._nodes.items() if r.expires_at <= now]
+            for node_id in expired:
+                self._drop_node(node_id)
+            return expired
+
+    def _drop_node(self, node_id: str) -> int:
+        held = list(self._by_node.get(node_id, ()))
+        self._remove_holdings(node_id, [(tenant, key, tier) for tenant, key, tier in held])
+        self._nodes.pop(node_id, None)
+        self._by_node.pop(node_id, None)
+        if self._journal:
+            with self._journal.write() as txn:
+                txn.delete_node(node_id)
+        return len(held)
+
+    # ---- holdings -------------------------------------------------------------------------
+    def publish(
+        self, node_id: str, lease_id: int, tenant: str, entries: Sequence[BlockEntry]
+    ) -> int:
+        with self._cond:
+            self._live_node(node_id, lease_id)
+            fresh = {
+                (e.key, e.tier): e
+                for e in entries
+                if (node_id, e.tier) not in self._holders.get((tenant, e.key), {})
+            }
+            self._check_quota(tenant, {key for key, _ in fresh})
+            for entry in fresh.values():
+                holding = Holding(node_id, entry.tier, entry.size_bytes, entry.checksum)
+                self._add_holding(tenant, entry.key, holding)
+                self._emit("stored", tenant, entry.key, node_id, entry.tier)
+            if self._journal:
+                with self._journal.write() as txn:
+                    for entry in fresh.values():
+                        holding = Holding(node_id, entry.tier, entry.size_bytes, entry.checksum)
+                        txn.put_holding(tenant, entry.key, holding)
+                    txn.put_counter("last_seq", self._last_seq)
+            return len(fresh)
+
+    def _check_quota(self, tenant: str, keys: set[bytes]) -> None:
+        if not self._quota:
+            return
+        new_keys = sum(1 for key in keys if (tenant, key) not in self._holders)
+        if self._tenant_keys[tenant] + new_keys > self._quota:
+            raise QuotaExceededError(
+                f"tenant {tenant!r} holds {self._tenant_keys[tenant]} keys; {new_keys} more "
+                f"would exceed its quota of {self._quota}"
+            )
+
+    def unpublish(
+        self, node_id: str, lease_id: int, tenant: str, entries: Sequence[BlockEntry]
+    ) -> int:
+        with self._cond:
+            self._live_node(node_id, lease_id)
+            held = self._by_node.get(node_id, set())
+            wanted = dict.fromkeys((tenant, e.key, e.tier) for e in entries)  # dedupe, keep order
+            gone = [slot for slot in wanted if slot in held]
+            self._remove_holdings(node_id, gone)
+            return len(gone)
+
+    def _add_holding(self, tenant: str, key: bytes, holding: Holding) -> None:
+        holders = self._holders.get((tenant, key))
+        if holders is None:
+            holders = self._holders[(tenant, key)] = {}
+            self._tenant_keys[tenant] += 1
+        holders[(holding.node_id, holding.tier)] = holding
+        self._by_node.setdefault(holding.node_id, set()).add((tenant, key, holding.tier))
+
+    def _remove_holdings(self, node_id: str, held: list[tuple[str, bytes, str]]) -> None:
+        for tenant, key, tier in held:
+            holders = self._holders.get((tenant, key), {})
+            holders.pop((node_id, tier), None)
+            if not holders:
+                self._holders.pop((tenant, key), None)
+                self._tenant_keys[tenant] -= 1
+            self._by_node.get(node_id, set()).discard((tenant, key, tier))
+            self._emit("removed", tenant, key, node_id, tier)
+        if self._journal and held:
+            with self._journal.write() as txn:
+                for tenant, key, tier in held:
+                    txn.delete_holding(tenant, key, node_id, tier)
+                txn.put_counter("last_seq", self._last_seq)
+
+    def lookup(self, tenant: str, keys: Sequence[bytes]) -> list[list[Holding]]:
+        with self._cond:
+            alive = self._alive_ids()
+            found: list[list[Holding]] = []
+            for key in keys:
+                holders = self._holders.get((tenant, key))
+                live = [h for h in holders.values() if h.node_id in alive] if holders else None
+                if not live:
+                    break
+                found.append(live)
+            return found
+
+    def _alive_ids(self) -> set[str]:
+        now = self._clock()
+        return {node_id for node_id, node in self._nodes.items() if node.expires_at > now}
+
+    # ---- events ---------------------------------------------------------------------------
+    def _emit(self, kind: str, tenant: str, key: bytes, node_id: str, tier: str) -> None:
+        self._last_seq += 1
+        self._events.append(IndexEvent(self._last_seq, kind, tenant, key, node_id, tier))
+        self._cond.notify_all()
+
+    def events_since(self, from_seq: int, max_events: int) -> EventPage:
+        with self._cond:
+            oldest = self._events[0].seq if self._events else self._last_seq + 1
+            gap = from_seq < oldest and from_seq <= self._last_seq
+            start = max(from_seq, oldest) - oldest
+            page = list(itertools.islice(self._events, start, start + max_events))
+            return EventPage(page, gap, self._last_seq)
+
+    def wait_for_events(self, after_seq: int, timeout_s: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self._last_seq > after_seq, timeout=timeout_s)
+
+    # ---- stats ----------------------------------------------------------------------------
+    def stats(self) -> dict:
+        with self._cond:
+            per_node: dict[str, Counter[str]] = {n: Counter() for n in self._nodes}
+            for node_id, held in self._by_node.items():
+                per_node.setdefault(node_id, Counter()).update(tier for _, _, tier in held)
+            per_tier: Counter[str] = sum(per_node.values(), Counter())
+            return {
+                "blocks": sum(per_tier.values()),
+                "blocks_per_tier": dict(per_tier),
+                "blocks_per_node": {n: dict(c) for n, c in per_node.items()},
+                "keys_per_tenant": {t: n for t, n in self._tenant_keys.items() if n},
+                "last_event_seq": self._last_seq,
+            }
+
+    def close(self) -> None:
+        with self._cond:
+            if self._journal:
+                self._journal.close()
+                self._journal = None

@@ -1,0 +1,70 @@
+"""Prometheus metrics of the metadata service, in a registry of its own (one per server).
+
+Runs in the metadata service process; served over HTTP by `start_http_server` when a metrics
+port is configured. Gauges of blocks and nodes are read from the index at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+_LATENCY_BUCKETS_S = (5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1.0)
+
+
+class _IndexGauges(Collector):
+    def __init__(self, stats: Callable[[], dict], nodes_alive: Callable[[], int]) -> None:
+        self._stats = stats
+        self._nodes_alive = nodes_alive
+
+    def collect(self):
+        stats = self._stats()
+        blocks = GaugeMetricFamily(
+            "kvstore_metadata_blocks", "Published blocks by tier", labels=["tier"]
+        )
+        for tier, count in stats["blocks_per_tier"].items():
+            blocks.add_metric([tier], count)
+        yield blocks
+        yield GaugeMetricFamily(
+            "kvstore_metadata_nodes_alive", "Nodes with a live lease", value=self._nodes_alive()
+        )
+
+
+class MetadataMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.rpcs = Counter(
+            "kvstore_metadata_rpcs", "RPCs by method and status code", ["method", "code"],
+            registry=self.registry,
+        )  # fmt: skip
+        self.latency = Histogram(
+            "kvstore_metadata_rpc_latency_seconds", "RPC handling time", ["method"],
+            buckets=_LATENCY_BUCKETS_S, registry=self.registry,
+        )  # fmt: skip
+        self.lookup_chunks = Counter(
+            "kvstore_metadata_lookup_chunks", "Chunks looked up, and hit", ["result"],
+            registry=self.registry,
+        )  # fmt: skip
+        self.lookup_tokens = Counter(
+            "kvstore_metadata_lookup_tokens", "Tokens looked up, and hit", ["result"],
+            registry=self.registry,
+        )  # fmt: skip
+        self.events = Counter(
+            "kvstore_metadata_events", "Block events by kind", ["kind"], registry=self.registry
+        )
+        self.expired_nodes = Counter(
+            "kvstore_metadata_expired_nodes", "Nodes whose lease expired", registry=self.registry
+        )
+
+    def watch_index(self, stats: Callable[[], dict], nodes_alive: Callable[[], int]) -> None:
+        self.registry.register(_IndexGauges(stats, nodes_alive))
+
+    def observe_lookup(self, asked: int, hit: int, chunk_tokens: int) -> None:
+        self.lookup_chunks.labels("asked").inc(asked)
+        self.lookup_chunks.labels("hit").inc(hit)
+        if chunk_tokens:
+            self.lookup_tokens.labels("asked").inc(asked * chunk_tokens)
+            self.lookup_tokens.labels("hit").inc(hit * chunk_tokens)

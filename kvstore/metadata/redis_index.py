@@ -1,0 +1,298 @@
+"""The Redis metadata index: all state in one Redis server, shared by metadata-service replicas.
+
+Runs inside each `kvstore metadata --backend redis` process. Multi-key mutations are Lua scripts
+(atomic); lease time comes from the injected clock, never from Redis TTLs. Standalone Redis only.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.retry import Retry
+
+from kvstore.errors import (
+    ConfigError,
+    LeaseError,
+    NotFoundError,
+    QuotaExceededError,
+    UnavailableError,
+)
+from kvstore.metadata.index import (
+    BlockEntry,
+    EventPage,
+    Holding,
+    IndexEvent,
+    MetadataIndex,
+    NodeRecord,
+)
+from kvstore.metadata.redis_scripts import SCRIPTS
+
+CONNECT_TIMEOUT_S = 2.0
+COMMAND_TIMEOUT_S = 10.0  # scripts over large batches stay well below this
+WAIT_CHUNK_S = 2.0  # XREAD BLOCK slices, so a blocked read never meets the socket timeout
+
+
+# Keys, after the prefix P (bytes): :seq, :lease (counters), :ev (event stream, ids 0-<seq>),
+# :exp (zset node -> expires_at: the node registry), :node:<id> (hash lease, ttl, info),
+# :held:<id> (set of tier\0tenant\0key), :ncount:<id> / :tiers / :tenants (count hashes),
+# :h:<tenant>\0<key> (string of node\0tier\0size\0checksum\0 records: one MGET serves a lookup).
+# Keys may hold NUL; tenants, node ids and tiers don't.
+def _pairs(flat: list[bytes]) -> dict[str, int]:
+    return {flat[i].decode(): int(flat[i + 1]) for i in range(0, len(flat), 2)}
+
+
+def _redacted(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username or ''}:***@{parts.hostname}" + (
+        f":{parts.port}" if parts.port else ""
+    )
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+class RedisIndex(MetadataIndex):
+    """MetadataIndex over Redis. Thread-safe (a connection pool); any number of replicas may
+    share one server and prefix. Connection failures raise UnavailableError naming the URL."""
+
+    backend = "redis"
+
+    def __init__(
+        self,
+        url: str,
+        prefix: str = "kvstore",
+        key_quota_per_tenant: int = 0,
+        max_events: int = 100_000,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._url = _redacted(url)
+        self._prefix = prefix.encode()
+        self._quota = key_quota_per_tenant
+        self._max_events = max_events
+        self._clock = clock
+        self._redis = self._connect(url)
+        self._scripts = {name: self._redis.register_script(body) for name, body in SCRIPTS.items()}
+
+    @staticmethod
+    def _connect(url: str) -> redis.Redis:
+        try:
+            return redis.Redis.from_url(
+                url, decode_responses=False, protocol=2,
+                socket_connect_timeout=CONNECT_TIMEOUT_S, socket_timeout=COMMAND_TIMEOUT_S,
+                retry=Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.2), retries=3),
+            )  # fmt: skip
+        except ValueError as exc:
+            raise ConfigError(f"redis url {_redacted(url)!r} is invalid: {exc}") from exc
+
+    @contextmanager
+    def _guard(self) -> Iterator[None]:
+        try:
+            yield
+        except (redis.ConnectionError, redis.TimeoutError, redis.ReadOnlyError) as exc:
+            raise UnavailableError(f"redis at {self._url} is unavailable: {exc}") from exc
+
+    def _run(self, name: str, args: Sequence[bytes | str | int | float], keys=()) -> list:
+        with self._guard():
+            return self._scripts[name](keys=keys, args=args)
+
+    def _leased(self, name: str, node_id: str, lease_id: int, *extra) -> list:
+        """Run a script that checks the lease first; raise for unknown/stale/expired leases."""
+        now = repr(self._clock())
+        reply = self._run(name, [self._prefix, now, self._max_events, node_id, lease_id, *extra])
+        status = reply[0]
+        if status == b"unknown":
+            raise NotFoundError(f"unknown node {node_id!r}: register it first")
+        if status == b"stale":
+            raise LeaseError(f"node {node_id!r}: lease {lease_id} is not current; register again")
+        if status == b"expired":
+            raise LeaseError(f"node {node_id!r}: lease {lease_id} expired; register again")
+        return reply
+
+    # ---- nodes ----------------------------------------------------------------------------
+    def register_node(self, node: NodeRecord, lease_ttl_ms: int) -> NodeRecord:
+        expires_at = self._clock() + lease_ttl_ms / 1000
+        info = json.dumps([node.tcp_address, node.ucx_address, node.tier_capacity_bytes])
+        args = [self._prefix, node.node_id, repr(expires_at), lease_ttl_ms, info]
+        lease_id = self._run("register", args)
+        return NodeRecord(
+            node.node_id, node.tcp_address, node.ucx_address, dict(node.tier_capacity_bytes),
+            lease_id=lease_id, lease_ttl_ms=lease_ttl_ms, expires_at=expires_at,
+        )  # fmt: skip
+
+    def heartbeat(self, node_id: str, lease_id: int) -> NodeRecord:
+        _, ttl, info, expires_at = self._leased("heartbeat", node_id, lease_id)
+        return self._record(node_id, expires_at, lease_id, ttl, info)
+
+    @staticmethod
+    def _record(node_id: str, expires_at, lease_id, ttl, info) -> NodeRecord:
+        tcp, ucx, capacity = json.loads(info)
+        return NodeRecord(
+            node_id, tcp, ucx, capacity, int(lease_id), int(ttl), float(expires_at)
+        )  # fmt: skip
+
+    def deregister_node(self, node_id: str, lease_id: int) -> int:
+        return self._leased("deregister", node_id, lease_id)[1]
+
+    def live_nodes(self) -> dict[str, NodeRecord]:
+        nodes, _, _ = self._run("nodes", [self._prefix, f"({self._clock()!r}", ""])
+        return {n.decode(): self._record(n.decode(), *row[:4]) for n, *row in nodes}
+
+    def expire_leases(self) -> list[str]:
+        """Purge every node whose lease expired. Each purge re-checks expiry inside its script,
+        so concurrent callers (other replicas) purge a node exactly once; this returns the
+        nodes this call purged."""
+        now = self._clock()
+        with self._guard():
+            due = self._redis.zrangebyscore(self._prefix + b":exp", "-inf", repr(now))
+        expired = []
+        for node in due:
+            args = [self._prefix, repr(now), self._max_events, node]
+            if self._run("expire", args) >= 0:
+                expired.append(node.decode())
+        return expired
+
+    # ---- holdings -------------------------------------------------------------------------
+    def publish(
+        self, node_id: str, lease_id: int, tenant: str, entries: Sequence[BlockEntry]
+    ) -> int:
+        quads = [part for e in entries for part in (e.key, e.tier, e.size_bytes, e.checksum)]
+        reply = self._leased("publish", node_id, lease_id, tenant, self._quota, *quads)
+        if reply[0] == b"quota":
+            held, new_keys = reply[1], reply[2]
+            raise QuotaExceededError(
+                f"tenant {tenant!r} holds {held} keys; {new_keys} more "
+                f"would exceed its quota of {self._quota}"
+            )
+        return reply[1]
+
+    def unpublish(
+        self, node_id: str, lease_id: int, tenant: str, entries: Sequence[BlockEntry]
+    ) -> int:
+        pairs = [part for e in entries for part in (e.key, e.tier)]
+        return self._leased("unpublish", node_id, lease_id, tenant, *pairs)[1]
+
+    def lookup(self, tenant: str, keys: Sequence[bytes]) -> list[list[Holding]]:
+        """One round trip: the ids of nodes live at `now`, then one MGET of the prompt's holder
+        records. Not a MULTI: a script running between the two can only hide a holder (its node
+        purged, or registered after the first read), never show a dead one."""
+        if not keys:
+            return []
+        stem = self._prefix + b":h:" + tenant.encode() + b"\0"
+        live_ids, blobs = self._round_trip(
+            (b"ZRANGEBYSCORE", self._prefix + b":exp", f"({self._clock()!r}", b"+inf"),
+            (b"MGET", *(stem + key for key in keys)),
+        )
+        live = set(live_ids)
+        found = []
+        for blob in blobs:
+            if not blob:
+                break
+            nodes, holdings, pairs = _parse_holders(blob)
+            holders = list(holdings) if nodes <= live else [h for n, h in pairs if n in live]
+            if not holders:
+                break
+            found.append(holders)
+        return found
+
+    def _round_trip(self, *commands: tuple) -> list:
+        """Send `commands` back to back on one pooled connection and read their raw replies:
+        the lookup hot path, without the pipeline machinery (about 60 µs less per call)."""
+        pool = self._redis.connection_pool
+        with self._guard():
+            conn = pool.get_connection()
+            try:
+                return conn.retry.call_with_retry(
+                    lambda: _send_and_read(conn, commands), lambda _error: conn.disconnect()
+                )
+            except BaseException:
+                conn.disconnect()  # replies may be left unread on it
+                raise
+            finally:
+                pool.release(conn)
+
+    # ---- events ---------------------------------------------------------------------------
+    def events_since(self, from_seq: int, max_events: int) -> EventPage:
+        stream = self._prefix + b":ev"
+        with self._guard(), self._redis.pipeline(transaction=True) as pipe:
+            pipe.get(self._prefix + b":seq")
+            pipe.xrange(stream, count=1)
+            if max_events > 0:
+                pipe.xrange(stream, min=f"0-{max(from_seq, 0)}", count=max_events)
+            last, first, *page = pipe.execute()
+        last_seq = int(last or 0)
+        oldest = _seq(first[0][0]) if first else last_seq + 1
+        events = [_event(event_id, fields) for event_id, fields in (page[0] if page else [])]
+        return EventPage(events, from_seq < oldest and from_seq <= last_seq, last_seq)
+
+    def wait_for_events(self, after_seq: int, timeout_s: float) -> bool:
+        """XREAD BLOCK on a pooled connection of its own, in slices of WAIT_CHUNK_S."""
+        deadline = time.monotonic() + timeout_s
+        streams = {self._prefix + b":ev": f"0-{max(after_seq, 0)}"}
+        while True:
+            remaining_s = deadline - time.monotonic()
+            block_ms = int(min(remaining_s, WAIT_CHUNK_S) * 1000)
+            with self._guard():
+                if self._redis.xread(streams, count=1, block=block_ms if block_ms > 0 else None):
+                    return True
+            if remaining_s <= WAIT_CHUNK_S:
+                return self._last_seq() > after_seq
+
+    def _last_seq(self) -> int:
+        with self._guard():
+            return int(self._redis.get(self._prefix + b":seq") or 0)
+
+    # ---- stats ----------------------------------------------------------------------------
+    def stats(self) -> dict:
+        nodes, tenants, last_seq = self._run("nodes", [self._prefix, "-inf", "stats"])
+        per_node = {node.decode(): _pairs(row[-1]) for node, *row in nodes}
+        per_tier: dict[str, int] = {}
+        for counts in per_node.values():
+            for tier, n in counts.items():
+                per_tier[tier] = per_tier.get(tier, 0) + n
+        return {
+            "blocks": sum(per_tier.values()),
+            "blocks_per_tier": per_tier,
+            "blocks_per_node": per_node,
+            "keys_per_tenant": _pairs(tenants),
+            "last_event_seq": int(last_seq),
+        }
+
+    def close(self) -> None:
+        self._redis.close()
+
+
+@functools.lru_cache(maxsize=1 << 14)  # at most ~20 MB of decoded holder lists
+def _parse_holders(blob: bytes) -> tuple[frozenset[bytes], tuple[Holding, ...], tuple]:
+    """Decode a key's holder records into (holder node ids, holdings, (node id, holding) pairs).
+    Pure (same bytes, same holdings), so caching it never serves stale state: any change to the
+    holders changes the bytes. Liveness is not part of it; lookup filters on every call."""
+    parts = blob.split(b"\0")
+    pairs = tuple(
+        (parts[i], Holding(parts[i].decode(), parts[i + 1].decode(), int(parts[i + 2]),
+                           int(parts[i + 3])))
+        for i in range(0, len(parts) - 1, 4)
+    )  # fmt: skip
+    return frozenset(node for node, _ in pairs), tuple(h for _, h in pairs), pairs
+
+
+def _send_and_read(conn: redis.Connection, commands: tuple) -> list:
+    conn.send_packed_command(conn.pack_commands(commands))
+    return [conn.read_response() for _ in commands]
+
+
+def _seq(event_id: bytes) -> int:
+    return int(event_id.split(b"-", 1)[1])
+
+
+def _event(event_id: bytes, fields: dict[bytes, bytes]) -> IndexEvent:
+    return IndexEvent(
+        _seq(event_id), fields[b"k"].decode(), fields[b"t"].decode(), fields[b"key"],
+        fields[b"n"].decode(), fields[b"tier"].decode(),
+    )  # fmt: skip

@@ -1,0 +1,147 @@
+"""Builds and runs the metadata service: gRPC server, health service, lease reaper, metrics.
+
+Runs in the `kvstore metadata` / `kvstore serve` process. `MetadataServer.start()` binds and
+returns; `stop()` shuts everything down (SIGTERM handling lives in the CLI).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import start_http_server
+
+from kvstore.errors import ConfigError
+from kvstore.metadata.auth import TokenAuth, load_tokens, server_credentials
+from kvstore.metadata.index import MetadataIndex
+from kvstore.metadata.memory import MemoryIndex
+from kvstore.metadata.metrics import MetadataMetrics
+from kvstore.metadata.service import SERVICE_NAME, MetadataServicer, ServiceLimits, rpc_handlers
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("lmdb", "memory", "redis")
+
+
+@dataclass(frozen=True)
+class MetadataConfig:
+    """Settings of one metadata service process; see `kvstore metadata --help`."""
+
+    listen: str = "127.0.0.1:50051"
+    backend: str = "lmdb"
+    data_dir: Path = Path("./kvstore-data")
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_prefix: str = "kvstore"
+    token_file: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None
+    key_quota_per_tenant: int = 0  # 0: unlimited
+    max_events: int = 100_000
+    metrics_listen: str = ""  # host:port of the Prometheus endpoint; empty: none
+    max_workers: int = 32
+    max_message_bytes: int = 16 << 20
+    limits: ServiceLimits = field(default_factory=ServiceLimits)
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend {self.backend!r} unknown; use one of {BACKENDS}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("TLS needs both tls_cert and tls_key")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ConfigError("tls_client_ca needs tls_cert and tls_key")
+        if self.max_workers < 4:
+            raise ConfigError("max_workers must be at least 4 (event streams hold a thread each)")
+
+
+def open_index(config: MetadataConfig) -> MetadataIndex:
+    if config.backend == "redis":
+        from kvstore.metadata.redis_index import RedisIndex
+
+        return RedisIndex(
+            config.redis_url, prefix=config.redis_prefix,
+            key_quota_per_tenant=config.key_quota_per_tenant, max_events=config.max_events,
+        )  # fmt: skip
+    data_dir = config.data_dir if config.backend == "lmdb" else None
+    return MemoryIndex(data_dir, config.key_quota_per_tenant, config.max_events)
+
+
+class MetadataServer:
+    def __init__(self, config: MetadataConfig, index: MetadataIndex | None = None) -> None:
+        self.config = config
+        self.index = index or open_index(config)
+        self.metrics = MetadataMetrics()
+        self.metrics.watch_index(self.index.stats, lambda: len(self.index.live_nodes()))
+        tokens = load_tokens(config.token_file) if config.token_file else {}
+        self.servicer = MetadataServicer(self.index, TokenAuth(tokens), self.metrics, config.limits)
+        self.health = health.HealthServicer()
+        self._stopping = threading.Event()
+        self._server: grpc.Server | None = None
+        self._metrics_http = None
+        self.port = 0
+        self.metrics_port = 0
+
+    def start(self) -> int:
+        """Bind, serve, start the lease reaper; returns the bound port."""
+        options = [
+            ("grpc.max_receive_message_length", self.config.max_message_bytes),
+            ("grpc.max_send_message_length", self.config.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ]
+        server = grpc.server(futures.ThreadPoolExecutor(self.config.max_workers), options=options)
+        server.add_generic_rpc_handlers((rpc_handlers(self.servicer),))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        self.port = self._bind(server)
+        server.start()
+        self._server = server
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        threading.Thread(target=self._reap_leases, name="lease-reaper", daemon=True).start()
+        self._start_metrics()
+        return self.port
+
+    def _bind(self, server: grpc.Server) -> int:
+        config = self.config
+        if config.tls_cert:
+            creds = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
+            port = server.add_secure_port(config.listen, creds)
+        else:
+            port = server.add_insecure_port(config.listen)
+        if port == 0:
+            raise ConfigError(f"cannot listen on {config.listen!r} (in use or not an address)")
+        return port
+
+    def _start_metrics(self) -> None:
+        if not self.config.metrics_listen:
+            return
+        host, _, port = self.config.metrics_listen.rpartition(":")
+        self._metrics_http, _ = start_http_server(
+            int(port), addr=host or "127.0.0.1", registry=self.metrics.registry
+        )
+        self.metrics_port = self._metrics_http.server_port
+
+    def _reap_leases(self) -> None:
+        period_s = self.config.limits.min_lease_ttl_ms / 1000 / 2
+        while not self._stopping.wait(period_s):
+            try:
+                expired = self.index.expire_leases()
+            except Exception:  # the backend may be briefly unreachable; try again next tick
+                logger.exception("lease reaper failed")
+                continue
+            for node_id in expired:
+                logger.info("lease of node %s expired; its blocks are unpublished", node_id)
+            self.metrics.expired_nodes.inc(len(expired))
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        self._stopping.set()
+        self.health.enter_graceful_shutdown()
+        if self._server is not None:
+            self._server.stop(grace_s).wait()
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+        self.index.close()

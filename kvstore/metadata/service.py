@@ -1,0 +1,284 @@
+"""The gRPC servicer of the metadata service: checks, authorisation, metrics, error mapping.
+
+Runs in the metadata service process, on the gRPC server's handler threads. Every RPC is
+wrapped by `_unary`, which authenticates, times it, and maps kvstore errors to status codes
+through STATUS_FOR, the one table of that mapping.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import grpc
+from google.protobuf.message import DecodeError, Message
+
+from kvstore import errors
+from kvstore.metadata import wire
+from kvstore.metadata.auth import TenantScope, TokenAuth
+from kvstore.metadata.index import MetadataIndex
+from kvstore.metadata.metrics import MetadataMetrics
+from kvstore.v1 import metadata_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Metadata"].full_name
+
+# Most specific first: the first matching class wins.
+STATUS_FOR: list[tuple[type[Exception], grpc.StatusCode]] = [
+    (errors.PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
+    (errors.AuthError, grpc.StatusCode.UNAUTHENTICATED),
+    (errors.ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.NotFoundError, grpc.StatusCode.NOT_FOUND),
+    (errors.LeaseError, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (errors.UnavailableError, grpc.StatusCode.UNAVAILABLE),
+    (errors.ChecksumError, grpc.StatusCode.DATA_LOSS),
+    (errors.KVStoreError, grpc.StatusCode.INTERNAL),
+]
+
+
+def status_for(exc: Exception) -> grpc.StatusCode:
+    return next(code for cls, code in STATUS_FOR if isinstance(exc, cls))
+
+
+@dataclass(frozen=True)
+class ServiceLimits:
+    max_batch: int = 4096  # keys per Lookup/Route, entries per Publish/Unpublish
+    default_lease_ttl_ms: int = 10_000
+    min_lease_ttl_ms: int = 500
+    max_lease_ttl_ms: int = 600_000
+    event_batch: int = 1024
+    watch_poll_s: float = 0.5
+
+
+def _parse(request_cls: type[Message], payload: bytes) -> Message:
+    """Decode here, not in gRPC, so a malformed message is INVALID_ARGUMENT, not INTERNAL."""
+    try:
+        return request_cls.FromString(payload)
+    except DecodeError as exc:
+        raise errors.ConfigError(f"malformed {request_cls.__name__}: {exc}") from None
+
+
+def _unary(request_cls: type[Message]) -> Callable[[Callable], Callable]:
+    return functools.partial(_wrap_unary, request_cls)
+
+
+def _wrap_unary(request_cls: type[Message], method: Callable) -> Callable:
+    name = method.__name__
+
+    @functools.wraps(method)
+    def handler(self: MetadataServicer, payload: bytes, context: grpc.ServicerContext):
+        started = time.perf_counter()
+        code = grpc.StatusCode.OK
+        try:
+            scope = self.auth.authorize(context)
+            return method(self, _parse(request_cls, payload), scope)
+        except errors.KVStoreError as exc:
+            code = status_for(exc)
+            context.abort(code, str(exc))
+        except Exception:
+            code = grpc.StatusCode.INTERNAL
+            logger.exception("%s failed", name)
+            context.abort(code, f"internal error in {name}; see the service log")
+        finally:
+            self.metrics.rpcs.labels(name, code.name).inc()
+            self.metrics.latency.labels(name).observe(time.perf_counter() - started)
+
+    return handler
+
+
+class MetadataServicer:
+    def __init__(
+        self, index: MetadataIndex, auth: TokenAuth, metrics: MetadataMetrics,
+        limits: ServiceLimits = ServiceLimits(),
+    ) -> None:  # fmt: skip
+        self.index = index
+        self.auth = auth
+        self.metrics = metrics
+        self.limits = limits
+
+    # ---- membership -----------------------------------------------------------------------
+    @_unary(pb.RegisterNodeRequest)
+    def RegisterNode(self, request: pb.RegisterNodeRequest, scope: TenantScope):
+        scope.require_all_tenants("register a node")
+        if not request.HasField("node"):
+            raise errors.ConfigError("node is required")
+        ttl_ms = self._lease_ttl(request.lease_ttl_ms)
+        record = self.index.register_node(wire.node_from_proto(request.node), ttl_ms)
+        logger.info(
+            "node %s registered (lease %d, ttl %d ms)", record.node_id, record.lease_id, ttl_ms
+        )
+        return pb.RegisterNodeResponse(lease_id=record.lease_id, lease_ttl_ms=ttl_ms)
+
+    def _lease_ttl(self, requested_ms: int) -> int:
+        if requested_ms == 0:
+            return self.limits.default_lease_ttl_ms
+        low, high = self.limits.min_lease_ttl_ms, self.limits.max_lease_ttl_ms
+        if not low <= requested_ms <= high:
+            raise errors.ConfigError(f"lease_ttl_ms {requested_ms} outside [{low}, {high}]")
+        return requested_ms
+
+    @_unary(pb.HeartbeatRequest)
+    def Heartbeat(self, request: pb.HeartbeatRequest, scope: TenantScope):
+        scope.require_all_tenants("heartbeat")
+        record = self.index.heartbeat(wire.check_name(request.node_id, "node_id"), request.lease_id)
+        return pb.HeartbeatResponse(lease_ttl_ms=record.lease_ttl_ms)
+
+    @_unary(pb.DeregisterNodeRequest)
+    def DeregisterNode(self, request: pb.DeregisterNodeRequest, scope: TenantScope):
+        scope.require_all_tenants("deregister a node")
+        node_id = wire.check_name(request.node_id, "node_id")
+        removed = self.index.deregister_node(node_id, request.lease_id)
+        self.metrics.events.labels("removed").inc(removed)
+        return pb.DeregisterNodeResponse(removed_blocks=removed)
+
+    # ---- holdings -------------------------------------------------------------------------
+    @_unary(pb.PublishRequest)
+    def Publish(self, request: pb.PublishRequest, scope: TenantScope):
+        tenant = self._tenant(request.tenant, scope)
+        entries = wire.entries_from_proto(request.entries, self.limits.max_batch)
+        node_id = wire.check_name(request.node_id, "node_id")
+        accepted = self.index.publish(node_id, request.lease_id, tenant, entries)
+        self.metrics.events.labels("stored").inc(accepted)
+        return pb.PublishResponse(accepted=accepted)
+
+    @_unary(pb.UnpublishRequest)
+    def Unpublish(self, request: pb.UnpublishRequest, scope: TenantScope):
+        tenant = self._tenant(request.tenant, scope)
+        entries = wire.entries_from_proto(request.entries, self.limits.max_batch)
+        node_id = wire.check_name(request.node_id, "node_id")
+        removed = self.index.unpublish(node_id, request.lease_id, tenant, entries)
+        self.metrics.events.labels("removed").inc(removed)
+        return pb.UnpublishResponse(removed=removed)
+
+    def _tenant(self, tenant: str, scope: TenantScope) -> str:
+        wire.check_name(tenant, "tenant")
+        scope.require(tenant)
+        return tenant
+
+    # ---- queries --------------------------------------------------------------------------
+    @_unary(pb.LookupRequest)
+    def Lookup(self, request: pb.LookupRequest, scope: TenantScope):
+        tenant = self._tenant(request.tenant, scope)
+        keys = wire.check_keys(request.keys, self.limits.max_batch)
+        found = self.index.lookup(tenant, keys)
+        nodes = self.index.live_nodes() if found else {}
+        response = wire.lookup_response(found, nodes, request.caller_node_id)
+        self.metrics.observe_lookup(len(keys), len(found), request.chunk_tokens)
+        return response
+
+    @_unary(pb.RouteRequest)
+    def Route(self, request: pb.RouteRequest, scope: TenantScope):
+        tenant = self._tenant(request.tenant, scope)
+        keys = wire.check_keys(request.keys, self.limits.max_batch)
+        candidates = self._route_candidates(list(request.candidate_node_ids))
+        found = self.index.lookup(tenant, keys)
+        depth = dict.fromkeys(candidates, 0)
+        for position, holders in enumerate(found):
+            for holding in holders:
+                if holding.node_id in depth and depth[holding.node_id] == position:
+                    depth[holding.node_id] = position + 1
+        best = max(candidates, key=lambda n: depth[n], default="")  # first of equals wins
+        if not best or depth[best] == 0:
+            return pb.RouteResponse(node_id="", prefix_length=0)
+        return pb.RouteResponse(node_id=best, prefix_length=depth[best])
+
+    def _route_candidates(self, requested: list[str]) -> list[str]:
+        live = self.index.live_nodes()
+        if not requested:
+            return sorted(live)
+        if len(requested) > self.limits.max_batch:
+            raise errors.ConfigError(f"candidate_node_ids exceeds {self.limits.max_batch}")
+        unknown = [n for n in requested if n not in live]
+        if unknown:
+            raise errors.NotFoundError(f"unknown or expired candidate nodes: {unknown[:5]}")
+        return requested
+
+    @_unary(pb.StatsRequest)
+    def Stats(self, request: pb.StatsRequest, scope: TenantScope):
+        scope.require_all_tenants("read cluster stats")
+        stats = self.index.stats()
+        now = time.time()
+        response = pb.StatsResponse(
+            blocks=stats["blocks"],
+            blocks_per_tier=stats["blocks_per_tier"],
+            last_event_seq=stats["last_event_seq"],
+            backend=self.index.backend,
+        )
+        for node_id, record in sorted(self.index.live_nodes().items()):
+            per_tier = stats["blocks_per_node"].get(node_id, {})
+            response.nodes.add(
+                node=wire.node_to_proto(record),
+                blocks=sum(per_tier.values()),
+                blocks_per_tier=per_tier,
+                lease_expires_in_ms=max(0, int((record.expires_at - now) * 1000)),
+            )
+        return response
+
+    # ---- events ---------------------------------------------------------------------------
+    def WatchEvents(self, payload: bytes, context: grpc.ServicerContext):
+        try:
+            scope = self.auth.authorize(context)
+            request = _parse(pb.WatchEventsRequest, payload)
+            if request.tenant:
+                self._tenant(request.tenant, scope)
+            else:
+                scope.require_all_tenants("watch every tenant's events")
+        except errors.KVStoreError as exc:
+            self.metrics.rpcs.labels("WatchEvents", status_for(exc).name).inc()
+            context.abort(status_for(exc), str(exc))
+        self.metrics.rpcs.labels("WatchEvents", "OK").inc()
+        yield from self._event_stream(request, context)
+
+    def _event_stream(self, request: pb.WatchEventsRequest, context) -> Iterator[pb.Event]:
+        next_seq = request.from_seq or self.index.events_since(0, 0).last_seq + 1
+        while context.is_active():
+            page = self.index.events_since(next_seq, self.limits.event_batch)
+            if page.gap:
+                resume_at = page.events[0].seq if page.events else page.last_seq + 1
+                yield pb.Event(seq=resume_at - 1, kind=pb.Event.KIND_GAP)
+            for event in page.events:
+                if not request.tenant or event.tenant == request.tenant:
+                    yield _event_to_proto(event)
+            if page.events:
+                next_seq = page.events[-1].seq + 1
+            elif page.gap:
+                next_seq = page.last_seq + 1
+            else:
+                self.index.wait_for_events(next_seq - 1, self.limits.watch_poll_s)
+
+
+def _event_to_proto(event) -> pb.Event:
+    kind = pb.Event.KIND_STORED if event.kind == "stored" else pb.Event.KIND_REMOVED
+    return pb.Event(
+        seq=event.seq, kind=kind, key=event.key, tier=wire.TIER_TO_PROTO[event.tier],
+        node_id=event.node_id, tenant=event.tenant,
+    )  # fmt: skip
+
+
+_UNARY_METHODS = (
+    "RegisterNode", "Heartbeat", "DeregisterNode", "Publish", "Unpublish", "Lookup", "Route",
+    "Stats",
+)  # fmt: skip
+
+
+def rpc_handlers(servicer: MetadataServicer) -> grpc.GenericRpcHandler:
+    """The service's handlers, taking raw request bytes (decoded by `_parse`)."""
+
+    def serialize(message: Message) -> bytes:
+        return message.SerializeToString()
+
+    methods = {
+        name: grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, name), response_serializer=serialize
+        )
+        for name in _UNARY_METHODS
+    }
+    methods["WatchEvents"] = grpc.unary_stream_rpc_method_handler(
+        servicer.WatchEvents, response_serializer=serialize
+    )
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, methods)

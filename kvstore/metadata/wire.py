@@ -1,0 +1,117 @@
+"""Validation and conversion between protocol messages and the index's records.
+
+Runs in the metadata service (requests in, responses out) and in its clients. Every check
+raises ConfigError with a message saying which field is wrong and why: INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from kvstore.errors import ConfigError
+from kvstore.keys import KEY_BYTES
+from kvstore.metadata.index import TIERS, BlockEntry, Holding, NodeRecord
+from kvstore.v1 import metadata_pb2 as pb
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$")
+TIER_TO_PROTO = {"device": pb.TIER_DEVICE, "host": pb.TIER_HOST, "disk": pb.TIER_DISK}
+PROTO_TO_TIER = {value: name for name, value in TIER_TO_PROTO.items()}
+assert tuple(TIER_TO_PROTO) == TIERS
+
+
+def check_name(value: str, field: str) -> str:
+    """Node ids and tenants: 1-128 characters of letters, digits and ._:@/- ."""
+    if not _NAME.match(value):
+        raise ConfigError(f"{field} {value!r} is invalid: use 1-128 letters, digits or ._:@/-")
+    return value
+
+
+def check_keys(keys: Sequence[bytes], max_keys: int, field: str = "keys") -> list[bytes]:
+    if not keys:
+        raise ConfigError(f"{field} is empty: send at least one key")
+    if len(keys) > max_keys:
+        raise ConfigError(f"{field} has {len(keys)} entries; the limit is {max_keys} per call")
+    if any(len(key) != KEY_BYTES for key in keys):
+        index, key = next((i, k) for i, k in enumerate(keys) if len(k) != KEY_BYTES)
+        raise ConfigError(f"{field}[{index}] is {len(key)} bytes; keys are {KEY_BYTES} bytes")
+    return list(keys)
+
+
+def tier_name(value: int, field: str = "tier") -> str:
+    try:
+        return PROTO_TO_TIER[value]
+    except KeyError:
+        raise ConfigError(f"{field} {value} is not one of DEVICE, HOST, DISK") from None
+
+
+def entries_from_proto(entries: Sequence[pb.BlockEntry], max_entries: int) -> list[BlockEntry]:
+    check_keys([e.key for e in entries], max_entries, "entries")
+    return [
+        BlockEntry(e.key, tier_name(e.tier, f"entries[{i}].tier"), e.size_bytes, e.checksum)
+        for i, e in enumerate(entries)
+    ]
+
+
+def entries_to_proto(entries: Sequence[BlockEntry]) -> list[pb.BlockEntry]:
+    return [
+        pb.BlockEntry(key=e.key, tier=TIER_TO_PROTO[e.tier], size_bytes=e.size_bytes,
+                      checksum=e.checksum)
+        for e in entries
+    ]  # fmt: skip
+
+
+def node_from_proto(node: pb.NodeInfo) -> NodeRecord:
+    check_name(node.node_id, "node.node_id")
+    for tier in node.tier_capacity_bytes:
+        if tier not in TIERS:
+            raise ConfigError(f"node.tier_capacity_bytes has unknown tier {tier!r}; use {TIERS}")
+    return NodeRecord(
+        node_id=node.node_id,
+        tcp_address=node.tcp_address,
+        ucx_address=node.ucx_address,
+        tier_capacity_bytes=dict(node.tier_capacity_bytes),
+    )
+
+
+def node_to_proto(node: NodeRecord) -> pb.NodeInfo:
+    return pb.NodeInfo(
+        node_id=node.node_id,
+        tcp_address=node.tcp_address,
+        ucx_address=node.ucx_address,
+        tier_capacity_bytes=node.tier_capacity_bytes,
+    )
+
+
+def lookup_response(found: list[list[Holding]], nodes: dict[str, NodeRecord],
+                    caller_node_id: str) -> pb.LookupResponse:  # fmt: skip
+    """Flatten the holders of each key into the response's parallel arrays (the hot path)."""
+    node_index: dict[str, int] = {}
+    counts, holder_nodes, holder_tiers = [], [], []
+    for holders in found:
+        if len(holders) > 1:
+            holders = rank_holders(holders, caller_node_id)
+        counts.append(len(holders))
+        for holding in holders:
+            index = node_index.setdefault(holding.node_id, len(node_index))
+            holder_nodes.append(index)
+            holder_tiers.append(TIER_TO_PROTO[holding.tier])
+    addresses = []
+    for node_id in node_index:
+        node = nodes.get(node_id)
+        addresses.append(pb.NodeAddress(
+            node_id=node_id,
+            tcp_address=node.tcp_address if node else "",
+            ucx_address=node.ucx_address if node else "",
+        ))  # fmt: skip
+    return pb.LookupResponse(
+        prefix_length=len(found), nodes=addresses, holder_counts=counts,
+        holder_nodes=holder_nodes, holder_tiers=holder_tiers,
+    )  # fmt: skip
+
+
+def rank_holders(holders: list[Holding], caller_node_id: str) -> list[Holding]:
+    """The caller's own node first, then faster tiers first, then by node id (deterministic)."""
+    return sorted(
+        holders, key=lambda h: (h.node_id != caller_node_id, TIERS.index(h.tier), h.node_id)
+    )

@@ -1,0 +1,327 @@
+"""The node-local store: tiers stacked fastest first, each with its own eviction policy.
+
+Runs in the process that owns the tiers (the node agent; replay and benchmarks in-process).
+Thread-safe: one lock around every public method. Longest-prefix lookup across tiers; pins
+(pinned blocks are never evicted); promotion on hit (lower tier -> top tier); demotion on
+eviction (tier i -> tier i+1, the last tier drops); stored/removed events for the publisher.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from kvstore import block
+from kvstore.errors import CapacityError, ChecksumError, ConfigError, NotFoundError
+from kvstore.events import EventFeed, EventKind
+from kvstore.eviction.base import EvictionPolicy
+from kvstore.keys import BlockKey
+from kvstore.tiers.base import Tier, copy_bytes
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TierSlot:
+    tier: Tier
+    policy: EvictionPolicy
+
+
+@dataclass
+class _Pending:
+    slot: int
+    page: torch.Tensor
+    header: block.BlockHeader
+
+
+_CHECKSUM_SLICE_BYTES = 1 << 20  # hash each slice right after copying it, while it is in cache
+
+
+def _copy_and_checksum(destination: torch.Tensor, source: torch.Tensor) -> int | None:
+    """Copy and return the xxh3-64 of the bytes (None for device memory: commit hashes it)."""
+    if destination.device.type != "cpu":
+        copy_bytes(destination, source)
+        return None
+    hasher = xxhash.xxh3_64()
+    for start in range(0, source.numel(), _CHECKSUM_SLICE_BYTES):
+        piece = destination[start : start + _CHECKSUM_SLICE_BYTES]
+        copy_bytes(piece, source[start : start + _CHECKSUM_SLICE_BYTES])
+        hasher.update(block.as_buffer(piece))
+    return hasher.intdigest()
+
+
+class TieredStore:
+    """Blocks across tiers. Slot 0 is the fastest; new blocks are written there."""
+
+    def __init__(self, slots: Sequence[TierSlot], events: EventFeed | None = None) -> None:
+        if not slots:
+            raise ConfigError("a store needs at least one tier")
+        self.slots = list(slots)
+        self.events = events or EventFeed()
+        self._lock = threading.RLock()
+        self._pins: Counter[BlockKey] = Counter()
+        self._pending: dict[BlockKey, _Pending] = {}
+        self.checksum_failures = 0
+        self._recover()
+
+    # ---- lookups -------------------------------------------------------------------------
+    def lookup(self, keys: Sequence[BlockKey]) -> int:
+        """How many leading `keys` are committed in some tier. No side effects."""
+        with self._lock:
+            for count, key in enumerate(keys):
+                if self._slot_of(key) is None:
+                    return count
+            return len(keys)
+
+    def tier_of(self, key: BlockKey) -> str | None:
+        """The kind of the fastest tier holding `key`, or None."""
+        with self._lock:
+            slot = self._slot_of(key)
+            return None if slot is None else self.slots[slot].tier.kind
+
+    def _slot_of(self, key: BlockKey) -> int | None:
+        for index, slot in enumerate(self.slots):
+            if key in slot.tier:
+                return index
+        return None
+
+    # ---- pins ----------------------------------------------------------------------------
+    def pin(self, keys: Sequence[BlockKey]) -> int:
+        """Pin the leading resident `keys` for reading and return how many were pinned.
+
+        Counts as an access for every policy; promotes blocks from lower tiers to the top
+        tier when room can be made. A block failing its checksum ends the run (it is purged).
+        """
+        with self._lock:
+            for count, key in enumerate(keys):
+                if self._slot_of(key) is None or not self._pin_one(key):
+                    return count
+            return len(keys)
+
+    def _pin_one(self, key: BlockKey) -> bool:
+        self._pins[key] += 1
+        for slot in self.slots:
+            slot.policy.touch(key)
+        if self._slot_of(key) != 0:
+            try:
+                self._promote(key)
+            except ChecksumError:
+                self.unpin([key])
+                return False
+        return True
+
+    def unpin(self, keys: Sequence[BlockKey]) -> None:
+        """Drop one pin from each key; unknown or unpinned keys are ignored."""
+        with self._lock:
+            for key in keys:
+                if self._pins[key] <= 1:
+                    self._pins.pop(key, None)
+                else:
+                    self._pins[key] -= 1
+
+    def pins_held(self) -> int:
+        with self._lock:
+            return sum(self._pins.values())
+
+    def _can_evict(self, key: BlockKey) -> bool:
+        return key not in self._pins
+
+    # ---- two-phase writes ----------------------------------------------------------------
+    def reserve(
+        self, key: BlockKey, parent: BlockKey | None, payload_bytes: int,
+        layout_hash: int = 0, codec_id: int = 0,
+    ) -> torch.Tensor | None:  # fmt: skip
+        """A writable payload view in the top tier for `key`, or None if `key` is already
+        stored or being written. Evicts as needed; CapacityError if nothing can be evicted."""
+        with self._lock:
+            if self._slot_of(key) is not None or key in self._pending:
+                return None
+            top = self.slots[0].tier
+            if block.HEADER_BYTES + payload_bytes > top.page_size_bytes or payload_bytes <= 0:
+                raise ConfigError(
+                    f"payload of {payload_bytes} bytes does not fit a {top.kind} page of "
+                    f"{top.page_size_bytes} bytes (header {block.HEADER_BYTES})"
+                )
+            self._make_room(0)
+            page = top.reserve(key)
+            header = block.BlockHeader(key, parent, payload_bytes, 0, layout_hash, codec_id)
+            self._pending[key] = _Pending(0, page, header)
+            return page[block.HEADER_BYTES : block.HEADER_BYTES + payload_bytes]
+
+    def commit(self, key: BlockKey, checksum: int | None = None) -> None:
+        """Seal the header and make the block readable. `checksum` is the payload's xxh3-64 if
+        the writer computed it while writing; otherwise it is computed here (one more pass)."""
+        with self._lock:
+            pending = self._pending.pop(key, None)
+            if pending is None:
+                raise NotFoundError(f"{key!r} is not reserved in this store")
+            header = pending.header
+            if checksum is None:
+                payload = pending.page[block.HEADER_BYTES : header.block_bytes]
+                checksum = block.payload_checksum(payload.cpu())
+            sealed = block.BlockHeader(
+                key, header.parent, header.payload_bytes, checksum, header.layout_hash,
+                header.codec_id,
+            )  # fmt: skip
+            header_bytes = torch.frombuffer(bytearray(block.pack_header(sealed)), dtype=torch.uint8)
+            pending.page[: block.HEADER_BYTES].copy_(header_bytes)
+            slot = self.slots[pending.slot]
+            slot.tier.commit(key, sealed.block_bytes)
+            slot.policy.insert(key, sealed.parent)
+            self.events.emit(EventKind.STORED, key, slot.tier.kind, sealed.block_bytes)
+
+    def abort(self, key: BlockKey) -> None:
+        """Give up a reservation; its page is freed and nothing becomes readable."""
+        with self._lock:
+            pending = self._pending.pop(key, None)
+            if pending is not None:
+                self.slots[pending.slot].tier.release(key)
+
+    def put(self, key: BlockKey, parent: BlockKey | None, payload: bytes | torch.Tensor) -> bool:
+        """Store a whole payload (reserve, copy, commit). False if `key` was already present."""
+        source = (
+            payload
+            if isinstance(payload, torch.Tensor)
+            else torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        )
+        with self._lock:
+            view = self.reserve(key, parent, source.numel())
+            if view is None:
+                return False
+            try:
+                checksum = _copy_and_checksum(view, source.view(-1).view(torch.uint8))
+            except BaseException:
+                self.abort(key)
+                raise
+            self.commit(key, checksum)
+            return True
+
+    # ---- reads ---------------------------------------------------------------------------
+    @contextmanager
+    def read(self, key: BlockKey) -> Iterator[torch.Tensor | None]:
+        """Yield the payload of `key` from its fastest tier, or None on a miss.
+
+        Blocks from tiers that require it (disk) are checksummed; a corrupt block is purged
+        and reads as a miss. The view is valid only inside the `with` block.
+        """
+        with self._lock:
+            index = self._slot_of(key)
+            if index is None:
+                yield None
+                return
+            with self.slots[index].tier.open(key) as page:
+                header = self._checked_header(index, key, page)
+                yield None if header is None else page[block.HEADER_BYTES : header.block_bytes]
+
+    def _checked_header(
+        self, index: int, key: BlockKey, page: torch.Tensor | None
+    ) -> block.BlockHeader | None:
+        tier = self.slots[index].tier
+        try:
+            if page is None:
+                raise ChecksumError(f"{tier.kind} tier lost {key!r}")
+            if tier.verify_reads:
+                return block.verify(page, key)
+            header = block.unpack_header(page if page.device.type == "cpu" else page[:64].cpu())
+            if header.key != key:
+                raise ChecksumError(f"{tier.kind} page holds {header.key!r}, not {key!r}")
+            return header
+        except ChecksumError as exc:
+            logger.warning("purging corrupt block: %s", exc)
+            self.checksum_failures += 1
+            self._remove(index, key)
+            return None
+
+    # ---- eviction, demotion, promotion ---------------------------------------------------
+    def _make_room(self, index: int) -> None:
+        slot = self.slots[index]
+        while slot.tier.free_pages <= 0:
+            victim = slot.policy.victim(self._can_evict)
+            if victim is None:
+                raise CapacityError(
+                    f"{slot.tier.kind} tier full: all {slot.tier.capacity_pages} pages are "
+                    "pinned or being written"
+                )
+            self._demote(index, victim)
+
+    def _demote(self, index: int, key: BlockKey) -> None:
+        lower = index + 1
+        if lower < len(self.slots) and key not in self.slots[lower].tier:
+            with self.slots[index].tier.open(key) as page:
+                header = self._checked_header(index, key, page)
+                if header is not None:
+                    self._copy_into(lower, key, header, page[: header.block_bytes])
+        self._remove(index, key)
+
+    def _promote(self, key: BlockKey) -> None:
+        index = self._slot_of(key)
+        with self.slots[index].tier.open(key) as page:
+            header = self._checked_header(index, key, page)
+            if header is None:
+                raise ChecksumError(f"cannot promote corrupt {key!r}")
+            self._copy_into(0, key, header, page[: header.block_bytes])
+
+    def _copy_into(self, index: int, key: BlockKey, header, page: torch.Tensor) -> None:
+        slot = self.slots[index]
+        try:
+            self._make_room(index)
+            slot.tier.write(key, page)
+        except CapacityError:
+            logger.debug("no room in %s tier for %r; not copied", slot.tier.kind, key)
+            return
+        slot.policy.insert(key, header.parent)
+        self.events.emit(EventKind.STORED, key, slot.tier.kind, header.block_bytes)
+
+    def _remove(self, index: int, key: BlockKey) -> None:
+        slot = self.slots[index]
+        slot.tier.release(key)
+        slot.policy.remove(key)
+        self.events.emit(EventKind.REMOVED, key, slot.tier.kind)
+
+    def _recover(self) -> None:
+        """Index blocks already in the tiers (a reopened disk tier) and announce them."""
+        for index, slot in enumerate(self.slots):
+            for key in slot.tier.keys():  # noqa: SIM118 (a Tier is not a dict)
+                header = self._recovered_header(index, key)
+                if header is not None:
+                    slot.policy.insert(key, header.parent)
+                    self.events.emit(EventKind.STORED, key, slot.tier.kind, header.block_bytes)
+
+    def _recovered_header(self, index: int, key: BlockKey) -> block.BlockHeader | None:
+        """Header only: payloads are checksummed when read, not all at start-up."""
+        tier = self.slots[index].tier
+        with tier.open(key) as page:
+            try:
+                header = block.unpack_header(page[: block.HEADER_BYTES].cpu())
+                if header.key == key:
+                    return header
+            except ChecksumError:
+                pass
+        logger.warning("dropping unreadable %r from the %s tier", key, tier.kind)
+        self._remove(index, key)
+        return None
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    def usage(self) -> dict[str, dict[str, int]]:
+        """Pages and bytes used and available per tier."""
+        with self._lock:
+            return {
+                slot.tier.kind: {
+                    "used_pages": slot.tier.used_pages,
+                    "capacity_pages": slot.tier.capacity_pages,
+                    "page_size_bytes": slot.tier.page_size_bytes,
+                }
+                for slot in self.slots
+            }
+
+    def close(self) -> None:
+        with self._lock:
+            for slot in self.slots:
+                slot.tier.close()

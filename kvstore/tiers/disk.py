@@ -1,0 +1,135 @@
+"""Disk tier: blocks in an LMDB environment sized to the tier's capacity.
+
+Owned by the node agent. A block becomes visible in one LMDB write transaction, so a writer
+killed mid-write never leaves a readable partial block; reads are zero-copy views into LMDB's
+map, valid inside `open`'s `with`. Reopening the directory finds every committed block.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import lmdb
+import torch
+
+from kvstore.errors import CapacityError, ConfigError, NotFoundError
+from kvstore.keys import BlockKey
+from kvstore.tiers.base import Tier, pages_for
+
+# LMDB's read buffers are read-only; torch warns once when wrapping one. The tier's contract
+# already says views are read-only.
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+# B-tree pages and overflow-page rounding: LMDB needs some room beyond the raw values.
+_MAP_OVERHEAD = 1.25
+_MAP_SLACK_BYTES = 64 << 20
+_MAX_SPARE_PAGES = 4
+
+
+class DiskTier(Tier):
+    """Pages are LMDB values keyed by block key; `reserve` hands out a staging page in DRAM."""
+
+    kind = "disk"
+    verify_reads = True
+
+    def __init__(
+        self, path: str | Path, capacity_bytes: int, page_size_bytes: int, fsync: bool = False
+    ) -> None:
+        super().__init__(pages_for(capacity_bytes, page_size_bytes, self.kind), page_size_bytes)
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        map_size = int(capacity_bytes * _MAP_OVERHEAD) + _MAP_SLACK_BYTES
+        try:
+            self._env = lmdb.open(
+                str(self.path), map_size=map_size, sync=fsync, metasync=fsync,
+                readahead=False, max_spare_txns=4, writemap=True,
+            )  # fmt: skip
+        except lmdb.Error as exc:
+            raise ConfigError(f"disk tier: cannot open LMDB at {self.path}: {exc}") from exc
+        self._committed = self._scan_keys()
+        self._staging: dict[BlockKey, torch.Tensor] = {}
+        self._spare_pages: list[torch.Tensor] = []  # reused staging pages: no page faults
+
+    def _scan_keys(self) -> set[BlockKey]:
+        with self._env.begin() as txn:
+            return {BlockKey(bytes(k)) for k in txn.cursor().iternext(keys=True, values=False)}
+
+    def reserve(self, key: BlockKey) -> torch.Tensor:
+        if key in self._committed or key in self._staging:
+            raise ConfigError(f"disk tier already holds {key!r}")
+        if self.free_pages <= 0:
+            raise CapacityError(f"disk tier is full ({self.capacity_pages} pages)")
+        if self._spare_pages:
+            page = self._spare_pages.pop()
+        else:
+            page = torch.empty(self.page_size_bytes, dtype=torch.uint8)
+        self._staging[key] = page
+        return page
+
+    def commit(self, key: BlockKey, used_bytes: int) -> None:
+        page = self._staging.get(key)
+        if page is None:
+            raise NotFoundError(f"disk tier: {key!r} is not reserved")
+        if not 0 < used_bytes <= self.page_size_bytes:
+            raise ConfigError(f"used_bytes {used_bytes} outside (0, {self.page_size_bytes}]")
+        self._put(key, page[:used_bytes])
+        self._recycle(self._staging.pop(key))
+
+    def write(self, key: BlockKey, block: torch.Tensor) -> None:
+        """One copy: straight from `block` into LMDB, no staging page."""
+        if key in self._committed or key in self._staging:
+            raise ConfigError(f"disk tier already holds {key!r}")
+        if self.free_pages <= 0:
+            raise CapacityError(f"disk tier is full ({self.capacity_pages} pages)")
+        if block.numel() > self.page_size_bytes:
+            raise ConfigError(f"block of {block.numel()} bytes exceeds the page size")
+        self._put(key, block)
+
+    def _put(self, key: BlockKey, block: torch.Tensor) -> None:
+        try:
+            with self._env.begin(write=True) as txn:
+                txn.put(key, memoryview(block.contiguous().numpy()))
+        except lmdb.MapFullError as exc:
+            raise CapacityError(f"disk tier: LMDB map full at {self.path}") from exc
+        self._committed.add(key)
+
+    def _recycle(self, page: torch.Tensor) -> None:
+        if len(self._spare_pages) < _MAX_SPARE_PAGES:
+            self._spare_pages.append(page)
+
+    def release(self, key: BlockKey) -> None:
+        page = self._staging.pop(key, None)
+        if page is not None:
+            self._recycle(page)
+            return
+        if key in self._committed:
+            with self._env.begin(write=True) as txn:
+                txn.delete(key)
+            self._committed.discard(key)
+
+    @contextmanager
+    def open(self, key: BlockKey) -> Iterator[torch.Tensor | None]:
+        if key not in self._committed:
+            yield None
+            return
+        with self._env.begin(buffers=True) as txn:
+            buffer = txn.get(key)
+            yield None if buffer is None else torch.frombuffer(buffer, dtype=torch.uint8)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._committed
+
+    def keys(self) -> Iterator[BlockKey]:
+        return iter(list(self._committed))
+
+    @property
+    def used_pages(self) -> int:
+        return len(self._committed) + len(self._staging)
+
+    def close(self) -> None:
+        if self._env is not None:
+            self._env.close()
+            self._env = None

@@ -1,0 +1,1 @@
+"""Generated gRPC/protobuf stubs. Do not edit."""

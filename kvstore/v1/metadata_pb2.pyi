@@ -1,0 +1,262 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_UNSPECIFIED: _ClassVar[Tier]
+    TIER_DEVICE: _ClassVar[Tier]
+    TIER_HOST: _ClassVar[Tier]
+    TIER_DISK: _ClassVar[Tier]
+TIER_UNSPECIFIED: Tier
+TIER_DEVICE: Tier
+TIER_HOST: Tier
+TIER_DISK: Tier
+
+class NodeInfo(_message.Message):
+    __slots__ = ("node_id", "tcp_address", "ucx_address", "tier_capacity_bytes")
+    class TierCapacityBytesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    TCP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    UCX_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TIER_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    tcp_address: str
+    ucx_address: str
+    tier_capacity_bytes: _containers.ScalarMap[str, int]
+    def __init__(self, node_id: _Optional[str] = ..., tcp_address: _Optional[str] = ..., ucx_address: _Optional[str] = ..., tier_capacity_bytes: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class RegisterNodeRequest(_message.Message):
+    __slots__ = ("node", "lease_ttl_ms")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    node: NodeInfo
+    lease_ttl_ms: int
+    def __init__(self, node: _Optional[_Union[NodeInfo, _Mapping]] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
+
+class RegisterNodeResponse(_message.Message):
+    __slots__ = ("lease_id", "lease_ttl_ms")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    lease_ttl_ms: int
+    def __init__(self, lease_id: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("node_id", "lease_id")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    lease_id: int
+    def __init__(self, node_id: _Optional[str] = ..., lease_id: _Optional[int] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("lease_ttl_ms",)
+    LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    lease_ttl_ms: int
+    def __init__(self, lease_ttl_ms: _Optional[int] = ...) -> None: ...
+
+class DeregisterNodeRequest(_message.Message):
+    __slots__ = ("node_id", "lease_id")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    lease_id: int
+    def __init__(self, node_id: _Optional[str] = ..., lease_id: _Optional[int] = ...) -> None: ...
+
+class DeregisterNodeResponse(_message.Message):
+    __slots__ = ("removed_blocks",)
+    REMOVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    removed_blocks: int
+    def __init__(self, removed_blocks: _Optional[int] = ...) -> None: ...
+
+class BlockEntry(_message.Message):
+    __slots__ = ("key", "tier", "size_bytes", "checksum")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    tier: Tier
+    size_bytes: int
+    checksum: int
+    def __init__(self, key: _Optional[bytes] = ..., tier: _Optional[_Union[Tier, str]] = ..., size_bytes: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
+
+class PublishRequest(_message.Message):
+    __slots__ = ("node_id", "lease_id", "tenant", "entries")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    lease_id: int
+    tenant: str
+    entries: _containers.RepeatedCompositeFieldContainer[BlockEntry]
+    def __init__(self, node_id: _Optional[str] = ..., lease_id: _Optional[int] = ..., tenant: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[BlockEntry, _Mapping]]] = ...) -> None: ...
+
+class PublishResponse(_message.Message):
+    __slots__ = ("accepted",)
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    accepted: int
+    def __init__(self, accepted: _Optional[int] = ...) -> None: ...
+
+class UnpublishRequest(_message.Message):
+    __slots__ = ("node_id", "lease_id", "tenant", "entries")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    lease_id: int
+    tenant: str
+    entries: _containers.RepeatedCompositeFieldContainer[BlockEntry]
+    def __init__(self, node_id: _Optional[str] = ..., lease_id: _Optional[int] = ..., tenant: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[BlockEntry, _Mapping]]] = ...) -> None: ...
+
+class UnpublishResponse(_message.Message):
+    __slots__ = ("removed",)
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    removed: int
+    def __init__(self, removed: _Optional[int] = ...) -> None: ...
+
+class NodeAddress(_message.Message):
+    __slots__ = ("node_id", "tcp_address", "ucx_address")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    TCP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    UCX_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    tcp_address: str
+    ucx_address: str
+    def __init__(self, node_id: _Optional[str] = ..., tcp_address: _Optional[str] = ..., ucx_address: _Optional[str] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("tenant", "keys", "caller_node_id", "chunk_tokens")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    CALLER_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    caller_node_id: str
+    chunk_tokens: int
+    def __init__(self, tenant: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., caller_node_id: _Optional[str] = ..., chunk_tokens: _Optional[int] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("prefix_length", "nodes", "holder_counts", "holder_nodes", "holder_tiers")
+    PREFIX_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_NODES_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_TIERS_FIELD_NUMBER: _ClassVar[int]
+    prefix_length: int
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeAddress]
+    holder_counts: _containers.RepeatedScalarFieldContainer[int]
+    holder_nodes: _containers.RepeatedScalarFieldContainer[int]
+    holder_tiers: _containers.RepeatedScalarFieldContainer[Tier]
+    def __init__(self, prefix_length: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeAddress, _Mapping]]] = ..., holder_counts: _Optional[_Iterable[int]] = ..., holder_nodes: _Optional[_Iterable[int]] = ..., holder_tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
+
+class RouteRequest(_message.Message):
+    __slots__ = ("tenant", "keys", "candidate_node_ids")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATE_NODE_IDS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    candidate_node_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tenant: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., candidate_node_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RouteResponse(_message.Message):
+    __slots__ = ("node_id", "prefix_length")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    prefix_length: int
+    def __init__(self, node_id: _Optional[str] = ..., prefix_length: _Optional[int] = ...) -> None: ...
+
+class WatchEventsRequest(_message.Message):
+    __slots__ = ("from_seq", "tenant")
+    FROM_SEQ_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    from_seq: int
+    tenant: str
+    def __init__(self, from_seq: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
+
+class Event(_message.Message):
+    __slots__ = ("seq", "kind", "key", "tier", "node_id", "tenant")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[Event.Kind]
+        KIND_STORED: _ClassVar[Event.Kind]
+        KIND_REMOVED: _ClassVar[Event.Kind]
+        KIND_GAP: _ClassVar[Event.Kind]
+    KIND_UNSPECIFIED: Event.Kind
+    KIND_STORED: Event.Kind
+    KIND_REMOVED: Event.Kind
+    KIND_GAP: Event.Kind
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    kind: Event.Kind
+    key: bytes
+    tier: Tier
+    node_id: str
+    tenant: str
+    def __init__(self, seq: _Optional[int] = ..., kind: _Optional[_Union[Event.Kind, str]] = ..., key: _Optional[bytes] = ..., tier: _Optional[_Union[Tier, str]] = ..., node_id: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NodeStats(_message.Message):
+    __slots__ = ("node", "blocks", "blocks_per_tier", "lease_expires_in_ms")
+    class BlocksPerTierEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_PER_TIER_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRES_IN_MS_FIELD_NUMBER: _ClassVar[int]
+    node: NodeInfo
+    blocks: int
+    blocks_per_tier: _containers.ScalarMap[str, int]
+    lease_expires_in_ms: int
+    def __init__(self, node: _Optional[_Union[NodeInfo, _Mapping]] = ..., blocks: _Optional[int] = ..., blocks_per_tier: _Optional[_Mapping[str, int]] = ..., lease_expires_in_ms: _Optional[int] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("nodes", "blocks", "blocks_per_tier", "last_event_seq", "backend")
+    class BlocksPerTierEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_PER_TIER_FIELD_NUMBER: _ClassVar[int]
+    LAST_EVENT_SEQ_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeStats]
+    blocks: int
+    blocks_per_tier: _containers.ScalarMap[str, int]
+    last_event_seq: int
+    backend: str
+    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeStats, _Mapping]]] = ..., blocks: _Optional[int] = ..., blocks_per_tier: _Optional[_Mapping[str, int]] = ..., last_event_seq: _Optional[int] = ..., backend: _Optional[str] = ...) -> None: ...

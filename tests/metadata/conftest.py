@@ -1,0 +1,67 @@
+"""Fixtures for metadata tests: a controllable clock, a real redis-server, index factories."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+import uuid
+
+import pytest
+
+from kvstore.metadata.memory import MemoryIndex
+
+
+class FakeClock:
+    """Wall-clock stand-in so lease expiry is tested without sleeping."""
+
+    def __init__(self, now: float = 1_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    """A real redis-server on a loopback port for the whole session."""
+    binary = shutil.which("redis-server")
+    assert binary, "redis-server is required (apt-get install redis-server; .ci/run does this)"
+    port = free_port()
+    workdir = tmp_path_factory.mktemp("redis")
+    process = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", str(workdir)],
+        stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            assert time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.05)
+    yield f"redis://127.0.0.1:{port}/0"
+    process.terminate()
+    process.wait(timeout=10)
+
+
+def make_index(kind: str, tmp_path, clock, redis_url=None, **options):
+    if kind == "memory":
+        return MemoryIndex(None, clock=clock, **options)
+    if kind == "lmdb":
+        return MemoryIndex(tmp_path / "meta", clock=clock, **options)
+    from kvstore.metadata.redis_index import RedisIndex
+
+    return RedisIndex(redis_url, prefix=f"test-{uuid.uuid4().hex[:8]}", clock=clock, **options)

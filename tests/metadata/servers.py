@@ -1,0 +1,66 @@
+"""Helpers that start real metadata services on loopback: in-process, or as a child process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvstore.metadata.client import MetadataClient
+from kvstore.metadata.server import MetadataConfig, MetadataServer
+from kvstore.metadata.service import ServiceLimits
+
+FAST_LIMITS = ServiceLimits(min_lease_ttl_ms=200, watch_poll_s=0.1)
+
+
+@contextmanager
+def running_server(tmp_path, **settings):
+    config = MetadataConfig(
+        listen="127.0.0.1:0", data_dir=tmp_path / "meta", limits=FAST_LIMITS, **settings
+    )
+    server = MetadataServer(config)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop(grace_s=0.5)
+
+
+def client_for(server: MetadataServer, **options) -> MetadataClient:
+    return MetadataClient(f"127.0.0.1:{server.port}", **options)
+
+
+def health_status(address: str, service: str = "", timeout_s: float = 2.0) -> str:
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        response = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+
+def start_cli(*args: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """Run `python -m kvstore ARGS` and wait for its 'listening on HOST:PORT' line."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvstore", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
+    line = process.stdout.readline()
+    if "listening on" not in line:
+        process.kill()
+        raise AssertionError(f"service did not start: {line!r} {process.stderr.read()}")
+    address = line.split("listening on ", 1)[1].split(",", 1)[0]
+    return process, address
+
+
+def wait_until(predicate, timeout_s: float = 5.0, interval_s: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return predicate()

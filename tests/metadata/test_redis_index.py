@@ -1,0 +1,84 @@
+"""Redis-specific behaviour of RedisIndex beyond the shared contract: binary keys, exact lease
+times, batch deduplication, node records surviving the round trip."""
+
+import time
+import uuid
+
+import pytest
+import redis
+
+from kvstore.metadata.index import BlockEntry, Holding, NodeRecord
+from kvstore.metadata.redis_index import RedisIndex
+from tests.metadata.conftest import FakeClock
+
+
+@pytest.fixture
+def clock():
+    return FakeClock(1_712_345_678.123456)  # a realistic wall clock with sub-ms digits
+
+
+@pytest.fixture
+def index(redis_url, clock):
+    made = RedisIndex(redis_url, prefix=f"redis-{uuid.uuid4().hex[:8]}", clock=clock)
+    yield made
+    made.close()
+
+
+def test_keys_with_separator_bytes_round_trip(index):
+    keys = [b"\0" * 16, b"\0\1" * 8, b"a\0b\0c\0" + b"\xff" * 10]
+    lease = index.register_node(NodeRecord("n1"), 10_000).lease_id
+    assert index.publish("n1", lease, "t", [BlockEntry(k, "disk", 5, 2**63) for k in keys]) == 3
+    assert index.lookup("t", keys) == [[Holding("n1", "disk", 5, 2**63)]] * 3
+    assert [e.key for e in index.events_since(1, 10).events] == keys
+    assert index.unpublish("n1", lease, "t", [BlockEntry(keys[1], "disk")]) == 1
+    assert len(index.lookup("t", keys)) == 1
+
+
+def test_lease_times_are_exact_and_the_node_record_survives(index, clock):
+    node = NodeRecord("n1", "10.0.0.1:7000", "ucx://x", {"host": 1 << 34, "disk": 5})
+    record = index.register_node(node, 1_500)
+    assert record.expires_at == clock() + 1.5
+    assert index.live_nodes()["n1"] == record
+    clock.advance(0.7)
+    beat = index.heartbeat("n1", record.lease_id)
+    assert beat.expires_at == clock() + 1.5
+    assert beat.tier_capacity_bytes == {"host": 1 << 34, "disk": 5}
+    clock.now = beat.expires_at  # alive strictly before expires_at, as in the memory index
+    assert index.live_nodes() == {}
+
+
+def test_a_key_repeated_in_one_batch_is_recorded_once_with_the_last_values(index):
+    lease = index.register_node(NodeRecord("n1"), 10_000).lease_id
+    key = b"k" * 16
+    batch = [BlockEntry(key, "host", 1, 1), BlockEntry(key, "host", 2, 2)]
+    assert index.publish("n1", lease, "t", batch) == 1
+    assert index.lookup("t", [key]) == [[Holding("n1", "host", 2, 2)]]
+    assert index.stats()["keys_per_tenant"] == {"t": 1}
+    assert index.events_since(0, 10).last_seq == 1
+
+
+def test_a_holder_on_an_expired_node_is_hidden_while_a_live_one_is_shown(index, clock):
+    key = b"k" * 16
+    short = index.register_node(NodeRecord("short"), 1_000).lease_id
+    long = index.register_node(NodeRecord("long"), 10_000).lease_id
+    index.publish("short", short, "t", [BlockEntry(key, "host")])
+    index.publish("long", long, "t", [BlockEntry(key, "disk")])
+    clock.advance(2)
+    assert index.lookup("t", [key]) == [[Holding("long", "disk")]]
+    assert index.stats()["blocks"] == 2, "lookup has no side effects"
+
+
+def test_wait_for_events_with_no_timeout_answers_at_once(index):
+    started = time.monotonic()
+    assert not index.wait_for_events(0, 0)
+    assert time.monotonic() - started < 0.5
+
+
+def test_a_lookup_survives_redis_dropping_the_connection(index, redis_url):
+    lease = index.register_node(NodeRecord("n1"), 10_000).lease_id
+    index.publish("n1", lease, "t", [BlockEntry(b"k" * 16, "host")])
+    assert len(index.lookup("t", [b"k" * 16])) == 1
+    killer = redis.Redis.from_url(redis_url)
+    assert killer.client_kill_filter(_type="normal", skipme=True) >= 1
+    killer.close()
+    assert len(index.lookup("t", [b"k" * 16])) == 1, "retried on a fresh connection"

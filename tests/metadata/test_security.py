@@ -1,0 +1,129 @@
+"""Bearer tokens, tenant scoping and TLS on a real metadata service."""
+
+import datetime
+
+import grpc
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from kvstore.errors import AuthError, PermissionDeniedError, UnavailableError
+from kvstore.metadata.client import MetadataClient
+from kvstore.metadata.index import BlockEntry, NodeRecord
+from tests.metadata.servers import client_for, running_server
+
+ADMIN = "admin-token-0123456789"
+ALICE = "alice-token-0123456789"
+KEYS = [bytes([i]) * 16 for i in range(8)]
+
+
+@pytest.fixture
+def token_file(tmp_path):
+    path = tmp_path / "tokens"
+    path.write_text(f"# token tenant\n{ADMIN} *\n{ALICE} alice\n")
+    return path
+
+
+def test_missing_or_wrong_token_is_unauthenticated(tmp_path, token_file):
+    with running_server(tmp_path, token_file=token_file) as server:
+        with client_for(server) as anonymous, pytest.raises(AuthError, match="UNAUTHENTICATED"):
+            anonymous.lookup("alice", KEYS)
+        with (
+            client_for(server, token="wrong-token-000000") as wrong,
+            pytest.raises(AuthError, match="UNAUTHENTICATED: the bearer token is not valid"),
+        ):
+            wrong.stats()
+        with client_for(server, token=ADMIN) as admin:
+            assert admin.stats().backend == "lmdb"
+
+
+def test_a_tenant_token_sees_only_its_tenant(tmp_path, token_file):
+    with running_server(tmp_path, token_file=token_file) as server:
+        with client_for(server, token=ADMIN) as admin:
+            lease, _ = admin.register_node(NodeRecord("n"))
+            admin.publish("n", lease, "alice", [BlockEntry(k, "host") for k in KEYS[:3]])
+            admin.publish("n", lease, "bob", [BlockEntry(k, "host") for k in KEYS])
+        with client_for(server, token=ALICE) as alice:
+            assert alice.lookup("alice", KEYS).prefix_length == 3
+            with pytest.raises(PermissionDeniedError, match="only act for tenant 'alice'"):
+                alice.lookup("bob", KEYS)
+            with pytest.raises(PermissionDeniedError):
+                alice.register_node(NodeRecord("rogue"))
+            with pytest.raises(PermissionDeniedError):
+                next(alice.watch_events(from_seq=1))
+            events = alice.watch_events(from_seq=1, tenant="alice")
+            assert next(events).tenant == "alice"
+            events.close()
+
+
+def _certificate(subject, issuer, public_key, signing_key, is_ca, san=None):
+    now = datetime.datetime.now(datetime.UTC)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+        .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+        .public_key(public_key)
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=1))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(x509.BasicConstraints(ca=is_ca, path_length=None), critical=True)
+    )
+    if san:
+        builder = builder.add_extension(x509.SubjectAlternativeName(san), critical=False)
+    return builder.sign(signing_key, hashes.SHA256())
+
+
+@pytest.fixture
+def tls_files(tmp_path):
+    """A throwaway CA and a server certificate for 127.0.0.1 / localhost."""
+    import ipaddress
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = _certificate("kvstore-test-ca", "kvstore-test-ca", ca_key.public_key(), ca_key, True)
+    server_key = ec.generate_private_key(ec.SECP256R1())
+    san = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+    cert = _certificate("localhost", "kvstore-test-ca", server_key.public_key(), ca_key, False, san)
+    files = {
+        "ca": tmp_path / "ca.pem",
+        "cert": tmp_path / "server.pem",
+        "key": tmp_path / "key.pem",
+    }
+    files["ca"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    files["cert"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    files["key"].write_bytes(
+        server_key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return files
+
+
+def test_tls_with_a_token_accepts_trusting_clients_and_rejects_plaintext(
+    tmp_path, tls_files, token_file
+):
+    with running_server(
+        tmp_path, tls_cert=tls_files["cert"], tls_key=tls_files["key"], token_file=token_file
+    ) as server:
+        address = f"localhost:{server.port}"
+        with MetadataClient(address, token=ADMIN, tls_ca=tls_files["ca"]) as client:
+            lease, _ = client.register_node(NodeRecord("secure"))
+            assert lease > 0
+        with MetadataClient(address, token=ADMIN, timeout_s=1) as plaintext:
+            with pytest.raises(UnavailableError):
+                plaintext.stats()
+        with MetadataClient(address, tls_ca=tls_files["ca"]) as no_token:
+            with pytest.raises(AuthError):
+                no_token.stats()
+
+
+def test_health_check_answers_without_a_token(tmp_path, token_file):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with running_server(tmp_path, token_file=token_file) as server:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            response = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+            assert response.status == health_pb2.HealthCheckResponse.SERVING

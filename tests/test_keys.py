@@ -1,0 +1,88 @@
+"""Content-addressed keys: chaining, determinism across processes, namespace isolation."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kvstore.errors import ConfigError
+from kvstore.keys import BlockKey, Namespace, chunk_keys
+
+NS = Namespace(model_fingerprint="sha256:abc", layout_id="L2-H2-D8-float32-T4-raw")
+
+
+def test_only_full_chunks_get_keys():
+    assert len(chunk_keys(NS, range(11), chunk_tokens=4)) == 2
+    assert chunk_keys(NS, range(3), chunk_tokens=4) == []
+
+
+def test_keys_chain_on_the_whole_prefix():
+    a = chunk_keys(NS, [1, 2, 3, 4, 5, 6, 7, 8], 4)
+    b = chunk_keys(NS, [9, 2, 3, 4, 5, 6, 7, 8], 4)
+    assert a[0] != b[0]
+    assert a[1] != b[1], "same second chunk after a different first chunk must differ"
+    c = chunk_keys(NS, [1, 2, 3, 4, 5, 6, 7, 8, 9, 9, 9, 9], 4)
+    assert c[:2] == a
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        Namespace("sha256:abd", NS.layout_id),
+        Namespace(NS.model_fingerprint, "L2-H2-D8-float32-T4-fp8"),
+        Namespace(NS.model_fingerprint, NS.layout_id, tp_size=2, tp_rank=1),
+        Namespace(NS.model_fingerprint, NS.layout_id, tp_size=2, tp_rank=0),
+        Namespace(NS.model_fingerprint, NS.layout_id, tenant="other"),
+        Namespace(NS.model_fingerprint, NS.layout_id, salt="s"),
+    ],
+)
+def test_same_tokens_in_another_namespace_give_other_keys(other):
+    tokens = list(range(8))
+    assert set(chunk_keys(NS, tokens, 4)).isdisjoint(chunk_keys(other, tokens, 4))
+
+
+def test_token_ids_hash_as_int32_whatever_the_input_type():
+    as_list = chunk_keys(NS, [1, 2, 3, 4], 4)
+    as_int64 = chunk_keys(NS, np.array([1, 2, 3, 4], dtype=np.int64), 4)
+    assert as_list == as_int64
+
+
+_SUBPROCESS = (
+    "from kvstore.keys import Namespace, chunk_keys;"
+    "ns = Namespace('sha256:abc', 'L2-H2-D8-float32-T4-raw', tenant='t', salt='x');"
+    "print(','.join(k.hex() for k in chunk_keys(ns, range(4096), 256)))"
+)
+
+
+def test_keys_are_identical_across_processes_with_different_hash_seeds():
+    outputs = {
+        subprocess.run(
+            [sys.executable, "-c", _SUBPROCESS],
+            env={"PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for seed in ("1", "2", "random")
+    }
+    assert len(outputs) == 1
+    assert len(outputs.pop().strip().split(",")) == 16
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: chunk_keys(NS, [1.5, 2.0], 2), "integers"),
+        (lambda: chunk_keys(NS, [[1, 2]], 2), "one-dimensional"),
+        (lambda: chunk_keys(NS, [2**40, 1], 2), "int32"),
+        (lambda: chunk_keys(NS, [1, 2], 0), "chunk_tokens"),
+        (lambda: Namespace("", "L"), "model_fingerprint"),
+        (lambda: Namespace("m", "L", tp_size=2, tp_rank=2), "tp_rank"),
+        (lambda: BlockKey(b"short"), "16 bytes"),
+        (lambda: BlockKey.from_hex("zz"), "hex"),
+    ],
+)
+def test_bad_input_names_what_to_change(make, message):
+    with pytest.raises(ConfigError, match=message):
+        make()

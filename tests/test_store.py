@@ -1,0 +1,147 @@
+"""The node-local store, narrated: writes, longest-prefix lookups, pins, demotion to disk,
+promotion on hit, events, and corruption handled as a miss."""
+
+import pytest
+import torch
+
+from kvstore.block import HEADER_BYTES
+from kvstore.errors import CapacityError, ConfigError, NotFoundError
+from kvstore.events import EventKind
+from kvstore.eviction import make_policy
+from kvstore.keys import Namespace, chunk_keys
+from kvstore.store import TieredStore, TierSlot
+from kvstore.tiers import DeviceTier, DiskTier, HostTier
+
+PAGE = 1024
+NS = Namespace("sha256:store-test", "layout")
+KEYS = chunk_keys(NS, range(64), 4)  # 16 chained keys
+
+
+def payload(n: int) -> bytes:
+    return bytes([n % 256]) * 500
+
+
+@pytest.fixture
+def store(tmp_path):
+    made = TieredStore(
+        [
+            TierSlot(HostTier(4 * PAGE, PAGE), make_policy("lru")),
+            TierSlot(DiskTier(tmp_path, 8 * PAGE, PAGE), make_policy("lru")),
+        ]
+    )
+    yield made
+    made.close()
+
+
+def put_chain(store, count, start=0):
+    parent = KEYS[start - 1] if start else None
+    for n in range(start, start + count):
+        store.put(KEYS[n], parent, payload(n))
+        parent = KEYS[n]
+
+
+def read(store, key):
+    with store.read(key) as view:
+        return None if view is None else bytes(view.numpy())
+
+
+def test_lookup_is_the_longest_prefix_across_tiers(store):
+    put_chain(store, 6)  # 4 fit on host: the two oldest were demoted to disk
+    assert [store.tier_of(k) for k in KEYS[:6]] == ["disk"] * 2 + ["host"] * 4
+    assert store.lookup(KEYS) == 6
+    assert store.lookup(KEYS[:3]) == 3
+    assert store.lookup(KEYS[1:]) == 5
+    assert store.lookup([KEYS[7], *KEYS[:6]]) == 0
+    assert all(read(store, KEYS[n]) == payload(n) for n in range(6))
+
+
+def test_lookup_has_no_side_effects(store):
+    put_chain(store, 6)
+    before = [store.tier_of(k) for k in KEYS[:6]]
+    store.lookup(KEYS)
+    assert [store.tier_of(k) for k in KEYS[:6]] == before
+    assert store.pins_held() == 0
+
+
+def test_pinning_a_disk_block_promotes_it_to_host(store):
+    put_chain(store, 6)
+    assert store.pin(KEYS[:1]) == 1
+    assert store.tier_of(KEYS[0]) == "host"
+    assert read(store, KEYS[0]) == payload(0)
+    store.unpin(KEYS[:1])
+
+
+def test_pinned_blocks_are_never_evicted(store):
+    put_chain(store, 4)
+    assert store.pin(KEYS[:4]) == 4
+    with pytest.raises(CapacityError, match="pinned"):
+        store.put(KEYS[4], KEYS[3], payload(4))
+    assert [store.tier_of(k) for k in KEYS[:4]] == ["host"] * 4
+    store.unpin(KEYS[:4])
+    store.put(KEYS[4], KEYS[3], payload(4))
+    assert store.lookup(KEYS) == 5
+
+
+def test_disk_evicts_to_nothing_when_full(store):
+    put_chain(store, 14)  # 4 host + 8 disk = 12 blocks of room
+    assert store.lookup(KEYS[2:14]) == 12
+    assert store.tier_of(KEYS[0]) is None and store.tier_of(KEYS[1]) is None
+
+
+def test_a_reserved_block_is_invisible_until_committed_and_abort_frees_it(store):
+    view = store.reserve(KEYS[0], None, 100)
+    view.fill_(9)
+    assert store.lookup(KEYS[:1]) == 0 and read(store, KEYS[0]) is None
+    assert store.reserve(KEYS[0], None, 100) is None, "a second writer backs off"
+    store.commit(KEYS[0])
+    assert read(store, KEYS[0]) == bytes([9]) * 100
+    assert store.reserve(KEYS[0], None, 100) is None, "already stored: nothing to write"
+
+    store.reserve(KEYS[1], KEYS[0], 100)
+    store.abort(KEYS[1])
+    assert store.lookup(KEYS[:2]) == 1
+    with pytest.raises(NotFoundError):
+        store.commit(KEYS[1])
+
+
+def test_events_report_every_store_and_removal_with_its_tier(store):
+    put_chain(store, 5)
+    events = store.events.drain()
+    assert [e.seq for e in events] == sorted(e.seq for e in events)
+    summary = [(e.kind, KEYS.index(e.key), e.tier) for e in events]
+    assert summary[:4] == [(EventKind.STORED, n, "host") for n in range(4)]
+    assert summary[4:] == [
+        (EventKind.STORED, 0, "disk"),
+        (EventKind.REMOVED, 0, "host"),
+        (EventKind.STORED, 4, "host"),
+    ]
+    assert events[0].size_bytes == HEADER_BYTES + 500
+
+
+def test_a_host_page_holding_another_key_reads_as_a_miss(store):
+    put_chain(store, 2)
+    host = store.slots[0].tier
+    host.pages[host.page_index(KEYS[1]), 8:24] = 0  # clobber the key in the header
+    assert read(store, KEYS[1]) is None
+    assert store.checksum_failures == 1 and store.lookup(KEYS) == 1
+
+
+def test_payload_larger_than_a_page_is_rejected_with_sizes(store):
+    with pytest.raises(ConfigError, match="does not fit a host page of 1024"):
+        store.reserve(KEYS[0], None, PAGE)
+
+
+def test_three_tiers_device_host_disk(tmp_path):
+    store = TieredStore(
+        [
+            TierSlot(DeviceTier(2 * PAGE, PAGE, "cpu"), make_policy("lru")),
+            TierSlot(HostTier(2 * PAGE, PAGE), make_policy("lru")),
+            TierSlot(DiskTier(tmp_path, 4 * PAGE, PAGE), make_policy("lru")),
+        ]
+    )
+    put_chain(store, 6)
+    assert [store.tier_of(k) for k in KEYS[:6]] == ["disk"] * 2 + ["host"] * 2 + ["device"] * 2
+    assert all(read(store, KEYS[n]) == payload(n) for n in range(6))
+    store.put(KEYS[6], KEYS[5], torch.full((500,), 6, dtype=torch.uint8))
+    assert read(store, KEYS[6]) == payload(6)
+    store.close()
