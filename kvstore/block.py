@@ -1,8 +1,9 @@
-"""Block format: a 64-byte header, then the payload, in one page.
+"""Block format: a 128-byte header, then the payload, in one page.
 
 Pure functions, used by whichever process writes or verifies a block (worker, node agent).
-The header binds the payload to its key and parent and carries an xxh3-64 checksum of the
-payload; any mismatch raises ChecksumError, which every caller turns into a miss.
+The header binds the payload to its key, parent and tenant and carries an xxh3-64 checksum of
+the payload; any mismatch raises ChecksumError, which every caller turns into a miss. The tenant
+lets a restarted node agent re-publish its disk blocks under the right tenant.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ from kvstore.keys import KEY_BYTES, BlockKey
 
 MAGIC = b"KVSB"
 FORMAT_VERSION = 1
-HEADER_BYTES = 64
+HEADER_BYTES = 128
+MAX_TENANT_BYTES = 64
 _NO_PARENT = bytes(KEY_BYTES)
-# magic, version, codec id, key, parent, layout hash, payload length, payload checksum
-_HEADER = struct.Struct(f"<4sHH{KEY_BYTES}s{KEY_BYTES}sQQQ")
+# magic, version, codec id, key, parent, layout hash, payload length, payload checksum, tenant
+_HEADER = struct.Struct(f"<4sHH{KEY_BYTES}s{KEY_BYTES}sQQQ{MAX_TENANT_BYTES}s")
 assert _HEADER.size == HEADER_BYTES
 
 
@@ -33,6 +35,7 @@ class BlockHeader:
     checksum: int
     layout_hash: int = 0
     codec_id: int = 0
+    tenant: str = "default"
 
     @property
     def block_bytes(self) -> int:
@@ -63,7 +66,15 @@ def pack_header(header: BlockHeader) -> bytes:
         header.layout_hash,
         header.payload_bytes,
         header.checksum,
+        encode_tenant(header.tenant),
     )
+
+
+def encode_tenant(tenant: str) -> bytes:
+    raw = tenant.encode()
+    if not raw or len(raw) > MAX_TENANT_BYTES or b"\0" in raw:
+        raise ConfigError(f"tenant {tenant!r} must be 1-{MAX_TENANT_BYTES} bytes without NUL")
+    return raw
 
 
 def unpack_header(data: torch.Tensor | memoryview | bytes) -> BlockHeader:
@@ -71,7 +82,9 @@ def unpack_header(data: torch.Tensor | memoryview | bytes) -> BlockHeader:
     raw = as_buffer(data)[:HEADER_BYTES]
     if len(raw) < HEADER_BYTES:
         raise ChecksumError(f"block shorter than its {HEADER_BYTES}-byte header")
-    magic, version, codec_id, key, parent, layout_hash, length, checksum = _HEADER.unpack(raw)
+    magic, version, codec_id, key, parent, layout_hash, length, checksum, tenant = _HEADER.unpack(
+        raw
+    )
     if magic != MAGIC or version != FORMAT_VERSION:
         raise ChecksumError(f"not a v{FORMAT_VERSION} kvstore block (magic {magic!r} v{version})")
     return BlockHeader(
@@ -81,12 +94,8 @@ def unpack_header(data: torch.Tensor | memoryview | bytes) -> BlockHeader:
         checksum=checksum,
         layout_hash=layout_hash,
         codec_id=codec_id,
+        tenant=tenant.rstrip(b"\0").decode(errors="replace"),
     )
-
-
-def seal(page: torch.Tensor, header: BlockHeader) -> None:
-    """Write `header` into the first HEADER_BYTES of a CPU page whose payload is already written."""
-    as_buffer(page)[:HEADER_BYTES] = pack_header(header)
 
 
 def verify(block: torch.Tensor | memoryview | bytes, key: BlockKey) -> BlockHeader:

@@ -56,10 +56,42 @@ _METADATA_FLAGS = (
 )  # fmt: skip
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from kvstore.serve import run_metadata
+_NODE_FLAGS = (
+    "node_id", "socket_path", "host_capacity_bytes", "page_size_bytes", "disk_dir",
+    "disk_capacity_bytes", "host_policy", "disk_policy", "metadata_address", "metadata_token",
+    "transfer", "transfer_host", "transfer_port", "advertise_host", "node_metrics_listen",
+)  # fmt: skip
 
-    return run_metadata(_metadata_config(args, backend="lmdb"))
+
+def _node_config(args: argparse.Namespace, **overrides):
+    from kvstore.config import build_config, read_toml_section
+    from kvstore.node.agent import NodeConfig
+
+    flags = {name: getattr(args, name, None) for name in _NODE_FLAGS}
+    flags["metrics_listen"] = flags.pop("node_metrics_listen")
+    for name, value in overrides.items():
+        if flags.get(name) is None:
+            flags[name] = value
+    section = read_toml_section(args.config, "node")
+    return build_config(NodeConfig, section, os.environ, flags, "KVSTORE_NODE_")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from kvstore.serve import run_embedded
+
+    metadata = _metadata_config(args, backend="lmdb")
+    data_dir = metadata.data_dir
+    node = _node_config(
+        args, disk_dir=data_dir / "disk", socket_path=data_dir / "agent.sock",
+        host_capacity_bytes=1 << 30,
+    )  # fmt: skip
+    return run_embedded(metadata, node)
+
+
+def _node(args: argparse.Namespace) -> int:
+    from kvstore.serve import run_node
+
+    return run_node(_node_config(args))
 
 
 def _metadata(args: argparse.Namespace) -> int:
@@ -101,6 +133,26 @@ def _bench_lookup(args: argparse.Namespace) -> dict:
     return run_lookup(runs=args.runs, duration_s=args.duration_s)
 
 
+def _add_node_flags(parser: argparse.ArgumentParser, standalone: bool) -> None:
+    if standalone:
+        parser.add_argument("--config", type=Path, help="TOML file; settings under [node]")
+        parser.add_argument("--metadata-address", help="host:port of the metadata service")
+        parser.add_argument("--metadata-token", default=os.environ.get("KVSTORE_TOKEN"))
+        parser.add_argument("--disk-dir", type=Path, help="LMDB disk tier directory (none: off)")
+    parser.add_argument("--node-id", help="this host's name in the cluster (default: hostname)")
+    parser.add_argument("--socket-path", type=Path, help="unix socket workers connect to")
+    parser.add_argument("--host-capacity-bytes", help="shared-memory arena size, e.g. 8GiB")
+    parser.add_argument("--page-size-bytes", help="one block's page, e.g. 32MiB + 128")
+    parser.add_argument("--disk-capacity-bytes", help="disk tier size, e.g. 200GiB")
+    parser.add_argument("--host-policy", help="eviction policy of the host tier")
+    parser.add_argument("--disk-policy", help="eviction policy of the disk tier")
+    parser.add_argument("--transfer", choices=["tcp", "ucx", "none"])
+    parser.add_argument("--transfer-host", help="address the transfer engine binds")
+    parser.add_argument("--transfer-port", type=int)
+    parser.add_argument("--advertise-host", help="address other nodes dial (default: bind)")
+    parser.add_argument("--node-metrics-listen", help="host:port of the agent's metrics")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvstore.eviction import policy_names
 
@@ -109,10 +161,15 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser(
-        "serve", help="the embedded default: metadata service on LMDB in one process"
+        "serve", help="the embedded default: metadata service (LMDB) and a node agent"
     )
     _add_metadata_flags(serve, with_backend=False)
+    _add_node_flags(serve, standalone=False)
     serve.set_defaults(handler=_serve)
+
+    node = commands.add_parser("node", help="run a node agent (the sidecar of a host)")
+    _add_node_flags(node, standalone=True)
+    node.set_defaults(handler=_node)
 
     metadata = commands.add_parser("metadata", help="run the metadata service alone")
     _add_metadata_flags(metadata, with_backend=True)

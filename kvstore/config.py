@@ -53,6 +53,18 @@ def build_config(
     return cls(**values)
 
 
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """'4096', '64MiB', '4G', '1.5GiB' -> bytes (binary units; a trailing 'iB'/'B' is optional)."""
+    cleaned = text.strip().lower().removesuffix("b").removesuffix("i")
+    number, unit = cleaned.rstrip("kmgt"), cleaned[len(cleaned.rstrip("kmgt")) :]
+    if len(unit) > 1:
+        raise ValueError(text)
+    return int(float(number) * _UNITS[unit])
+
+
 def _coerce(raw: Any, hint: Any, where: str) -> Any:
     options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
     target = next(t for t in options if t is not type(None))
@@ -64,6 +76,8 @@ def _coerce(raw: Any, hint: Any, where: str) -> Any:
                     "no": False}[raw.lower()]  # fmt: skip
         if target is Path:
             return Path(raw)
+        if target is int and isinstance(raw, str):
+            return parse_size(raw)
         return target(raw)
     except (KeyError, TypeError, ValueError):
         raise ConfigError(f"{where}: {raw!r} is not a valid {target.__name__}") from None

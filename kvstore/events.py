@@ -26,6 +26,7 @@ class BlockEvent:
     key: BlockKey
     tier: str
     size_bytes: int = 0
+    tenant: str = "default"
 
 
 class EventFeed:
@@ -39,9 +40,13 @@ class EventFeed:
         self._lock = threading.Lock()
         self.dropped = 0
 
-    def emit(self, kind: EventKind, key: BlockKey, tier: str, size_bytes: int = 0) -> None:
+    def emit(
+        self, kind: EventKind, key: BlockKey, tier: str, size_bytes: int = 0,
+        tenant: str = "default",
+    ) -> None:  # fmt: skip
         with self._lock:
-            self._events.append(BlockEvent(self._next_seq, kind, key, tier, size_bytes))
+            event = BlockEvent(self._next_seq, kind, key, tier, size_bytes, tenant)
+            self._events.append(event)
             self._next_seq += 1
             if len(self._events) > self._max_events:
                 self._events.popleft()

@@ -1,17 +1,18 @@
 """Process entry points that run services until SIGTERM/SIGINT: `kvstore serve` (the embedded
-default) and `kvstore metadata` (the metadata service alone).
-
-Runs in the service process started by the CLI; prints where it listens, stops cleanly.
+default: metadata service and one node agent in one process), `kvstore metadata` and
+`kvstore node`. Runs in the service process started by the CLI; prints where it listens.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import sys
 import threading
 
 from kvstore.metadata.server import MetadataConfig, MetadataServer
+from kvstore.node.agent import NodeAgent, NodeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -23,31 +24,75 @@ def _wait_for_signal() -> None:
     stop.wait()
 
 
-def _announce(server: MetadataServer) -> None:
+def _announce_metadata(server: MetadataServer) -> None:
     config = server.config
     host = config.listen.rpartition(":")[0]
-    where = f" (data dir {config.data_dir})" if config.backend == "lmdb" else ""
-    if config.backend == "redis":
-        where = f" ({config.redis_url})"
+    where = {"lmdb": f" (data dir {config.data_dir})", "redis": f" ({config.redis_url})"}
     print(
         f"kvstore metadata service listening on {host}:{server.port}, "
-        f"backend {config.backend}{where}, tls {'on' if config.tls_cert else 'off'}, "
+        f"backend {config.backend}{where.get(config.backend, '')}, "
+        f"tls {'on' if config.tls_cert else 'off'}, "
         f"auth {'on' if server.servicer.auth.enabled else 'off'}",
         flush=True,
     )
     if server.metrics_port:
         metrics_host = config.metrics_listen.rpartition(":")[0] or "127.0.0.1"
-        print(f"metrics on http://{metrics_host}:{server.metrics_port}/metrics", flush=True)
+        print(
+            f"metadata metrics on http://{metrics_host}:{server.metrics_port}/metrics", flush=True
+        )
 
 
-def run_metadata(config: MetadataConfig) -> int:
-    """Serve the metadata service until signalled. Returns the process exit code."""
-    server = MetadataServer(config)
-    server.start()
-    _announce(server)
+def _announce_agent(agent: NodeAgent) -> None:
+    config = agent.config
+    tiers = ", ".join(
+        f"{slot.tier.kind} {slot.tier.capacity_bytes >> 20} MiB" for slot in agent.store.slots
+    )
+    print(
+        f"kvstore node agent {config.node_id} serving workers on {config.socket_path} "
+        f"({tiers}); transfer {config.transfer} {agent.transfer_address or '-'}; "
+        f"metadata {config.metadata_address or 'none'}",
+        flush=True,
+    )
+    if agent.metrics_port:
+        metrics_host = config.metrics_listen.rpartition(":")[0] or "127.0.0.1"
+        print(f"agent metrics on http://{metrics_host}:{agent.metrics_port}/metrics", flush=True)
+
+
+def _run(stoppables: list) -> int:
     try:
         _wait_for_signal()
     finally:
         print("kvstore: shutting down", file=sys.stderr, flush=True)
-        server.stop()
+        for service in reversed(stoppables):
+            service.stop()
     return 0
+
+
+def run_metadata(config: MetadataConfig) -> int:
+    server = MetadataServer(config)
+    server.start()
+    _announce_metadata(server)
+    return _run([server])
+
+
+def run_node(config: NodeConfig) -> int:
+    agent = NodeAgent(config)
+    agent.start()
+    _announce_agent(agent)
+    return _run([agent])
+
+
+def run_embedded(metadata: MetadataConfig, node: NodeConfig) -> int:
+    """The metadata service, then a node agent registered with it, in this one process."""
+    server = MetadataServer(metadata)
+    server.start()
+    _announce_metadata(server)
+    host = metadata.listen.rpartition(":")[0]
+    agent = NodeAgent(dataclasses.replace(node, metadata_address=f"{host}:{server.port}"))
+    try:
+        agent.start()
+    except BaseException:
+        server.stop()
+        raise
+    _announce_agent(agent)
+    return _run([server, agent])

@@ -8,6 +8,7 @@ eviction (tier i -> tier i+1, the last tier drops); stored/removed events for th
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections import Counter
@@ -68,6 +69,8 @@ class TieredStore:
         self._lock = threading.RLock()
         self._pins: Counter[BlockKey] = Counter()
         self._pending: dict[BlockKey, _Pending] = {}
+        self._tenants: dict[BlockKey, str] = {}  # key -> tenant, for events
+        self.removals: Counter[str] = Counter()  # per tier: evicted, demoted or purged
         self.checksum_failures = 0
         self._recover()
 
@@ -136,7 +139,7 @@ class TieredStore:
     # ---- two-phase writes ----------------------------------------------------------------
     def reserve(
         self, key: BlockKey, parent: BlockKey | None, payload_bytes: int,
-        layout_hash: int = 0, codec_id: int = 0,
+        layout_hash: int = 0, codec_id: int = 0, tenant: str = "default",
     ) -> torch.Tensor | None:  # fmt: skip
         """A writable payload view in the top tier for `key`, or None if `key` is already
         stored or being written. Evicts as needed; CapacityError if nothing can be evicted."""
@@ -151,7 +154,8 @@ class TieredStore:
                 )
             self._make_room(0)
             page = top.reserve(key)
-            header = block.BlockHeader(key, parent, payload_bytes, 0, layout_hash, codec_id)
+            block.encode_tenant(tenant)  # validate now, not at commit
+            header = block.BlockHeader(key, parent, payload_bytes, 0, layout_hash, codec_id, tenant)
             self._pending[key] = _Pending(0, page, header)
             return page[block.HEADER_BYTES : block.HEADER_BYTES + payload_bytes]
 
@@ -166,16 +170,11 @@ class TieredStore:
             if checksum is None:
                 payload = pending.page[block.HEADER_BYTES : header.block_bytes]
                 checksum = block.payload_checksum(payload.cpu())
-            sealed = block.BlockHeader(
-                key, header.parent, header.payload_bytes, checksum, header.layout_hash,
-                header.codec_id,
-            )  # fmt: skip
+            sealed = dataclasses.replace(header, checksum=checksum)
             header_bytes = torch.frombuffer(bytearray(block.pack_header(sealed)), dtype=torch.uint8)
             pending.page[: block.HEADER_BYTES].copy_(header_bytes)
-            slot = self.slots[pending.slot]
-            slot.tier.commit(key, sealed.block_bytes)
-            slot.policy.insert(key, sealed.parent)
-            self.events.emit(EventKind.STORED, key, slot.tier.kind, sealed.block_bytes)
+            self.slots[pending.slot].tier.commit(key, sealed.block_bytes)
+            self._announce(pending.slot, sealed)
 
     def abort(self, key: BlockKey) -> None:
         """Give up a reservation; its page is freed and nothing becomes readable."""
@@ -206,19 +205,63 @@ class TieredStore:
     # ---- reads ---------------------------------------------------------------------------
     @contextmanager
     def read(self, key: BlockKey) -> Iterator[torch.Tensor | None]:
-        """Yield the payload of `key` from its fastest tier, or None on a miss.
+        """Yield the payload of `key` from its fastest tier, or None on a miss; see open_block."""
+        with self.open_block(key) as whole:
+            yield None if whole is None else whole[block.HEADER_BYTES :]
 
-        Blocks from tiers that require it (disk) are checksummed; a corrupt block is purged
-        and reads as a miss. The view is valid only inside the `with` block.
+    @contextmanager
+    def open_block(self, key: BlockKey) -> Iterator[torch.Tensor | None]:
+        """Yield the whole stored block (header + payload) of `key`, or None on a miss.
+
+        The block is pinned while the context is open, so the view stays valid without the
+        store lock (other threads keep working). Blocks from tiers that require it (disk) are
+        checksummed first; a corrupt block is purged and reads as a miss.
         """
         with self._lock:
             index = self._slot_of(key)
-            if index is None:
-                yield None
-                return
+            if index is not None:
+                self._pins[key] += 1
+        if index is None:
+            yield None
+            return
+        try:
             with self.slots[index].tier.open(key) as page:
                 header = self._checked_header(index, key, page)
-                yield None if header is None else page[block.HEADER_BYTES : header.block_bytes]
+                yield None if header is None else page[: header.block_bytes]
+        finally:
+            self.unpin([key])
+
+    # ---- blocks received from peers ------------------------------------------------------
+    def reserve_page(self, key: BlockKey) -> torch.Tensor | None:
+        """A whole writable top-tier page for a block arriving from a peer (header included),
+        or None if `key` is already stored or being written. Finish with commit_received."""
+        with self._lock:
+            if self._slot_of(key) is not None or key in self._pending:
+                return None
+            self._make_room(0)
+            page = self.slots[0].tier.reserve(key)
+            self._pending[key] = _Pending(0, page, block.BlockHeader(key, None, 0, 0))
+            return page
+
+    def commit_received(self, key: BlockKey, received_bytes: int) -> bool:
+        """Verify a received block (header, key, length, checksum) and make it readable.
+        A block that fails is discarded, counted in checksum_failures, and False returned."""
+        with self._lock:
+            pending = self._pending.pop(key, None)
+            if pending is None:
+                raise NotFoundError(f"{key!r} has no page reserved for a received block")
+        try:
+            header = block.verify(pending.page[:received_bytes].cpu(), key)
+        except ChecksumError as exc:
+            logger.warning("discarding block received for %r: %s", key, exc)
+            with self._lock:
+                self.checksum_failures += 1
+                self.slots[pending.slot].tier.release(key)
+            return False
+        with self._lock:
+            self.slots[pending.slot].tier.commit(key, header.block_bytes)
+            self._announce(pending.slot, header)
+        return True
 
     def _checked_header(
         self, index: int, key: BlockKey, page: torch.Tensor | None
@@ -235,8 +278,10 @@ class TieredStore:
             return header
         except ChecksumError as exc:
             logger.warning("purging corrupt block: %s", exc)
-            self.checksum_failures += 1
-            self._remove(index, key)
+            with self._lock:
+                self.checksum_failures += 1
+                if key in tier:
+                    self._remove(index, key)
             return None
 
     # ---- eviction, demotion, promotion ---------------------------------------------------
@@ -276,14 +321,26 @@ class TieredStore:
         except CapacityError:
             logger.debug("no room in %s tier for %r; not copied", slot.tier.kind, key)
             return
-        slot.policy.insert(key, header.parent)
-        self.events.emit(EventKind.STORED, key, slot.tier.kind, header.block_bytes)
+        self._announce(index, header)
+
+    def _announce(self, index: int, header: block.BlockHeader) -> None:
+        """A block became readable in tier `index`: tell its policy and the event feed."""
+        slot = self.slots[index]
+        slot.policy.insert(header.key, header.parent)
+        self._tenants[header.key] = header.tenant
+        self.events.emit(
+            EventKind.STORED, header.key, slot.tier.kind, header.block_bytes, header.tenant
+        )
 
     def _remove(self, index: int, key: BlockKey) -> None:
         slot = self.slots[index]
         slot.tier.release(key)
         slot.policy.remove(key)
-        self.events.emit(EventKind.REMOVED, key, slot.tier.kind)
+        tenant = self._tenants.get(key, "default")
+        self.removals[slot.tier.kind] += 1
+        if self._slot_of(key) is None:
+            self._tenants.pop(key, None)
+        self.events.emit(EventKind.REMOVED, key, slot.tier.kind, tenant=tenant)
 
     def _recover(self) -> None:
         """Index blocks already in the tiers (a reopened disk tier) and announce them."""
@@ -291,8 +348,7 @@ class TieredStore:
             for key in slot.tier.keys():  # noqa: SIM118 (a Tier is not a dict)
                 header = self._recovered_header(index, key)
                 if header is not None:
-                    slot.policy.insert(key, header.parent)
-                    self.events.emit(EventKind.STORED, key, slot.tier.kind, header.block_bytes)
+                    self._announce(index, header)
 
     def _recovered_header(self, index: int, key: BlockKey) -> block.BlockHeader | None:
         """Header only: payloads are checksummed when read, not all at start-up."""
@@ -307,6 +363,15 @@ class TieredStore:
         logger.warning("dropping unreadable %r from the %s tier", key, tier.kind)
         self._remove(index, key)
         return None
+
+    def inventory(self) -> list[tuple[BlockKey, str, str]]:
+        """(key, tier kind, tenant) of every readable block, for a full re-publish."""
+        with self._lock:
+            return [
+                (key, slot.tier.kind, self._tenants.get(key, "default"))
+                for slot in self.slots
+                for key in slot.tier.keys()  # noqa: SIM118 (a Tier is not a dict)
+            ]
 
     # ---- lifecycle -----------------------------------------------------------------------
     def usage(self) -> dict[str, dict[str, int]]:

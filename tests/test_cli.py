@@ -5,15 +5,17 @@ import json
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from kvstore.client import KVStoreClient
 from kvstore.config import build_config
 from kvstore.errors import ConfigError
+from kvstore.keys import Namespace, chunk_keys
 from kvstore.metadata.client import MetadataClient
-from kvstore.metadata.index import BlockEntry, NodeRecord
 from kvstore.metadata.server import MetadataConfig
-from tests.metadata.servers import health_status, start_cli
+from tests.metadata.servers import health_status, start_cli, wait_until
 
 
 def kvstore(*args: str) -> subprocess.CompletedProcess:
@@ -25,25 +27,34 @@ def kvstore(*args: str) -> subprocess.CompletedProcess:
 def test_the_readme_serve_command_starts_answers_health_and_stops_on_sigterm(tmp_path):
     process, address = start_cli(
         "serve", "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "data"),
-        "--metrics-listen", "127.0.0.1:0",
+        "--metrics-listen", "127.0.0.1:0", "--node-id", "host-1",
+        "--host-capacity-bytes", "8MiB", "--page-size-bytes", "1MiB",
     )  # fmt: skip
     try:
-        assert "metrics on http://127.0.0.1:" in process.stdout.readline()
+        lines = [process.stdout.readline() for _ in range(2)]
+        assert "metadata metrics on http://127.0.0.1:" in lines[0]
+        assert "node agent host-1 serving workers on" in lines[1], lines
         assert health_status(address) == "SERVING"
-        with MetadataClient(address) as client:
-            lease, _ = client.register_node(NodeRecord("n1", tcp_address="127.0.0.1:7000"))
-            client.publish("n1", lease, "t", [BlockEntry(bytes(16), "host")])
+        keys = chunk_keys(Namespace("m", "layout"), range(512), 256)
+        with KVStoreClient(tmp_path / "data" / "agent.sock") as client:
+            reservation = client.save("t", keys, payload_bytes=1000)
+            for view in reservation.payloads:
+                view.fill_(7)
+            assert client.commit(reservation) == 2
+        with MetadataClient(address) as metadata:
+            assert wait_until(lambda: metadata.lookup("t", keys).prefix_length == 2)
         table = kvstore("stats", "--address", address)
         assert table.returncode == 0, table.stderr
-        assert "backend lmdb · 1 live nodes · 1 blocks" in table.stdout
-        assert "n1" in table.stdout and "127.0.0.1:7000" in table.stdout
+        assert "backend lmdb · 1 live nodes · 2 blocks" in table.stdout, table.stdout
+        assert "host-1" in table.stdout
         as_json = json.loads(kvstore("stats", "--address", address, "--json").stdout)
-        assert as_json["blocks"] == "1" and as_json["nodes"][0]["node"]["node_id"] == "n1"
+        assert as_json["blocks"] == "2" and as_json["nodes"][0]["node"]["node_id"] == "host-1"
     finally:
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=15) == 0
     assert "shutting down" in process.stderr.read()
     assert (tmp_path / "data" / "metadata.lmdb").exists()
+    assert (tmp_path / "data" / "disk" / "data.mdb").exists()
 
 
 def test_settings_come_from_file_then_environment_then_flags(tmp_path):
@@ -81,3 +92,21 @@ def test_cli_reports_config_errors_without_a_traceback(tmp_path):
     assert "unknown setting(s) ['lisen']" in result.stderr and "Traceback" not in result.stderr
     unknown_policy = kvstore("replay", "trace.jsonl", "--policy", "nope", "--capacity-blocks", "1")
     assert unknown_policy.returncode == 2 and "invalid choice: 'nope'" in unknown_policy.stderr
+
+
+def test_the_readme_first_command_serves_metadata_and_an_agent(tmp_path):
+    """Runs the `kvstore serve` part of the README's first command as written (listening on a
+    free port instead of 50051, so a busy machine cannot fail it)."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    first_command = readme.split("```bash\n", 1)[1].split("\n", 1)[0]
+    serve_args = first_command.split("kvstore serve", 1)[1].split()
+    process, address = start_cli("serve", *serve_args, "--listen", "127.0.0.1:0", cwd=tmp_path)
+    try:
+        assert "node agent" in process.stdout.readline()
+        assert health_status(address) == "SERVING"
+        data_dir = tmp_path / serve_args[serve_args.index("--data-dir") + 1]
+        with KVStoreClient(data_dir / "agent.sock") as client:
+            assert client.lookup("t", chunk_keys(Namespace("m", "l"), range(256), 256)).total == 0
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=15) == 0

@@ -1,6 +1,6 @@
-"""The committed protocol stubs are exactly what `python -m kvstore.metadata.codegen` makes."""
+"""The committed protocol stubs are exactly what `python -m kvstore.codegen` makes."""
 
-from kvstore.metadata.codegen import GENERATED_PACKAGE, REPO_ROOT, generate
+from kvstore.codegen import GENERATED_PACKAGE, REPO_ROOT, generate
 
 
 def test_generated_stubs_are_up_to_date(tmp_path):
@@ -8,7 +8,7 @@ def test_generated_stubs_are_up_to_date(tmp_path):
     assert fresh, "codegen produced nothing"
     for path in fresh:
         committed = REPO_ROOT / GENERATED_PACKAGE / path.name
-        assert committed.exists(), f"{committed} missing: run python -m kvstore.metadata.codegen"
+        assert committed.exists(), f"{committed} missing: run python -m kvstore.codegen"
         assert committed.read_bytes() == path.read_bytes(), (
-            f"{committed.name} is stale: run python -m kvstore.metadata.codegen"
+            f"{committed.name} is stale: run python -m kvstore.codegen"
         )

@@ -13,82 +13,116 @@ from kvstore.errors import ConfigError
 from kvstore.eviction.base import CanEvict, EvictionPolicy, register_policy
 from kvstore.keys import BlockKey
 
+Priority = tuple[float, ...]
+
+
+class TreeNode:
+    """What the policy knows about one resident key."""
+
+    __slots__ = ("had_child", "hits", "inserts_at_access", "last_access", "parent", "priority")
+
+    def __init__(self, parent: BlockKey | None, had_child: bool) -> None:
+        self.parent = parent
+        self.last_access = 0  # position in the sequence of inserts and touches
+        self.inserts_at_access = 0  # inserts into this tier before the last access
+        self.hits = 0
+        self.had_child = had_child
+        self.priority: Priority = ()
+
 
 @register_policy("prefix-lru")
 class PrefixLRUPolicy(EvictionPolicy):
     """LRU among keys with no resident child.
 
     The parent of an inserted key need not be resident; if it arrives later (a demotion writes
-    children before parents) it starts with its children counted. Operations are O(log n)
-    amortized: leaves sit in a heap keyed by last access, stale entries are dropped lazily.
+    children before parents) it starts with its children counted. Leaves sit in a heap ordered by
+    `_priority` (smallest evicted first; here the last access); stale entries are dropped lazily,
+    so every operation is O(log n) amortized. Subclasses change the order by overriding
+    `_priority` and calling `_refresh` when an input to it changes.
     """
 
     def __init__(self) -> None:
         self._clock = count()
-        self._last_access: dict[BlockKey, int] = {}  # resident keys only
-        self._parent: dict[BlockKey, BlockKey | None] = {}  # resident keys only
+        self._inserts = 0
+        self._nodes: dict[BlockKey, TreeNode] = {}
         self._children: dict[BlockKey, int] = {}  # resident-child counts, for any parent key
-        self._leaf_heap: list[tuple[int, BlockKey]] = []  # may hold stale entries
+        self._heap: list[tuple[Priority, BlockKey]] = []  # leaves; may hold stale entries
 
     def insert(self, key: BlockKey, parent: BlockKey | None) -> None:
-        if key in self._last_access:
+        if key in self._nodes:
             raise ConfigError(f"{key!r} is already resident in this tier")
-        self._last_access[key] = next(self._clock)
-        self._parent[key] = parent
+        node = TreeNode(parent, had_child=key in self._children)
+        self._nodes[key] = node
+        self._inserts += 1
+        self._stamp(node)
         if parent is not None:
             self._children[parent] = self._children.get(parent, 0) + 1
-        if not self._children.get(key):
-            self._push_leaf(key)
+            parent_node = self._nodes.get(parent)
+            if parent_node is not None:
+                parent_node.had_child = True
+        self._refresh(key)
 
     def touch(self, key: BlockKey) -> None:
-        if key not in self._last_access:
+        node = self._nodes.get(key)
+        if node is None:
             return
-        self._last_access[key] = next(self._clock)
-        if not self._children.get(key):
-            self._push_leaf(key)
+        node.hits += 1
+        self._stamp(node)
+        self._refresh(key)
 
     def remove(self, key: BlockKey) -> None:
-        if self._last_access.pop(key, None) is None:
+        node = self._nodes.pop(key, None)
+        if node is None or node.parent is None:
             return
-        parent = self._parent.pop(key)
-        if parent is None:
-            return
-        remaining = self._children[parent] - 1
+        remaining = self._children[node.parent] - 1
         if remaining:
-            self._children[parent] = remaining
-            return
-        del self._children[parent]
-        if parent in self._last_access:
-            self._push_leaf(parent)
+            self._children[node.parent] = remaining
+        else:
+            del self._children[node.parent]
+            self._refresh(node.parent)
 
     def victim(self, can_evict: CanEvict) -> BlockKey | None:
-        skipped: list[tuple[int, BlockKey]] = []
+        skipped: list[tuple[Priority, BlockKey]] = []
         found = None
-        while self._leaf_heap:
-            entry = self._leaf_heap[0]
+        while self._heap:
+            entry = self._heap[0]
             if not self._is_live(entry):
-                heapq.heappop(self._leaf_heap)
+                heapq.heappop(self._heap)
             elif can_evict(entry[1]):
                 found = entry[1]
                 break
             else:
-                skipped.append(heapq.heappop(self._leaf_heap))
+                skipped.append(heapq.heappop(self._heap))
         for entry in skipped:
-            heapq.heappush(self._leaf_heap, entry)
+            heapq.heappush(self._heap, entry)
         return found
 
     def __len__(self) -> int:
-        return len(self._last_access)
+        return len(self._nodes)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._last_access
+        return key in self._nodes
 
-    def _is_live(self, entry: tuple[int, BlockKey]) -> bool:
-        tick, key = entry
-        return self._last_access.get(key) == tick and not self._children.get(key)
+    def _stamp(self, node: TreeNode) -> None:
+        node.last_access = next(self._clock)
+        node.inserts_at_access = self._inserts
 
-    def _push_leaf(self, key: BlockKey) -> None:
-        heapq.heappush(self._leaf_heap, (self._last_access[key], key))
-        if len(self._leaf_heap) > 2 * len(self._last_access) + 64:
-            self._leaf_heap = [entry for entry in self._leaf_heap if self._is_live(entry)]
-            heapq.heapify(self._leaf_heap)
+    def _priority(self, key: BlockKey, node: TreeNode) -> Priority:
+        """Eviction order among leaves: smallest first. Must depend only on the policy's state."""
+        return (node.last_access,)
+
+    def _refresh(self, key: BlockKey) -> None:
+        """Recompute `key`'s priority and queue it if it is a resident leaf."""
+        node = self._nodes.get(key)
+        if node is None or key in self._children:
+            return
+        node.priority = self._priority(key, node)
+        heapq.heappush(self._heap, (node.priority, key))
+        if len(self._heap) > 2 * len(self._nodes) + 64:
+            self._heap = [entry for entry in self._heap if self._is_live(entry)]
+            heapq.heapify(self._heap)
+
+    def _is_live(self, entry: tuple[Priority, BlockKey]) -> bool:
+        priority, key = entry
+        node = self._nodes.get(key)
+        return node is not None and node.priority == priority and key not in self._children

@@ -21,8 +21,9 @@ class S3FIFOPolicy(EvictionPolicy):
 
     `small_ratio` is the small queue's share of the resident keys; `promote_hits` the hits a
     probationary key needs to move to the main queue. The ghost queue remembers as many evicted
-    keys as the tier has ever held. O(1) amortized per operation (each victim call moves a key at
-    most a bounded number of times; pinned keys are rotated past, not scanned repeatedly).
+    keys as the tier has ever held. `victim` reorders the queues (promotions, second chances)
+    but never changes residency. O(1) amortized per operation: each victim call moves a key a
+    bounded number of times, and pinned keys are rotated past rather than rescanned.
     """
 
     def __init__(self, small_ratio: float = 0.1, promote_hits: int = 1) -> None:

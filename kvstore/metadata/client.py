@@ -44,6 +44,12 @@ class MetadataClient:
         options = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
+            # A restarted service is found again within a second or two, not gRPC's 2 minutes.
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 2000),
+            # Own subchannels: another channel's backoff to the same address must not fail ours.
+            ("grpc.use_local_subchannel_pool", 1),
         ]
         if tls_ca:
             creds = grpc.ssl_channel_credentials(root_certificates=tls_ca.read_bytes())

@@ -55,6 +55,10 @@ class MetadataMetrics:
         self.events = Counter(
             "kvstore_metadata_events", "Block events by kind", ["kind"], registry=self.registry
         )
+        self.evictions = Counter(
+            "kvstore_metadata_evictions", "Blocks nodes unpublished (evicted or purged)",
+            registry=self.registry,
+        )  # fmt: skip
         self.expired_nodes = Counter(
             "kvstore_metadata_expired_nodes", "Nodes whose lease expired", registry=self.registry
         )

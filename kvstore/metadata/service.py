@@ -153,6 +153,7 @@ class MetadataServicer:
         node_id = wire.check_name(request.node_id, "node_id")
         removed = self.index.unpublish(node_id, request.lease_id, tenant, entries)
         self.metrics.events.labels("removed").inc(removed)
+        self.metrics.evictions.inc(removed)
         return pb.UnpublishResponse(removed=removed)
 
     def _tenant(self, tenant: str, scope: TenantScope) -> str:

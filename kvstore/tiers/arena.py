@@ -54,9 +54,9 @@ class ArenaTier(Tier):
         yield None if entry is None else self.pages[entry[0], : entry[1]]
 
     def page_index(self, key: BlockKey) -> int | None:
-        """The row holding committed `key`, for processes that map the same arena."""
+        """The row holding `key` (committed or reserved), for processes mapping the arena."""
         entry = self._committed.get(key)
-        return None if entry is None else entry[0]
+        return entry[0] if entry is not None else self._reserved.get(key)
 
     def __contains__(self, key: object) -> bool:
         return key in self._committed

@@ -20,9 +20,8 @@ FAST_LIMITS = ServiceLimits(min_lease_ttl_ms=200, watch_poll_s=0.1)
 
 @contextmanager
 def running_server(tmp_path, **settings):
-    config = MetadataConfig(
-        listen="127.0.0.1:0", data_dir=tmp_path / "meta", limits=FAST_LIMITS, **settings
-    )
+    settings = {"listen": "127.0.0.1:0", "data_dir": tmp_path / "meta", **settings}
+    config = MetadataConfig(limits=FAST_LIMITS, **settings)
     server = MetadataServer(config)
     server.start()
     try:
@@ -42,12 +41,12 @@ def health_status(address: str, service: str = "", timeout_s: float = 2.0) -> st
         return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
 
 
-def start_cli(*args: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+def start_cli(*args: str, env: dict | None = None, cwd=None) -> tuple[subprocess.Popen, str]:
     """Run `python -m kvstore ARGS` and wait for its 'listening on HOST:PORT' line."""
     process = subprocess.Popen(
         [sys.executable, "-m", "kvstore", *args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, **(env or {})},
+        env={**os.environ, **(env or {})}, cwd=cwd,
     )  # fmt: skip
     line = process.stdout.readline()
     if "listening on" not in line:

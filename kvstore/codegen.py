@@ -1,6 +1,6 @@
 """Generates the Python protocol stubs (kvstore/v1/*_pb2*.py) from proto/ with grpcio-tools.
 
-Run by a developer after editing a .proto: `python -m kvstore.metadata.codegen`. A test runs it
+Run by a developer after editing a .proto: `python -m kvstore.codegen`. A test runs it
 into a temporary directory and fails when the committed stubs differ (stale).
 """
 
@@ -13,7 +13,7 @@ from grpc_tools import protoc
 
 from kvstore.errors import ConfigError
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 PROTO_ROOT = REPO_ROOT / "proto"
 GENERATED_PACKAGE = "kvstore/v1"
 

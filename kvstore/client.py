@@ -1,0 +1,199 @@
+"""The client API connectors use: a unix-socket control channel to the host's node agent plus
+the agent's shared arena, mapped here, for zero-copy reads and writes of block payloads.
+
+Runs inside inference workers (the vLLM / SGLang connector). One client per process half is
+the rule; it is thread-safe (calls are serialised) and offers futures (`*_async`) so a
+connector can overlap loads with compute.
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvstore import errors, framing
+from kvstore.block import payload_checksum
+from kvstore.keys import BlockKey
+from kvstore.tiers.host import SharedArena, attach_arena
+from kvstore.v1 import agent_pb2 as pb
+
+_ERROR_FOR_CODE = {
+    "INVALID_ARGUMENT": errors.ConfigError,
+    "NOT_FOUND": errors.NotFoundError,
+    "RESOURCE_EXHAUSTED": errors.CapacityError,
+    "FAILED_PRECONDITION": errors.LeaseError,
+    "UNAVAILABLE": errors.UnavailableError,
+    "DATA_LOSS": errors.ChecksumError,
+}
+
+
+@dataclass(frozen=True)
+class LookupCounts:
+    local: int  # leading keys in this host's tiers
+    remote: int  # further leading keys that other nodes hold
+
+    @property
+    def total(self) -> int:
+        return self.local + self.remote
+
+
+@dataclass
+class LoadedBlocks:
+    """Pinned payloads of the loaded prefix, as views into the shared arena: read them in
+    place, then `release`. len(payloads) may be shorter than the keys asked for."""
+
+    load_id: int
+    payloads: list[torch.Tensor]
+    checksums: list[int]
+    local_blocks: int
+    remote_blocks: int
+
+    def __len__(self) -> int:
+        return len(self.payloads)
+
+
+@dataclass
+class SaveReservation:
+    """Writable payload views for the keys that were reserved (None: skip that key)."""
+
+    save_id: int
+    keys: list[BlockKey]
+    payloads: list[torch.Tensor | None]
+
+    def reserved_keys(self) -> list[BlockKey]:
+        return [k for k, view in zip(self.keys, self.payloads, strict=True) if view is not None]
+
+
+class KVStoreClient:
+    def __init__(self, socket_path: str | Path, worker: str = "", timeout_s: float = 30.0) -> None:
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(timeout_s)
+        try:
+            self._sock.connect(str(socket_path))
+        except OSError as exc:
+            self._sock.close()
+            raise errors.UnavailableError(f"no node agent at {socket_path}: {exc}") from None
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvstore-client")
+        self.info = self._call("hello", pb.HelloRequest(worker=worker)).hello
+        self._arena: SharedArena = attach_arena(
+            self.info.arena_name, self.info.num_pages, self.info.page_size_bytes
+        )
+        self.header_bytes = self.info.header_bytes
+
+    # ---- protocol --------------------------------------------------------------------------
+    def _call(self, name: str, message) -> pb.AgentResponse:
+        request = pb.AgentRequest(request_id=next(self._ids))
+        getattr(request, name).CopyFrom(message)
+        with self._lock:
+            try:
+                framing.send_message(self._sock, request)
+                response = framing.recv_message(self._sock, pb.AgentResponse)
+            except OSError as exc:
+                raise errors.UnavailableError(f"node agent connection failed: {exc}") from None
+        if response is None:
+            raise errors.UnavailableError("the node agent closed the connection")
+        if response.HasField("error"):
+            cls = _ERROR_FOR_CODE.get(response.error.code, errors.KVStoreError)
+            raise cls(f"{response.error.code}: {response.error.message}")
+        return response
+
+    def _payload_view(self, page: int, payload_bytes: int) -> torch.Tensor:
+        start = self.header_bytes
+        return self._arena.pages[page, start : start + payload_bytes]
+
+    # ---- reads -----------------------------------------------------------------------------
+    def lookup(self, tenant: str, keys: Sequence[bytes], local_only: bool = False) -> LookupCounts:
+        """How many leading `keys` can be loaded (local tiers, then other nodes); no side effect."""
+        request = pb.LookupKeysRequest(tenant=tenant, keys=keys, local_only=local_only)
+        result = self._call("lookup", request).lookup
+        return LookupCounts(result.local_hits, result.remote_hits)
+
+    def load(
+        self, tenant: str, keys: Sequence[bytes], timeout_s: float = 0.0, verify: bool = True
+    ) -> LoadedBlocks:
+        """Pin the longest loadable prefix of `keys` in the arena (fetching remote blocks).
+
+        With `verify`, each payload's checksum is checked here, in this process; the prefix
+        ends before the first block that fails (it is then a miss, recomputed by the engine).
+        """
+        request = pb.LoadRequest(tenant=tenant, keys=keys, timeout_ms=int(timeout_s * 1000))
+        result = self._call("load", request).load
+        payloads = [
+            self._payload_view(page, size)
+            for page, size in zip(result.pages, result.payload_bytes, strict=True)
+        ]
+        checksums = list(result.checksums)
+        loaded = LoadedBlocks(
+            result.load_id, payloads, checksums, result.local_blocks, result.remote_blocks
+        )
+        if verify:
+            good = next(
+                (i for i, (view, expected) in enumerate(zip(payloads, checksums, strict=True))
+                 if payload_checksum(view) != expected),
+                len(payloads),
+            )  # fmt: skip
+            del loaded.payloads[good:], loaded.checksums[good:]
+        return loaded
+
+    def load_async(self, tenant: str, keys: Sequence[bytes], **options) -> Future[LoadedBlocks]:
+        return self._executor.submit(self.load, tenant, keys, **options)
+
+    def release(self, loaded: LoadedBlocks) -> None:
+        """Unpin a load. Its payload views must not be read afterwards."""
+        self._call("release", pb.ReleaseRequest(load_id=loaded.load_id))
+
+    # ---- writes ----------------------------------------------------------------------------
+    def save(
+        self, tenant: str, keys: Sequence[bytes], payload_bytes: int,
+        first_parent: bytes | None = None, layout_hash: int = 0, codec_id: int = 0,
+    ) -> SaveReservation:  # fmt: skip
+        """Reserve arena pages for a chain of chunk keys; write payloads in place, then commit."""
+        request = pb.SaveRequest(
+            tenant=tenant, keys=keys, first_parent=first_parent or b"",
+            payload_bytes=payload_bytes, layout_hash=layout_hash, codec_id=codec_id,
+        )  # fmt: skip
+        result = self._call("save", request).save
+        views = [
+            self._payload_view(page, payload_bytes) if reserved else None
+            for reserved, page in zip(result.reserved, result.pages, strict=True)
+        ]
+        return SaveReservation(result.save_id, [BlockKey(k) for k in keys], views)
+
+    def commit(
+        self, reservation: SaveReservation, keys: Sequence[bytes] | None = None,
+        checksums: Sequence[int] = (),
+    ) -> int:  # fmt: skip
+        """Make written payloads readable (all reserved keys by default); returns how many."""
+        keys = reservation.reserved_keys() if keys is None else list(keys)
+        request = pb.CommitRequest(save_id=reservation.save_id, keys=keys, checksums=checksums)
+        return self._call("commit", request).commit.committed
+
+    def commit_async(self, reservation: SaveReservation, **options) -> Future[int]:
+        return self._executor.submit(self.commit, reservation, **options)
+
+    def abort(self, reservation: SaveReservation) -> None:
+        """Free every page of the reservation that was not committed."""
+        self._call("abort", pb.AbortRequest(save_id=reservation.save_id))
+
+    def stats(self) -> str:
+        return self._call("stats", pb.AgentStatsRequest()).stats.json
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+        self._sock.close()
+        self._arena.close()
+
+    def __enter__(self) -> KVStoreClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

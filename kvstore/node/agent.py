@@ -1,0 +1,189 @@
+"""The node agent: composes the host arena and disk tier (a TieredStore), the transfer engine,
+the metadata link and the control server for local workers. Runs as `kvstore node`, or inside
+`kvstore serve` beside the metadata service.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prometheus_client import start_http_server
+
+from kvstore.block import HEADER_BYTES
+from kvstore.errors import ConfigError
+from kvstore.eviction import make_policy
+from kvstore.metadata.client import MetadataClient
+from kvstore.metadata.index import NodeRecord
+from kvstore.node.control import ControlServer
+from kvstore.node.link import MetadataLink
+from kvstore.node.metrics import agent_registry
+from kvstore.node.remote import RemoteFetcher
+from kvstore.node.session import RequestCounters, WorkerSession
+from kvstore.store import TieredStore, TierSlot
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.host import HostTier, remove_stale_arenas
+from kvstore.transfer.base import make_engine
+
+logger = logging.getLogger(__name__)
+DEFAULT_PAGE_BYTES = (32 << 20) + HEADER_BYTES  # a 256-token chunk of Llama-3-8B in bf16
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """Settings of one node agent; see `kvstore node --help`."""
+
+    node_id: str = field(default_factory=socket.gethostname)
+    socket_path: Path = Path("/tmp/kvstore/agent.sock")
+    host_capacity_bytes: int = 4 << 30
+    page_size_bytes: int = DEFAULT_PAGE_BYTES
+    disk_dir: Path | None = None  # None: no disk tier
+    disk_capacity_bytes: int = 64 << 30
+    host_policy: str = "prefix-lru"
+    disk_policy: str = "prefix-lru"
+    metadata_address: str = ""  # empty: this node serves only its own blocks
+    metadata_token: str | None = None
+    metadata_tls_ca: Path | None = None
+    transfer: str = "tcp"  # tcp | ucx | none
+    transfer_host: str = "127.0.0.1"  # where the transfer engine listens
+    transfer_port: int = 0
+    advertise_host: str = ""  # the address peers dial; default: transfer_host
+    lease_ttl_ms: int = 10_000
+    fetch_timeout_s: float = 5.0
+    metrics_listen: str = ""
+
+    def __post_init__(self) -> None:
+        if self.transfer not in ("tcp", "ucx", "none"):
+            raise ConfigError(f"transfer {self.transfer!r} unknown; use tcp, ucx or none")
+        if self.page_size_bytes <= HEADER_BYTES:
+            raise ConfigError(f"page_size_bytes must exceed the {HEADER_BYTES}-byte header")
+        if self.transfer == "none" and self.metadata_address:
+            logger.warning("no transfer engine: blocks of other nodes cannot be fetched")
+
+
+class NodeAgent:
+    def __init__(self, config: NodeConfig) -> None:
+        self.config = config
+        self.counters = RequestCounters()
+        self.store: TieredStore | None = None
+        self.engine = None
+        self.link: MetadataLink | None = None
+        self.fetcher: RemoteFetcher | None = None
+        self.control: ControlServer | None = None
+        self.transfer_address = ""
+        self.metrics_port = 0
+        self._metrics_http = None
+
+    def start(self) -> None:
+        config = self.config
+        for name in remove_stale_arenas():
+            logger.info("removed shared arena %s left by a dead agent", name)
+        self.store = TieredStore(self._slots())
+        if config.transfer != "none":
+            self.engine = make_engine(config.transfer)
+            self.transfer_address = self.engine.serve(
+                self.store.open_block, config.transfer_host, config.transfer_port
+            )
+        if config.metadata_address:
+            self._start_link()
+        self.control = ControlServer(
+            config.socket_path, self._new_session, self._hello(), self.stats_json,
+            config.fetch_timeout_s,
+        )  # fmt: skip
+        self.control.start()
+        self._start_metrics()
+
+    def _slots(self) -> list[TierSlot]:
+        config = self.config
+        host = HostTier(config.host_capacity_bytes, config.page_size_bytes)
+        slots = [TierSlot(host, make_policy(config.host_policy))]
+        if config.disk_dir is not None:
+            disk = DiskTier(config.disk_dir, config.disk_capacity_bytes, config.page_size_bytes)
+            slots.append(TierSlot(disk, make_policy(config.disk_policy)))
+        return slots
+
+    def _advertised(self, address: str) -> str:
+        if not address or not self.config.advertise_host:
+            return address
+        return f"{self.config.advertise_host}:{address.rpartition(':')[2]}"
+
+    def _start_link(self) -> None:
+        config = self.config
+        address = self._advertised(self.transfer_address)
+        node = NodeRecord(
+            config.node_id,
+            tcp_address=address if config.transfer == "tcp" else "",
+            ucx_address=address if config.transfer == "ucx" else "",
+            tier_capacity_bytes={
+                slot.tier.kind: slot.tier.capacity_bytes for slot in self.store.slots
+            },
+        )
+        client = MetadataClient(
+            config.metadata_address, token=config.metadata_token, tls_ca=config.metadata_tls_ca
+        )
+        self.link = MetadataLink(client, node, self.store, config.lease_ttl_ms)
+        self.link.start()
+        if self.engine is not None:
+            self.fetcher = RemoteFetcher(self.store, self.link, self.engine, config.node_id)
+
+    def _hello(self):
+        from kvstore.v1 import agent_pb2 as pb
+
+        host = self.store.slots[0].tier
+        return pb.HelloResponse(
+            node_id=self.config.node_id, arena_name=host.arena_name,
+            num_pages=host.capacity_pages, page_size_bytes=host.page_size_bytes,
+            header_bytes=HEADER_BYTES,
+        )  # fmt: skip
+
+    def _new_session(self) -> WorkerSession:
+        return WorkerSession(self.store, self.fetcher, self.counters)
+
+    def _start_metrics(self) -> None:
+        if not self.config.metrics_listen:
+            return
+        host, _, port = self.config.metrics_listen.rpartition(":")
+        registry = agent_registry(self.stats)
+        self._metrics_http, _ = start_http_server(
+            int(port), addr=host or "127.0.0.1", registry=registry
+        )
+        self.metrics_port = self._metrics_http.server_port
+
+    def stats(self) -> dict:
+        fetch = self.fetcher.stats if self.fetcher else None
+        return {
+            "node_id": self.config.node_id,
+            "tiers": self.store.usage(),
+            "requests": self.counters.snapshot(),
+            "transfer": {
+                "engine": self.config.transfer,
+                "address": self.transfer_address,
+                "blocks": fetch.blocks if fetch else 0,
+                "bytes": fetch.bytes if fetch else 0,
+                "seconds": fetch.seconds if fetch else 0.0,
+                "failures": fetch.failures if fetch else 0,
+            },
+            "checksum_failures": self.store.checksum_failures,
+            "evictions": dict(self.store.removals),
+            "pins": self.store.pins_held(),
+            "workers": len(self.control.sessions) if self.control else 0,
+            "metadata_connected": bool(self.link and self.link.connected),
+        }
+
+    def stats_json(self) -> str:
+        return json.dumps(self.stats())
+
+    def stop(self) -> None:
+        if self.control is not None:
+            self.control.stop()
+        if self.link is not None:
+            self.link.stop()
+        if self.engine is not None:
+            self.engine.close()
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+        if self.store is not None:
+            self.store.close()

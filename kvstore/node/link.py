@@ -1,0 +1,155 @@
+"""The node agent's link to the metadata service: registration, heartbeats, and publishing the
+store's events in batches, retrying with backoff while the service is down.
+
+Runs in one background thread of the node agent. Local hits never wait for it: when the
+service is unreachable, events queue here and are published once it is back; after a lost
+lease or dropped events, the whole store is re-published.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+
+from kvstore.errors import KVStoreError, LeaseError, NotFoundError, UnavailableError
+from kvstore.events import BlockEvent, EventKind
+from kvstore.metadata.client import LookupResult, MetadataClient
+from kvstore.metadata.index import BlockEntry, NodeRecord
+from kvstore.retry import Backoff
+from kvstore.store import TieredStore
+
+logger = logging.getLogger(__name__)
+DEFAULT_BACKOFF = Backoff(base_s=0.05, cap_s=2.0)
+
+
+class MetadataLink:
+    def __init__(
+        self, client: MetadataClient, node: NodeRecord, store: TieredStore,
+        lease_ttl_ms: int = 10_000, batch_max: int = 1024, backoff: Backoff = DEFAULT_BACKOFF,
+    ) -> None:  # fmt: skip
+        self.client = client
+        self.node = node
+        self.store = store
+        self.lease_ttl_ms = lease_ttl_ms
+        self.batch_max = batch_max
+        self.backoff = backoff
+        self.lease_id: int | None = None
+        self.published = 0
+        self.unpublished = 0
+        self._backlog: deque[BlockEvent] = deque()
+        self._dropped_seen = 0
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="metadata-link", daemon=True)
+
+    @property
+    def connected(self) -> bool:
+        return self.lease_id is not None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def flush(self) -> None:
+        """Ask the link to publish pending events now (it also does so every heartbeat/3)."""
+        self._wake.set()
+
+    def lookup(self, tenant: str, keys: Sequence[bytes]) -> LookupResult | None:
+        """Who else holds the leading `keys`; None while the service is unreachable."""
+        try:
+            return self.client.lookup(tenant, keys, caller_node_id=self.node.node_id)
+        except UnavailableError as exc:
+            logger.debug("remote lookup skipped: %s", exc)
+            return None
+
+    def _run(self) -> None:
+        attempt = 0
+        while not self._stop.is_set():
+            try:
+                self._step()
+                attempt = 0
+                period_s = min(self.lease_ttl_ms / 3000, 0.2)
+            except UnavailableError as exc:
+                logger.debug("metadata service unavailable: %s", exc)
+                period_s = self.backoff.delay_s(attempt)
+                attempt += 1
+            except (LeaseError, NotFoundError) as exc:
+                logger.warning("lost the lease (%s); registering again", exc)
+                self.lease_id = None
+                period_s = 0
+            self._wake.wait(period_s)
+            self._wake.clear()
+
+    def _step(self) -> None:
+        if self.lease_id is None:
+            self._register_and_resync()
+        else:
+            self._heartbeat_if_due()
+        self._publish_events()
+
+    def _register_and_resync(self) -> None:
+        self.lease_id, self.lease_ttl_ms = self.client.register_node(self.node, self.lease_ttl_ms)
+        self._next_heartbeat = time.monotonic() + self.lease_ttl_ms / 3000
+        logger.info("registered node %s (lease %d)", self.node.node_id, self.lease_id)
+        self.store.events.drain()  # the inventory below supersedes queued events
+        self._backlog.clear()
+        self._dropped_seen = self.store.events.dropped
+        inventory = self.store.inventory()
+        for tenant in sorted({tenant for _, _, tenant in inventory}):
+            entries = [BlockEntry(k, tier) for k, tier, t in inventory if t == tenant]
+            for start in range(0, len(entries), self.batch_max):
+                batch = entries[start : start + self.batch_max]
+                self.published += self.client.publish(
+                    self.node.node_id, self.lease_id, tenant, batch
+                )
+
+    def _heartbeat_if_due(self) -> None:
+        if time.monotonic() >= self._next_heartbeat:
+            self.client.heartbeat(self.node.node_id, self.lease_id)
+            self._next_heartbeat = time.monotonic() + self.lease_ttl_ms / 3000
+
+    def _publish_events(self) -> None:
+        if self.store.events.dropped != self._dropped_seen:
+            logger.warning("event feed overflowed; re-publishing the whole store")
+            self.lease_id = None
+            return
+        self._backlog.extend(self.store.events.drain())
+        while self._backlog:
+            batch = self._next_batch()
+            self._send(batch)
+            for _ in batch:
+                self._backlog.popleft()
+
+    def _next_batch(self) -> list[BlockEvent]:
+        """The longest run of leading backlog events with one kind and tenant (order kept)."""
+        first = self._backlog[0]
+        batch = []
+        for event in self._backlog:
+            if (event.kind, event.tenant) != (first.kind, first.tenant) or len(
+                batch
+            ) == self.batch_max:
+                break
+            batch.append(event)
+        return batch
+
+    def _send(self, batch: list[BlockEvent]) -> None:
+        entries = [BlockEntry(e.key, e.tier, e.size_bytes) for e in batch]
+        node_id, tenant = self.node.node_id, batch[0].tenant
+        if batch[0].kind is EventKind.STORED:
+            self.published += self.client.publish(node_id, self.lease_id, tenant, entries)
+        else:
+            self.unpublished += self.client.unpublish(node_id, self.lease_id, tenant, entries)
+
+    def stop(self, deregister: bool = True) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        if deregister and self.lease_id is not None:
+            try:
+                self.client.deregister_node(self.node.node_id, self.lease_id)
+            except KVStoreError as exc:
+                logger.info("could not deregister on shutdown: %s", exc)
+        self.client.close()

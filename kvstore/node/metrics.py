@@ -1,0 +1,91 @@
+"""Prometheus metrics of one node agent, read from its store, sessions and fetcher at scrape
+time (no bookkeeping on the hot path). Runs in the node agent process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+
+class AgentCollector(Collector):
+    """Turns `snapshot()` (NodeAgent.stats) into metric families."""
+
+    def __init__(self, snapshot: Callable[[], dict]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self):
+        stats = self._snapshot()
+        yield from self._tiers(stats["tiers"])
+        yield from self._requests(stats["requests"])
+        yield from self._counters(stats)
+
+    def _tiers(self, tiers: dict):
+        blocks = GaugeMetricFamily(
+            "kvstore_agent_blocks", "Blocks stored, by tier", labels=["tier"]
+        )
+        used = GaugeMetricFamily(
+            "kvstore_agent_bytes", "Bytes of pages in use, by tier", labels=["tier"]
+        )
+        capacity = GaugeMetricFamily(
+            "kvstore_agent_capacity_bytes", "Tier capacity", labels=["tier"]
+        )
+        for tier, usage in tiers.items():
+            blocks.add_metric([tier], usage["used_pages"])
+            used.add_metric([tier], usage["used_pages"] * usage["page_size_bytes"])
+            capacity.add_metric([tier], usage["capacity_pages"] * usage["page_size_bytes"])
+        yield from (blocks, used, capacity)
+
+    def _requests(self, requests: dict):
+        lookups = CounterMetricFamily(
+            "kvstore_agent_lookup_blocks", "Blocks asked for by lookups, by result",
+            labels=["result"],
+        )  # fmt: skip
+        for result in ("asked", "local_hit", "remote_hit"):
+            lookups.add_metric([result], requests[f"lookup_{result}"])
+        loads = CounterMetricFamily(
+            "kvstore_agent_loaded_blocks", "Blocks served to workers, by source", labels=["source"]
+        )
+        loads.add_metric(["local"], requests["load_local"])
+        loads.add_metric(["remote"], requests["load_remote"])
+        loads.add_metric(["miss"], requests["load_miss"])
+        saves = CounterMetricFamily("kvstore_agent_saved_blocks", "Blocks committed by workers")
+        saves.add_metric([], requests["saved"])
+        yield from (lookups, loads, saves)
+
+    def _counters(self, stats: dict):
+        transfer = stats["transfer"]
+        yield CounterMetricFamily(
+            "kvstore_agent_fetched_bytes", "Bytes pulled from other nodes", value=transfer["bytes"]
+        )
+        yield CounterMetricFamily(
+            "kvstore_agent_fetch_seconds", "Time spent pulling from other nodes",
+            value=transfer["seconds"],
+        )  # fmt: skip
+        yield CounterMetricFamily(
+            "kvstore_agent_checksum_failures", "Blocks discarded for a bad checksum",
+            value=stats["checksum_failures"] + transfer["failures"],
+        )  # fmt: skip
+        evictions = CounterMetricFamily(
+            "kvstore_agent_evictions", "Blocks removed from a tier", labels=["tier"]
+        )
+        for tier, count in stats["evictions"].items():
+            evictions.add_metric([tier], count)
+        yield evictions
+        yield GaugeMetricFamily("kvstore_agent_pins", "Pins held by workers", value=stats["pins"])
+        yield GaugeMetricFamily(
+            "kvstore_agent_workers", "Connected workers", value=stats["workers"]
+        )
+        yield GaugeMetricFamily(
+            "kvstore_agent_metadata_connected", "1 while registered with the metadata service",
+            value=1 if stats["metadata_connected"] else 0,
+        )  # fmt: skip
+
+
+def agent_registry(snapshot: Callable[[], dict]) -> CollectorRegistry:
+    registry = CollectorRegistry()
+    registry.register(AgentCollector(snapshot))
+    return registry

@@ -1,0 +1,178 @@
+"""One worker's session with the node agent: its loads (pinned pages) and saves (reserved
+pages), released when the worker asks or when its connection closes, so a dead worker leaks
+nothing. Runs in the node agent, on that worker's control-connection thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvstore import block
+from kvstore.errors import CapacityError, NotFoundError
+from kvstore.keys import BlockKey
+from kvstore.node.remote import RemoteFetcher
+from kvstore.store import TieredStore
+from kvstore.tiers.arena import ArenaTier
+
+logger = logging.getLogger(__name__)
+_ids = itertools.count(1)
+
+
+@dataclass
+class LoadedPrefix:
+    load_id: int
+    keys: list[BlockKey]
+    pages: list[int]
+    headers: list[block.BlockHeader]
+    local_blocks: int
+    remote_blocks: int
+
+
+@dataclass
+class Reservation:
+    save_id: int
+    pages: dict[BlockKey, int] = field(default_factory=dict)  # reserved, not yet committed
+
+
+class RequestCounters:
+    """Blocks asked for and served, across every session of one agent. Thread-safe."""
+
+    NAMES = (
+        "lookup_asked", "lookup_local_hit", "lookup_remote_hit", "load_local", "load_remote",
+        "load_miss", "saved",
+    )  # fmt: skip
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(self.NAMES, 0)
+
+    def add(self, **increments: int) -> None:
+        with self._lock:
+            for name, value in increments.items():
+                self._counts[name] += value
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+
+class WorkerSession:
+    def __init__(
+        self, store: TieredStore, fetcher: RemoteFetcher | None, counters: RequestCounters
+    ) -> None:
+        self.store = store
+        self.fetcher = fetcher
+        self.counters = counters
+        self.name = ""
+        self.loads: dict[int, list[BlockKey]] = {}
+        self.saves: dict[int, Reservation] = {}
+
+    @property
+    def arena(self) -> ArenaTier:
+        return self.store.slots[0].tier
+
+    # ---- reads -----------------------------------------------------------------------------
+    def lookup(self, tenant: str, keys: Sequence[BlockKey], local_only: bool) -> tuple[int, int]:
+        local = self.store.lookup(keys)
+        remote = 0
+        if local < len(keys) and not local_only and self.fetcher is not None:
+            remote = self.fetcher.remote_prefix(tenant, keys[local:])
+        self.counters.add(lookup_asked=len(keys), lookup_local_hit=local, lookup_remote_hit=remote)
+        return local, remote
+
+    def load(self, tenant: str, keys: Sequence[BlockKey], timeout_s: float) -> LoadedPrefix:
+        """Pin the longest prefix servable from the host arena, fetching remote blocks first."""
+        local = self._pin_in_arena(keys)
+        remote = 0
+        if local < len(keys) and self.fetcher is not None:
+            fetched = self.fetcher.fetch(tenant, keys[local:], timeout_s)
+            remote = self._pin_in_arena(keys[local : local + fetched])
+        pinned = list(keys[: local + remote])
+        load_id = next(_ids)
+        self.loads[load_id] = pinned
+        headers = [self._header(key) for key in pinned]
+        pages = [self.arena.page_index(key) for key in pinned]
+        self.counters.add(load_local=local, load_remote=remote, load_miss=len(keys) - len(pinned))
+        return LoadedPrefix(load_id, pinned, pages, headers, local, remote)
+
+    def _pin_in_arena(self, keys: Sequence[BlockKey]) -> int:
+        """Pin leading keys, keeping only those that are (or were promoted) in the arena."""
+        pinned = self.store.pin(keys)
+        in_arena = next((i for i, key in enumerate(keys[:pinned]) if key not in self.arena), pinned)
+        self.store.unpin(keys[in_arena:pinned])
+        return in_arena
+
+    def _header(self, key: BlockKey) -> block.BlockHeader:
+        page = self.arena.pages[self.arena.page_index(key), : block.HEADER_BYTES]
+        return block.unpack_header(page)
+
+    def release(self, load_id: int) -> None:
+        keys = self.loads.pop(load_id, None)
+        if keys is None:
+            raise NotFoundError(f"no load {load_id} in this session (released already?)")
+        self.store.unpin(keys)
+
+    # ---- writes ----------------------------------------------------------------------------
+    def save(
+        self, tenant: str, keys: Sequence[BlockKey], first_parent: BlockKey | None,
+        payload_bytes: int, layout_hash: int, codec_id: int,
+    ) -> tuple[int, list[int | None]]:  # fmt: skip
+        """Reserve a page per key (None: already stored, being written, or no room left)."""
+        reservation = Reservation(next(_ids))
+        self.saves[reservation.save_id] = reservation
+        pages: list[int | None] = []
+        parent = first_parent
+        for key in keys:
+            pages.append(self._reserve(reservation, tenant, key, parent, payload_bytes,
+                                       layout_hash, codec_id))  # fmt: skip
+            parent = key
+        return reservation.save_id, pages
+
+    def _reserve(self, reservation, tenant, key, parent, payload_bytes, layout_hash, codec_id):
+        try:
+            view = self.store.reserve(key, parent, payload_bytes, layout_hash, codec_id, tenant)
+        except CapacityError as exc:
+            logger.info("save of %r skipped: %s", key, exc)
+            return None
+        if view is None:
+            return None
+        page = self.arena.page_index(key)
+        reservation.pages[key] = page
+        return page
+
+    def commit(self, save_id: int, keys: Sequence[BlockKey], checksums: Sequence[int]) -> int:
+        reservation = self._reservation(save_id)
+        committed = 0
+        for index, key in enumerate(keys):
+            if reservation.pages.pop(key, None) is None:
+                continue  # not reserved in this save: nothing to commit
+            self.store.commit(key, checksums[index] if checksums else None)
+            committed += 1
+        self.counters.add(saved=committed)
+        if not reservation.pages:
+            del self.saves[save_id]
+        return committed
+
+    def abort(self, save_id: int) -> None:
+        reservation = self._reservation(save_id)
+        for key in reservation.pages:
+            self.store.abort(key)
+        del self.saves[save_id]
+
+    def _reservation(self, save_id: int) -> Reservation:
+        reservation = self.saves.get(save_id)
+        if reservation is None:
+            raise NotFoundError(f"no save {save_id} in this session (committed or aborted?)")
+        return reservation
+
+    # ---- end of session --------------------------------------------------------------------
+    def close(self) -> None:
+        """Drop every pin and reservation this worker still holds."""
+        for load_id in list(self.loads):
+            self.release(load_id)
+        for save_id in list(self.saves):
+            self.abort(save_id)

@@ -1,0 +1,72 @@
+"""The transfer-engine interface: how whole blocks move between node agents on different hosts.
+
+Runs inside the node agent. An engine serves this node's blocks to peers (`serve`) and pulls
+peers' blocks into local pages (`fetch`). Blocks travel as stored: 64-byte header + payload;
+the receiver verifies the checksum before the block becomes readable (never here).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+
+import torch
+
+from kvstore.errors import ConfigError
+from kvstore.keys import BlockKey
+
+# Yields the whole stored block (header + payload) of a key, or None when absent. The view must
+# stay valid, and the block un-evicted, until the context exits; it is read outside store locks.
+OpenBlock = Callable[[BlockKey], AbstractContextManager[torch.Tensor | None]]
+
+
+class TransferEngine(ABC):
+    """Serves local blocks to peers and fetches peers' blocks. Thread-safe."""
+
+    name: str = ""
+
+    @abstractmethod
+    def serve(self, open_block: OpenBlock, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Start answering peers' fetches from `open_block`; returns the address peers dial."""
+
+    @abstractmethod
+    def fetch(
+        self, address: str, keys: Sequence[BlockKey], pages: Sequence[torch.Tensor],
+        timeout_s: float,
+    ) -> list[int]:  # fmt: skip
+        """Pull the blocks of `keys` from the peer at `address`, block i into `pages[i]`.
+
+        Returns, per key, the bytes received: 0 when the peer lacks the block, or when the
+        transfer broke before that block completed (then every later entry is 0 too). Pages
+        reported 0 may hold partial bytes and must not be read. Raises TransferError only when
+        the peer cannot be reached at all within `timeout_s`.
+        """
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop serving and drop connections. Idempotent."""
+
+
+_ENGINES: dict[str, Callable[..., TransferEngine]] = {}
+
+
+def register_engine(name: str) -> Callable[[type[TransferEngine]], type[TransferEngine]]:
+    def decorate(cls: type[TransferEngine]) -> type[TransferEngine]:
+        cls.name = name
+        _ENGINES[name] = cls
+        return cls
+
+    return decorate
+
+
+def make_engine(name: str, **options: object) -> TransferEngine:
+    """A transfer engine by name ("tcp" or "ucx"); unknown names raise ConfigError."""
+    if name == "ucx":
+        import kvstore.transfer.ucx
+    else:
+        import kvstore.transfer.tcp  # noqa: F401
+    try:
+        return _ENGINES[name](**options)
+    except KeyError:
+        raise ConfigError(f"unknown transfer engine {name!r}; use 'tcp' or 'ucx'") from None

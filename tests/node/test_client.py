@@ -1,0 +1,136 @@
+"""The client API against a real node agent, narrated: save in place, look up, load in place,
+release; several worker processes share one agent; a dead worker leaks no pins."""
+
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from kvstore.client import KVStoreClient, LookupCounts
+from kvstore.errors import ConfigError, NotFoundError, UnavailableError
+from kvstore.keys import Namespace, chunk_keys
+from tests.metadata.servers import wait_until
+from tests.node.agents import running_agent
+
+NS = Namespace("sha256:model", "layout")
+KEYS = chunk_keys(NS, range(256 * 8), 256)
+PAYLOAD = 100_000
+
+
+def save_chain(client, keys, fill=lambda i: i + 1, tenant="t"):
+    reservation = client.save(tenant, keys, PAYLOAD)
+    for index, view in enumerate(reservation.payloads):
+        if view is not None:
+            view.fill_(fill(index))
+    return client.commit(reservation)
+
+
+def test_a_worker_saves_in_place_and_another_loads_in_place(tmp_path):
+    with running_agent(tmp_path) as agent:
+        with KVStoreClient(agent.config.socket_path, "writer") as writer:
+            assert writer.lookup("t", KEYS).total == 0
+            assert save_chain(writer, KEYS[:5]) == 5
+        with KVStoreClient(agent.config.socket_path, "reader") as reader:
+            assert reader.lookup("t", KEYS) == LookupCounts(local=5, remote=0)
+            loaded = reader.load("t", KEYS)
+            assert len(loaded) == 5 and loaded.local_blocks == 5
+            assert [int(view[0]) for view in loaded.payloads] == [1, 2, 3, 4, 5]
+            assert all(view.numel() == PAYLOAD for view in loaded.payloads)
+            assert agent.store.pins_held() == 5
+            with agent.store.read(KEYS[2]) as stored:
+                assert stored.data_ptr() != loaded.payloads[2].data_ptr()  # another mapping
+                assert torch.equal(stored, loaded.payloads[2])  # of the same bytes
+            reader.release(loaded)
+            assert agent.store.pins_held() == 0
+            with pytest.raises(NotFoundError, match="no load"):
+                reader.release(loaded)
+
+
+def test_saving_keys_already_stored_reserves_only_the_new_ones(tmp_path):
+    with running_agent(tmp_path) as agent, KVStoreClient(agent.config.socket_path) as client:
+        save_chain(client, KEYS[:3])
+        reservation = client.save("t", KEYS[:6], PAYLOAD)
+        assert [view is not None for view in reservation.payloads] == [False] * 3 + [True] * 3
+        assert client.commit(reservation) == 3
+        assert client.lookup("t", KEYS).local == 6
+
+
+def test_an_aborted_save_leaves_nothing_readable(tmp_path):
+    with running_agent(tmp_path) as agent, KVStoreClient(agent.config.socket_path) as client:
+        reservation = client.save("t", KEYS[:2], PAYLOAD)
+        client.abort(reservation)
+        assert client.lookup("t", KEYS).total == 0
+        assert agent.store.usage()["host"]["used_pages"] == 0
+
+
+def test_a_corrupted_arena_page_ends_the_loaded_prefix(tmp_path):
+    with running_agent(tmp_path) as agent, KVStoreClient(agent.config.socket_path) as client:
+        save_chain(client, KEYS[:4])
+        loaded = client.load("t", KEYS)
+        client.release(loaded)
+        loaded.payloads[2][10] += 1  # a stray write into the shared arena
+        again = client.load("t", KEYS)
+        assert len(again) == 2, "the corrupt block and those after it are misses"
+        client.release(again)
+
+
+def test_async_load_and_commit(tmp_path):
+    with running_agent(tmp_path) as agent, KVStoreClient(agent.config.socket_path) as client:
+        reservation = client.save("t", KEYS[:3], PAYLOAD)
+        for view in reservation.payloads:
+            view.fill_(9)
+        assert client.commit_async(reservation).result(timeout=10) == 3
+        loaded = client.load_async("t", KEYS[:3]).result(timeout=10)
+        assert len(loaded) == 3
+        client.release(loaded)
+
+
+def test_bad_requests_get_clear_errors_and_the_agent_keeps_serving(tmp_path):
+    with running_agent(tmp_path) as agent, KVStoreClient(agent.config.socket_path) as client:
+        with pytest.raises(ConfigError, match="16 bytes"):
+            client.lookup("t", [b"short"])
+        with pytest.raises(ConfigError, match="does not fit a host page"):
+            client.save("t", KEYS[:1], 2 << 20)
+        with pytest.raises(ConfigError, match="tenant"):
+            client.save("", KEYS[:1], 10)
+        assert client.lookup("t", KEYS).total == 0
+
+
+def test_no_agent_is_unavailable(tmp_path):
+    with pytest.raises(UnavailableError, match="no node agent"):
+        KVStoreClient(tmp_path / "absent.sock")
+
+
+_DYING_WORKER = textwrap.dedent(
+    """
+    import sys, time
+    from kvstore.client import KVStoreClient, LookupCounts
+    from kvstore.keys import Namespace, chunk_keys
+    keys = chunk_keys(Namespace("sha256:model", "layout"), range(256 * 8), 256)
+    client = KVStoreClient(sys.argv[1], "doomed")
+    loaded = client.load("t", keys)
+    reservation = client.save("t", keys[5:7], 1000)
+    print(len(loaded), flush=True)
+    time.sleep(60)
+    """
+)
+
+
+def test_a_worker_killed_holding_pins_and_reservations_leaks_nothing(tmp_path):
+    with running_agent(tmp_path) as agent:
+        with KVStoreClient(agent.config.socket_path) as client:
+            save_chain(client, KEYS[:5])
+        worker = subprocess.Popen(
+            [sys.executable, "-c", _DYING_WORKER, str(agent.config.socket_path)],
+            stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert worker.stdout.readline().strip() == "5"
+        assert agent.store.pins_held() == 5
+        assert agent.store.usage()["host"]["used_pages"] == 7
+        worker.send_signal(signal.SIGKILL)
+        worker.wait()
+        assert wait_until(lambda: agent.store.pins_held() == 0)
+        assert wait_until(lambda: agent.store.usage()["host"]["used_pages"] == 5)

@@ -1,0 +1,175 @@
+"""The TransferEngine contract, narrated, against every engine (tcp, ucx): blocks arrive whole
+or not at all, misses and failures read as 0, a corrupt block never becomes readable, and
+timeouts, closes and concurrent fetches behave."""
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+import pytest
+
+from kvstore.block import HEADER_BYTES
+from kvstore.errors import TransferError
+from tests.transfer.conftest import BIG_PAGE_BYTES, KEYS, SMALL_PAGE_BYTES, payload, stored_payload
+
+
+def block_bytes(pair, n: int) -> bytes:
+    size = pair.holder.slots[0].tier.page_size_bytes - HEADER_BYTES
+    return payload(n, size)
+
+
+@pytest.mark.parametrize("page_bytes", [SMALL_PAGE_BYTES, BIG_PAGE_BYTES], ids=["64KiB", "4MiB"])
+def test_a_batch_of_blocks_arrives_byte_identical(make_pair, page_bytes):
+    pair = make_pair(page_bytes, pages=9)
+    keys = pair.put(range(8))
+
+    received = pair.fetch(keys)
+
+    assert received == [page_bytes] * 8
+    assert pair.land(keys, received) == [True] * 8
+    assert all(stored_payload(pair.reader, KEYS[n]) == block_bytes(pair, n) for n in range(8))
+    assert pair.reader.checksum_failures == 0
+
+
+def test_missing_keys_read_as_zero_and_the_rest_still_arrive(pair):
+    pair.put([0, 2, 3, 6])
+    keys = KEYS[:8]
+
+    received = pair.fetch(keys)
+
+    assert [bool(size) for size in received] == [n in (0, 2, 3, 6) for n in range(8)]
+    assert pair.land(keys, received) == [n in (0, 2, 3, 6) for n in range(8)]
+    assert stored_payload(pair.reader, KEYS[6]) == block_bytes(pair, 6)
+    assert stored_payload(pair.reader, KEYS[1]) is None
+
+
+def test_a_large_batch_arrives_and_later_batches_reuse_the_connection(pair, make_store):
+    keys = pair.put(range(64))
+    second_reader = make_store()
+
+    first = pair.fetch(keys)
+    second = pair.fetch(keys, reader=second_reader)
+
+    assert pair.land(keys, first) == [True] * 64
+    assert pair.land(keys, second, reader=second_reader) == [True] * 64
+    assert stored_payload(second_reader, KEYS[63]) == block_bytes(pair, 63)
+    # Engines expose `stats` with these two counters (see the tcp engine's TcpStats).
+    assert pair.server.stats.connections_accepted == 1
+    assert pair.client.stats.connections_opened == 1
+
+
+def test_blocks_of_different_payload_sizes_arrive_whole(pair):
+    largest = SMALL_PAGE_BYTES - HEADER_BYTES
+    sizes = [1, 7, 4096, largest - 1, largest]
+    keys = []
+    for n, size in enumerate(sizes):
+        keys += pair.put([n], size)
+
+    received = pair.fetch(keys)
+
+    assert received == [HEADER_BYTES + size for size in sizes]
+    assert pair.land(keys, received) == [True] * len(sizes)
+    for n, size in enumerate(sizes):
+        assert stored_payload(pair.reader, KEYS[n]) == payload(n, size)
+
+
+def corrupting(bad_key):
+    """Wraps open_block: `bad_key` is served as a copy with one payload byte altered."""
+
+    def wrap(open_block):
+        @contextmanager
+        def serve(key):
+            with open_block(key) as view:
+                if view is None or key != bad_key:
+                    yield view
+                    return
+                altered = view.clone()
+                altered[HEADER_BYTES + 10] ^= 0xFF
+                yield altered
+
+        return serve
+
+    return wrap
+
+
+def test_a_block_altered_at_the_holder_is_delivered_but_never_readable(make_pair):
+    pair = make_pair(wrap=corrupting(KEYS[1]))
+    keys = pair.put(range(3))
+
+    received = pair.fetch(keys)
+
+    assert received == [SMALL_PAGE_BYTES] * 3  # the transport delivered it...
+    assert pair.land(keys, received) == [True, False, True]  # ...the checksum refused it
+    assert pair.reader.lookup([KEYS[1]]) == 0
+    assert stored_payload(pair.reader, KEYS[1]) is None
+    assert pair.reader.checksum_failures == 1
+
+
+def test_fetching_where_nothing_listens_raises_within_the_timeout(make_transfer_engine, make_store):
+    gone = make_transfer_engine()
+    address = gone.serve(make_store().open_block)
+    gone.close()
+    client, reader = make_transfer_engine(), make_store()
+
+    started = time.monotonic()
+    with pytest.raises(TransferError):
+        client.fetch(address, KEYS[:2], [reader.reserve_page(k) for k in KEYS[:2]], 2.0)
+    assert time.monotonic() - started < 3.0
+
+
+def test_close_is_idempotent_and_a_closed_server_refuses_new_fetches(pair):
+    keys = pair.put(range(2))
+    assert pair.land(keys, pair.fetch(keys)) == [True, True]
+
+    pair.server.close()
+    pair.server.close()
+
+    with pytest.raises(TransferError):
+        pair.fetch(KEYS[2:4], timeout_s=2.0)
+    pair.client.close()
+    pair.client.close()
+
+
+def test_a_stalled_holder_yields_what_arrived_within_the_timeout(make_pair):
+    release = threading.Event()
+
+    def stall_at_block_3(open_block):
+        @contextmanager
+        def serve(key):
+            if key == KEYS[3]:
+                release.wait(10.0)
+            with open_block(key) as view:
+                yield view
+
+        return serve
+
+    pair = make_pair(wrap=stall_at_block_3)
+    keys = pair.put(range(6))
+    try:
+        started = time.monotonic()
+        received = pair.fetch(keys, timeout_s=0.5)
+        elapsed = time.monotonic() - started
+    finally:
+        release.set()
+
+    assert received == [SMALL_PAGE_BYTES] * 3 + [0] * 3
+    assert elapsed < 1.5
+    assert pair.land(keys, received) == [True] * 3 + [False] * 3
+    assert pair.reader.lookup(keys) == 3
+
+
+def test_concurrent_fetches_from_several_threads_all_succeed(pair):
+    pair.put(range(32))
+    batches = [KEYS[start : start + 8] for start in range(0, 32, 8)]
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(pair.fetch, batches))
+
+    for batch, received in zip(batches, results, strict=True):
+        assert pair.land(batch, received) == [True] * 8
+    assert all(stored_payload(pair.reader, KEYS[n]) == block_bytes(pair, n) for n in range(32))
+
+
+def test_an_empty_batch_returns_an_empty_list(pair):
+    assert pair.client.fetch(pair.address, [], [], 1.0) == []

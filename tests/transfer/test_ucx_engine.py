@@ -1,0 +1,219 @@
+"""The ucx engine on loopback, narrated: blocks land byte-identical between two real stores,
+misses and corrupt blocks never become readable, unreachable peers fail fast, a holder killed
+mid-block leaves nothing partial, and a process using UCX idles quietly and exits cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import pytest
+import torch
+
+pytest.importorskip("kvstore.transfer.ucx")  # sets UCX's logging defaults before ucxx loads
+pytest.importorskip("ucxx")
+
+from kvstore.block import HEADER_BYTES
+from kvstore.errors import ConfigError, TransferError
+from kvstore.transfer.ucx import UcxEngine
+from tests.transfer.conftest import (
+    KEYS,
+    SMALL_PAGE_BYTES,
+    Pair,
+    land,
+    new_store,
+    payload,
+    stored_payload,
+)
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LOOPBACK = {"tls": "tcp", "net_devices": "lo"}  # what a cross-host fabric without RDMA uses
+KILLED_PAGE_BYTES = 32 << 20
+
+# A holder in its own process with three 32 MiB blocks; it prints its address and waits to be
+# killed. Its engine is not referenced: an engine serves until closed, like a tcp one.
+HOLDER_SCRIPT = f"""
+import time
+from kvstore.block import HEADER_BYTES
+from kvstore.transfer.ucx import UcxEngine
+from tests.transfer.conftest import KEYS, new_store, payload
+store = new_store({KILLED_PAGE_BYTES}, 3)
+for n in range(3):
+    store.put(KEYS[n], None, payload(n, {KILLED_PAGE_BYTES} - HEADER_BYTES))
+print(UcxEngine(tls="tcp", net_devices="lo").serve(store.open_block), flush=True)
+time.sleep(120)
+"""
+
+# Uses UCX, including a refused dial, and exits without closing anything.
+EXIT_SCRIPT = """
+from kvstore.errors import TransferError
+from kvstore.transfer.ucx import UcxEngine
+from tests.transfer.conftest import KEYS, Pair, new_store
+pair = Pair(new_store(1 << 16, 4), new_store(1 << 16, 4), UcxEngine(), UcxEngine())
+keys = pair.put(range(2))
+assert pair.land(keys, pair.fetch(keys)) == [True, True]
+try:
+    pair.client.fetch("127.0.0.1:1", KEYS[2:3], [pair.reader.reserve_page(KEYS[2])], 2.0)
+except TransferError:
+    print("done", flush=True)
+"""
+
+
+@pytest.fixture
+def make_ucx_pair():
+    made = []
+
+    def make(page_bytes: int = SMALL_PAGE_BYTES, pages: int = 16, **options) -> Pair:
+        options = {**LOOPBACK, **options}
+        holder, reader = new_store(page_bytes, pages), new_store(page_bytes, pages)
+        made.append(Pair(holder, reader, UcxEngine(**options), UcxEngine(**options)))
+        return made[-1]
+
+    yield make
+    for pair in made:
+        pair.server.close()
+        pair.client.close()
+        pair.holder.close()
+        pair.reader.close()
+
+
+@pytest.mark.parametrize("tls", ["tcp", "tcp,sm,self"])
+def test_blocks_land_byte_identical_between_two_stores(make_ucx_pair, tls):
+    pair = make_ucx_pair(1 << 20, tls=tls)
+    sizes = [1, 4096, 300_000, (1 << 20) - HEADER_BYTES]
+    keys = [key for n, size in enumerate(sizes) for key in pair.put([n], size)]
+
+    received = pair.fetch(keys)
+
+    assert received == [HEADER_BYTES + size for size in sizes]
+    assert pair.land(keys, received) == [True] * 4
+    assert [stored_payload(pair.reader, k) for k in keys] == [
+        payload(n, size) for n, size in enumerate(sizes)
+    ]
+    with pair.holder.open_block(keys[3]) as sent, pair.reader.open_block(keys[3]) as landed:
+        assert bytes(sent.numpy()) == bytes(landed.numpy())  # header included
+
+
+def test_missing_keys_read_as_zero_and_never_land(make_ucx_pair):
+    pair = make_ucx_pair()
+    pair.put([1, 3])
+
+    received = pair.fetch(KEYS[:5])
+
+    assert received == [0, SMALL_PAGE_BYTES, 0, SMALL_PAGE_BYTES, 0]
+    assert pair.land(KEYS[:5], received) == [False, True, False, True, False]
+    assert pair.reader.lookup(KEYS[1:2]) == 1 and pair.reader.lookup(KEYS[:1]) == 0
+
+
+def test_a_payload_altered_in_place_at_the_holder_is_refused_by_the_reader(make_ucx_pair):
+    pair = make_ucx_pair()
+    keys = pair.put(range(3))
+    with pair.holder.open_block(keys[1]) as stored:  # flip a byte, leave the checksum stale
+        stored[HEADER_BYTES + 1000] ^= 0xFF
+
+    received = pair.fetch(keys)
+
+    assert received == [SMALL_PAGE_BYTES] * 3
+    assert pair.land(keys, received) == [True, False, True]
+    assert pair.reader.lookup(keys[1:2]) == 0 and pair.reader.checksum_failures == 1
+
+
+def test_an_address_nobody_listens_on_raises_at_once(make_ucx_pair):
+    pair, reader = make_ucx_pair(), new_store(SMALL_PAGE_BYTES, 2)
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        port = probe.getsockname()[1]  # free once closed
+
+    started = time.monotonic()
+    with pytest.raises(TransferError, match="cannot reach"):
+        pair.client.fetch(f"127.0.0.1:{port}", KEYS[:1], [reader.reserve_page(KEYS[0])], 5.0)
+
+    assert time.monotonic() - started < 2.0  # refused: no need to wait out the 5 s
+    reader.close()
+
+
+def test_a_port_that_never_answers_raises_when_the_timeout_ends(make_ucx_pair):
+    pair, reader = make_ucx_pair(), new_store(SMALL_PAGE_BYTES, 2)
+    with socket.create_server(("127.0.0.1", 0)) as mute:  # accepts TCP, never speaks UCX
+        started = time.monotonic()
+        with pytest.raises(TransferError):
+            address = f"127.0.0.1:{mute.getsockname()[1]}"
+            pair.client.fetch(address, KEYS[:1], [reader.reserve_page(KEYS[0])], 1.0)
+        elapsed = time.monotonic() - started
+
+    assert 0.9 < elapsed < 3.0
+    reader.close()
+
+
+@pytest.mark.multiprocess
+def test_a_holder_killed_mid_block_leaves_zeros_and_nothing_partial(make_store):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER_SCRIPT], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True
+    )
+    reader, client = make_store(KILLED_PAGE_BYTES, 3), UcxEngine(**LOOPBACK)
+    try:
+        address = holder.stdout.readline().strip()
+        pages = [reader.reserve_page(key) for key in KEYS[:3]]
+        with ThreadPoolExecutor(1) as pool:
+            started = time.monotonic()
+            fetching = pool.submit(client.fetch, address, KEYS[:3], pages, 20.0)
+            wait_until_arriving(fetching, pages[2])  # block 2's header landed, the rest not yet
+            holder.send_signal(signal.SIGKILL)
+            received = fetching.result(timeout=25.0)
+        elapsed = time.monotonic() - started
+
+        assert received == [KILLED_PAGE_BYTES] * 2 + [0]
+        assert elapsed < 10.0  # the dead peer is noticed, not waited out
+        assert land(reader, KEYS[:3], received) == [True, True, False]
+        assert reader.lookup(KEYS[:3]) == 2 and reader.checksum_failures == 0
+        with pytest.raises(TransferError):  # the pooled endpoint is dead and so is the port
+            client.fetch(address, KEYS[2:3], [reader.reserve_page(KEYS[2])], 2.0)
+    finally:
+        holder.kill()
+        holder.wait()
+        client.close()
+
+
+def wait_until_arriving(fetching: Future, page: torch.Tensor) -> None:
+    deadline = time.monotonic() + 10.0
+    while bytes(page[:4].numpy()) != b"KVSB":
+        assert not fetching.done(), f"the fetch ended first: {fetching.result()}"
+        assert time.monotonic() < deadline, "block 2 never started arriving"
+        time.sleep(0.0002)
+
+
+def test_ucx_settings_are_per_process_and_must_agree(make_ucx_pair):
+    make_ucx_pair()  # UCX now runs with tls=tcp
+    other = UcxEngine(tls="tcp,sm,self", net_devices="lo")
+
+    with pytest.raises(ConfigError, match="must agree"):
+        other.serve(new_store(SMALL_PAGE_BYTES, 1).open_block)
+    other.close()
+    other.close()
+
+
+def test_an_idle_engine_does_not_spin_the_cpu(make_ucx_pair):
+    pair = make_ucx_pair()
+    keys = pair.put(range(2))
+    assert pair.land(keys, pair.fetch(keys)) == [True, True]  # a pooled endpoint now waits
+
+    before = time.process_time()
+    time.sleep(1.0)
+
+    assert time.process_time() - before < 0.3  # ucxx's default waiting polls a full core
+
+
+@pytest.mark.multiprocess
+def test_a_process_that_never_closes_its_engines_exits_with_a_clean_stdout():
+    environment = {**os.environ, "UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
+    done = subprocess.run(
+        [sys.executable, "-c", EXIT_SCRIPT], cwd=REPO_ROOT, env=environment,
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "done\n"  # UCX's warnings and logs go to stderr
