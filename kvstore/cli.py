@@ -153,6 +153,13 @@ def _add_node_flags(parser: argparse.ArgumentParser, standalone: bool) -> None:
     parser.add_argument("--node-metrics-listen", help="host:port of the agent's metrics")
 
 
+def _bench_transfer(args: argparse.Namespace) -> dict:
+    from kvstore.bench.transfer import run_transfer
+
+    sizes = tuple(int(size) for size in args.sizes_mib.split(","))
+    return run_transfer(runs=args.runs, sizes_mib=sizes, batch=args.batch, ucx=not args.no_ucx)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvstore.eviction import policy_names
 
@@ -201,6 +208,13 @@ def build_parser() -> argparse.ArgumentParser:
     lookup.add_argument("--duration-s", type=float, default=2.0, help="seconds per measurement")
     lookup.add_argument("--json", action="store_true")
     lookup.set_defaults(handler=_bench_lookup)
+    transfer = benches.add_parser("transfer", help="block get/put: shm, tcp, ucx, Redis")
+    transfer.add_argument("--runs", type=int, default=5, help="repetitions; medians are reported")
+    transfer.add_argument("--sizes-mib", default="4,16", help="block sizes, comma-separated")
+    transfer.add_argument("--batch", type=int, default=64, help="blocks per get/put")
+    transfer.add_argument("--no-ucx", action="store_true", help="skip the ucx engine")
+    transfer.add_argument("--json", action="store_true")
+    transfer.set_defaults(handler=_bench_transfer)
     return parser
 
 

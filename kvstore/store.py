@@ -364,6 +364,20 @@ class TieredStore:
         self._remove(index, key)
         return None
 
+    def remove(self, keys: Sequence[BlockKey]) -> int:
+        """Drop `keys` from every tier (removed events follow); pinned keys stay. Returns how
+        many blocks were removed."""
+        removed = 0
+        with self._lock:
+            for key in keys:
+                if key in self._pins:
+                    continue
+                for index, slot in enumerate(self.slots):
+                    if key in slot.tier:
+                        self._remove(index, key)
+                        removed += 1
+        return removed
+
     def inventory(self) -> list[tuple[BlockKey, str, str]]:
         """(key, tier kind, tenant) of every readable block, for a full re-publish."""
         with self._lock:

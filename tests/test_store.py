@@ -145,3 +145,14 @@ def test_three_tiers_device_host_disk(tmp_path):
     store.put(KEYS[6], KEYS[5], torch.full((500,), 6, dtype=torch.uint8))
     assert read(store, KEYS[6]) == payload(6)
     store.close()
+
+
+def test_remove_drops_unpinned_blocks_from_every_tier(store):
+    put_chain(store, 6)
+    store.pin(KEYS[5:6])
+    store.events.drain()
+    assert store.remove([KEYS[0], KEYS[4], KEYS[5], KEYS[9]]) == 2
+    assert [store.tier_of(k) for k in (KEYS[0], KEYS[4], KEYS[5])] == [None, None, "host"]
+    assert [(e.kind, e.key) for e in store.events.drain()] == [
+        (EventKind.REMOVED, KEYS[0]), (EventKind.REMOVED, KEYS[4])
+    ]  # fmt: skip

@@ -8,14 +8,10 @@ service, not the client's GIL, is what is measured.
 from __future__ import annotations
 
 import multiprocessing
-import shutil
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
-from contextlib import contextmanager
 
+from kvstore.bench import peers
 from kvstore.bench.timing import check_runs, machine_info
 from kvstore.errors import ConfigError
 from kvstore.metadata.client import MetadataClient
@@ -27,25 +23,6 @@ PREFIX_KEYS = 512
 
 def bench_keys(count: int = PREFIX_KEYS) -> list[bytes]:
     return [index.to_bytes(16, "little") for index in range(count)]
-
-
-@contextmanager
-def metadata_service(backend: str = "lmdb"):
-    """A `kvstore metadata` child process on a free loopback port; yields its address."""
-    with tempfile.TemporaryDirectory() as data_dir:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "kvstore", "metadata", "--backend", backend,
-             "--listen", "127.0.0.1:0", "--data-dir", data_dir],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-        )  # fmt: skip
-        try:
-            line = process.stdout.readline()
-            if "listening on" not in line:
-                raise ConfigError(f"metadata service did not start: {line!r}")
-            yield line.split("listening on ", 1)[1].split(",", 1)[0]
-        finally:
-            process.terminate()
-            process.wait(timeout=10)
 
 
 def _populate(address: str) -> None:
@@ -102,61 +79,25 @@ def _summary(samples: list[float], duration_s: float) -> dict:
 
 def _redis_exists_p50_us(num_keys: int, duration_s: float) -> float:
     """Pipelined EXISTS of `num_keys` keys on a redis-server started here, p50 in µs."""
-    import redis
-
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise ConfigError(
-            "the Redis baseline needs redis-server on PATH (apt-get install redis-server)"
-        )
-    with tempfile.TemporaryDirectory() as workdir:
-        port = _free_port()
-        server = subprocess.Popen(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", workdir],
-            stdout=subprocess.DEVNULL,
-        )  # fmt: skip
-        try:
-            client = _wait_for_redis(redis, port)
-            keys = bench_keys(num_keys)
-            client.mset({key: b"1" for key in keys})
-            samples = []
-            deadline = time.perf_counter() + duration_s
-            while (start := time.perf_counter()) < deadline:
-                pipe = client.pipeline(transaction=False)
-                for key in keys:
-                    pipe.exists(key)
-                pipe.execute()
-                samples.append(time.perf_counter() - start)
-            return _summary(samples, duration_s)["p50_us"]
-        finally:
-            server.terminate()
-            server.wait(timeout=10)
-
-
-def _wait_for_redis(redis, port: int):
-    client = redis.Redis(host="127.0.0.1", port=port)
-    for _ in range(200):
-        try:
-            client.ping()
-            return client
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    raise ConfigError("redis-server did not start")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    keys = bench_keys(num_keys)
+    with peers.redis_server() as client:
+        client.mset({key: b"1" for key in keys})
+        samples = []
+        deadline = time.perf_counter() + duration_s
+        while (start := time.perf_counter()) < deadline:
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(key)
+            pipe.execute()
+            samples.append(time.perf_counter() - start)
+    return _summary(samples, duration_s)["p50_us"]
 
 
 def run_lookup(runs: int = 5, duration_s: float = 2.0, concurrency=(1, 8, 32)) -> dict:
     """Medians over `runs` runs of each measurement; see the module docstring."""
     check_runs(runs)
     result: dict = {"runs": runs, "duration_s": duration_s}
-    with metadata_service() as address:
+    with peers.metadata_service() as address:
         _populate(address)
         for num_keys in (64, 512):
             single = [_summary(_latencies_s(address, num_keys, duration_s), duration_s)

@@ -106,9 +106,16 @@ class NodeAgent:
         return slots
 
     def _advertised(self, address: str) -> str:
-        if not address or not self.config.advertise_host:
+        """The address peers dial: advertise_host, or the bind address unless it is a wildcard
+        (then this host's primary address)."""
+        host, _, port = address.rpartition(":")
+        if not address:
             return address
-        return f"{self.config.advertise_host}:{address.rpartition(':')[2]}"
+        if self.config.advertise_host:
+            host = self.config.advertise_host
+        elif host in ("0.0.0.0", "::", ""):
+            host = socket.gethostbyname(socket.gethostname())
+        return f"{host}:{port}"
 
     def _start_link(self) -> None:
         config = self.config

@@ -256,8 +256,7 @@ class UcxEngine(TransferEngine):
         self.stats.connections_accepted += 1
         try:
             while True:
-                for key in await _recv_batch(endpoint):
-                    await self._send_block(endpoint, key)
+                await self._serve_batch(endpoint, await _recv_batch(endpoint))
                 self.stats.batches_served += 1
         except Exception as exc:  # a peer leaving shows up as a UCX error
             logger.debug("ucx peer done: %r", exc)
@@ -265,30 +264,39 @@ class UcxEngine(TransferEngine):
             self._peers.discard(endpoint)
             endpoint.abort()
 
-    async def _send_block(self, endpoint: Any, key: BlockKey) -> None:
-        """A frame (u64 length, 0 = absent) then the block straight from its pinned view."""
+    async def _serve_batch(self, endpoint: Any, keys: list[BlockKey]) -> None:
+        """Per key a frame (u64 length, 0 = absent), then the block straight from its pinned
+        view. The next block is opened while this one is sent; blocks close on reader threads."""
         loop, readers = asyncio.get_running_loop(), self._rt.readers
-        opened = self._open_block(key)
+        opening = loop.run_in_executor(readers, _enter, self._open_block, keys[0])
+        closing = []
         try:
-            whole = await loop.run_in_executor(readers, opened.__enter__)
-        except Exception:
-            logger.exception("serving %r failed; sending it as absent", key)
-            await self._send(endpoint, _u64(0))
-            return
-        try:
-            data = None if whole is None else whole.reshape(-1).view(torch.uint8).cpu().numpy()
-            await self._send(endpoint, _u64(0 if data is None else data.size))
-            if data is not None:
-                await self._send(endpoint, data)
+            for index in range(len(keys)):
+                opened, whole = await opening
+                opening = None
+                if index + 1 < len(keys):
+                    opening = loop.run_in_executor(
+                        readers, _enter, self._open_block, keys[index + 1]
+                    )
+                try:
+                    await self._send_frame(endpoint, whole)
+                except BaseException:
+                    endpoint.abort()  # UCX must stop reading the block before it is closed
+                    raise
+                finally:
+                    closing.append(loop.run_in_executor(readers, _exit, opened))
         finally:
-            await loop.run_in_executor(readers, opened.__exit__, None, None, None)
+            if opening is not None:  # the batch broke: close the block opened ahead too
+                closing.append(_exit_when_open(opening, readers))
+            await asyncio.gather(*closing)
 
-    async def _send(self, endpoint: Any, data: np.ndarray) -> None:
-        try:
-            await asyncio.wait_for(endpoint.send(data), self.send_timeout_s)
-        except TimeoutError:
-            endpoint.abort()  # before the block is unpinned: UCX must stop reading it
-            raise
+    async def _send_frame(self, endpoint: Any, whole: torch.Tensor | None) -> None:
+        if whole is None:
+            await asyncio.wait_for(endpoint.send(_u64(0)), self.send_timeout_s)
+            return
+        data = whole.reshape(-1).view(torch.uint8).cpu().numpy()
+        sends = asyncio.gather(endpoint.send(_u64(data.size)), endpoint.send(data))
+        await asyncio.wait_for(sends, self.send_timeout_s)  # a stalled peer releases its pins
 
     # ---- fetching ------------------------------------------------------------------------
     def fetch(
@@ -383,6 +391,30 @@ def _abort_all(endpoints: list[Any]) -> None:
         endpoint.abort()  # pending sends and receives fail at once
 
 
+def _enter(open_block: OpenBlock, key: BlockKey) -> tuple[Any, torch.Tensor | None]:
+    """On a reader thread: open `key`'s block. A store that fails serves it as absent."""
+    try:
+        opened = open_block(key)
+        return opened, opened.__enter__()
+    except Exception:
+        logger.exception("serving %r failed; sending it as absent", key)
+        return None, None
+
+
+def _exit(opened: Any) -> None:
+    """On a reader thread: close a block opened by `_enter` (unpins it)."""
+    try:
+        if opened is not None:
+            opened.__exit__(None, None, None)
+    except Exception:
+        logger.exception("closing a served block failed")
+
+
+async def _exit_when_open(opening: asyncio.Future, readers: concurrent.futures.Executor) -> None:
+    opened, _ = await opening
+    await asyncio.get_running_loop().run_in_executor(readers, _exit, opened)
+
+
 def _u64(value: int) -> np.ndarray:
     return np.array([value], dtype=np.uint64)
 
@@ -400,22 +432,30 @@ async def _recv_batch(endpoint: Any) -> list[BlockKey]:
 
 
 async def _exchange(endpoint: Any, batch: _Batch) -> None:
-    """Send the batch, then receive per key a length frame and the block into its page."""
+    """Send the batch, then receive per key a length frame and the block into its page. The
+    next frame's receive is posted right behind each block's, so no wake-up separates them."""
     await endpoint.send(_u64(len(batch.keys)))
     await endpoint.send(np.frombuffer(bytearray(b"".join(batch.keys)), dtype=np.uint8))
-    length = np.empty(1, dtype=np.uint64)
-    for index, target in enumerate(batch.targets):
-        await endpoint.recv(length)
-        batch.answered = True
-        size_bytes = int(length[0])
-        if size_bytes == 0:
-            continue
-        if not HEADER_BYTES <= size_bytes <= target.size:
-            raise _ProtocolError(
-                f"peer sent a {size_bytes}-byte block for a {target.size}-byte page"
-            )
-        await endpoint.recv(target[:size_bytes])
-        batch.received[index] = size_bytes
+    frames = np.zeros(len(batch.keys), dtype=np.uint64)
+    pending = [asyncio.ensure_future(endpoint.recv(frames[0:1]))]
+    try:
+        for index, target in enumerate(batch.targets):
+            await pending.pop(0)
+            batch.answered = True
+            size_bytes = int(frames[index])
+            if size_bytes and not HEADER_BYTES <= size_bytes <= target.size:
+                raise _ProtocolError(f"a {size_bytes}-byte block for a {target.size}-byte page")
+            if size_bytes:  # tasks start in order, so UCX matches the receives in this order
+                pending.append(asyncio.ensure_future(endpoint.recv(target[:size_bytes])))
+            if index + 1 < len(frames):
+                pending.append(asyncio.ensure_future(endpoint.recv(frames[index + 1 : index + 2])))
+            if size_bytes:
+                await pending.pop(0)
+                batch.received[index] = size_bytes
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
 
 
 def _page_arrays(keys: Sequence[BlockKey], pages: Sequence[torch.Tensor]) -> list[np.ndarray]:

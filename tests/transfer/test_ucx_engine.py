@@ -20,6 +20,7 @@ pytest.importorskip("ucxx")
 
 from kvstore.block import HEADER_BYTES
 from kvstore.errors import ConfigError, TransferError
+from kvstore.tiers.host import ARENA_PREFIX, SHM_DIR
 from kvstore.transfer.ucx import UcxEngine
 from tests.transfer.conftest import (
     KEYS,
@@ -34,12 +35,14 @@ from tests.transfer.conftest import (
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LOOPBACK = {"tls": "tcp", "net_devices": "lo"}  # what a cross-host fabric without RDMA uses
 KILLED_PAGE_BYTES = 32 << 20
+UCX_DEFAULTS = ("UCX_LOG_FILE", "UCXX_LOG_LEVEL", "UCX_WARN_UNUSED_ENV_VARS")  # the engine's
 
 # A holder in its own process with three 32 MiB blocks; it prints its address and waits to be
 # killed. Its engine is not referenced: an engine serves until closed, like a tcp one.
 HOLDER_SCRIPT = f"""
 import time
 from kvstore.block import HEADER_BYTES
+from kvstore.tiers.host import ARENA_PREFIX, SHM_DIR
 from kvstore.transfer.ucx import UcxEngine
 from tests.transfer.conftest import KEYS, new_store, payload
 store = new_store({KILLED_PAGE_BYTES}, 3)
@@ -49,9 +52,10 @@ print(UcxEngine(tls="tcp", net_devices="lo").serve(store.open_block), flush=True
 time.sleep(120)
 """
 
-# Uses UCX, including a refused dial, and exits without closing anything.
+# Uses UCX, including a refused dial, and exits without closing its engines.
 EXIT_SCRIPT = """
 from kvstore.errors import TransferError
+from kvstore.tiers.host import ARENA_PREFIX, SHM_DIR
 from kvstore.transfer.ucx import UcxEngine
 from tests.transfer.conftest import KEYS, Pair, new_store
 pair = Pair(new_store(1 << 16, 4), new_store(1 << 16, 4), UcxEngine(), UcxEngine())
@@ -61,6 +65,8 @@ try:
     pair.client.fetch("127.0.0.1:1", KEYS[2:3], [pair.reader.reserve_page(KEYS[2])], 2.0)
 except TransferError:
     print("done", flush=True)
+pair.holder.close()
+pair.reader.close()
 """
 
 
@@ -123,8 +129,8 @@ def test_a_payload_altered_in_place_at_the_holder_is_refused_by_the_reader(make_
     assert pair.reader.lookup(keys[1:2]) == 0 and pair.reader.checksum_failures == 1
 
 
-def test_an_address_nobody_listens_on_raises_at_once(make_ucx_pair):
-    pair, reader = make_ucx_pair(), new_store(SMALL_PAGE_BYTES, 2)
+def test_an_address_nobody_listens_on_raises_at_once(make_ucx_pair, make_store):
+    pair, reader = make_ucx_pair(), make_store(SMALL_PAGE_BYTES, 2)
     with socket.create_server(("127.0.0.1", 0)) as probe:
         port = probe.getsockname()[1]  # free once closed
 
@@ -133,11 +139,10 @@ def test_an_address_nobody_listens_on_raises_at_once(make_ucx_pair):
         pair.client.fetch(f"127.0.0.1:{port}", KEYS[:1], [reader.reserve_page(KEYS[0])], 5.0)
 
     assert time.monotonic() - started < 2.0  # refused: no need to wait out the 5 s
-    reader.close()
 
 
-def test_a_port_that_never_answers_raises_when_the_timeout_ends(make_ucx_pair):
-    pair, reader = make_ucx_pair(), new_store(SMALL_PAGE_BYTES, 2)
+def test_a_port_that_never_answers_raises_when_the_timeout_ends(make_ucx_pair, make_store):
+    pair, reader = make_ucx_pair(), make_store(SMALL_PAGE_BYTES, 2)
     with socket.create_server(("127.0.0.1", 0)) as mute:  # accepts TCP, never speaks UCX
         started = time.monotonic()
         with pytest.raises(TransferError):
@@ -146,7 +151,6 @@ def test_a_port_that_never_answers_raises_when_the_timeout_ends(make_ucx_pair):
         elapsed = time.monotonic() - started
 
     assert 0.9 < elapsed < 3.0
-    reader.close()
 
 
 @pytest.mark.multiprocess
@@ -176,6 +180,8 @@ def test_a_holder_killed_mid_block_leaves_zeros_and_nothing_partial(make_store):
         holder.kill()
         holder.wait()
         client.close()
+        for arena in SHM_DIR.glob(f"{ARENA_PREFIX}{holder.pid}-*"):  # a killed owner leaves it
+            arena.unlink()
 
 
 def wait_until_arriving(fetching: Future, page: torch.Tensor) -> None:
@@ -186,12 +192,12 @@ def wait_until_arriving(fetching: Future, page: torch.Tensor) -> None:
         time.sleep(0.0002)
 
 
-def test_ucx_settings_are_per_process_and_must_agree(make_ucx_pair):
+def test_ucx_settings_are_per_process_and_must_agree(make_ucx_pair, make_store):
     make_ucx_pair()  # UCX now runs with tls=tcp
     other = UcxEngine(tls="tcp,sm,self", net_devices="lo")
 
     with pytest.raises(ConfigError, match="must agree"):
-        other.serve(new_store(SMALL_PAGE_BYTES, 1).open_block)
+        other.serve(make_store(SMALL_PAGE_BYTES, 1).open_block)
     other.close()
     other.close()
 
@@ -209,11 +215,13 @@ def test_an_idle_engine_does_not_spin_the_cpu(make_ucx_pair):
 
 @pytest.mark.multiprocess
 def test_a_process_that_never_closes_its_engines_exits_with_a_clean_stdout():
-    environment = {**os.environ, "UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
+    environment = {name: value for name, value in os.environ.items() if name not in UCX_DEFAULTS}
+    # UCXX_LOG_LEVEL=ERROR: the refused dial logs an error, which must not reach stdout
+    environment |= {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "UCXX_LOG_LEVEL": "ERROR"}
     done = subprocess.run(
         [sys.executable, "-c", EXIT_SCRIPT], cwd=REPO_ROOT, env=environment,
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
 
     assert done.returncode == 0, done.stderr
-    assert done.stdout == "done\n"  # UCX's warnings and logs go to stderr
+    assert done.stdout == "done\n"  # UCX's and UCXX's logs went to stderr

@@ -1,0 +1,173 @@
+"""`kvstore bench transfer`: block get/put throughput on every data path, each beside the limit
+of the machine measured in the same run: (a) worker <-> local agent through the shared arena vs
+numpy.copyto memcpy; (b) agent <- remote agent over tcp and (c) over ucx vs a raw socket
+sendall/recv_into; (d) Redis pipelined SET/MGET (redis-py + hiredis) as the baseline.
+
+Runs in the benchmark process; every holder, agent and server is a separate child process.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvstore.bench import peers
+from kvstore.bench.timing import check_runs, gbps, machine_info
+from kvstore.block import HEADER_BYTES, payload_checksum
+from kvstore.client import KVStoreClient
+from kvstore.eviction import make_policy
+from kvstore.keys import BlockKey
+from kvstore.store import TieredStore, TierSlot
+from kvstore.tiers.base import copy_bytes
+from kvstore.tiers.host import HostTier
+from kvstore.transfer.base import make_engine
+
+MIB = 1 << 20
+BATCH = 64
+
+
+def _keys(run: int, count: int) -> list[BlockKey]:
+    return [BlockKey((run * 1_000_000 + i).to_bytes(16, "little")) for i in range(count)]
+
+
+def _median_gbps(seconds: list[float], total_bytes: int) -> float:
+    return gbps(total_bytes, statistics.median(seconds))
+
+
+# ---- (a) shared memory: worker <-> local agent ------------------------------------------------
+def shm_results(block_bytes: int, batch: int, runs: int) -> dict[str, float]:
+    source = torch.randint(0, 256, (block_bytes,), dtype=torch.uint8)
+    destination = torch.zeros_like(source)
+    with (
+        tempfile.TemporaryDirectory() as directory,
+        peers.node_agent(Path(directory), block_bytes + HEADER_BYTES, batch) as socket_path,
+        KVStoreClient(socket_path, "bench") as client,
+    ):
+        put_s, get_s = [], []
+        for run in range(runs + 1):
+            keys = _keys(run, batch)
+            started = time.perf_counter()
+            reservation = client.save("bench", keys, block_bytes)
+            checksums = []
+            for view in reservation.payloads:
+                copy_bytes(view, source)
+                checksums.append(payload_checksum(view))
+            client.commit(reservation, checksums=checksums)
+            put_s.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            loaded = client.load("bench", keys)
+            for view in loaded.payloads:
+                copy_bytes(destination, view)
+            client.release(loaded)
+            get_s.append(time.perf_counter() - started)
+            assert len(loaded) == batch, f"loaded {len(loaded)} of {batch}"
+    memcpy_s = [_memcpy_s(source, destination, batch) for _ in range(runs)]
+    total = block_bytes * batch
+    return {
+        "shm_put_GBps": _median_gbps(put_s[1:], total),
+        "shm_get_GBps": _median_gbps(get_s[1:], total),
+        "memcpy_GBps": _median_gbps(memcpy_s, total),
+    }
+
+
+def _memcpy_s(source: torch.Tensor, destination: torch.Tensor, batch: int) -> float:
+    rows = [np.empty(source.numel(), dtype=np.uint8) for _ in range(batch)]
+    for row in rows:
+        row.fill(0)
+    started = time.perf_counter()
+    for row in rows:
+        np.copyto(row, source.numpy())
+    return time.perf_counter() - started
+
+
+# ---- (b, c) between agents -------------------------------------------------------------------
+def remote_results(engine_name: str, block_bytes: int, batch: int, runs: int) -> dict[str, float]:
+    """Reader-side fetch of `batch` blocks from a holder process: received straight into arena
+    pages, checksummed, committed; then dropped for the next run."""
+    page_bytes = block_bytes + HEADER_BYTES
+    keys = _keys(0, batch)
+    with peers.block_holder(engine_name, block_bytes, batch) as address:
+        engine = make_engine(engine_name)
+        store = TieredStore(
+            [TierSlot(HostTier(batch * page_bytes, page_bytes), make_policy("lru"))]
+        )
+        try:
+            seconds = [_fetch_s(engine, store, address, keys) for _ in range(runs + 1)][1:]
+        finally:
+            engine.close()
+            store.close()
+    return {f"{engine_name}_get_GBps": _median_gbps(seconds, page_bytes * batch)}
+
+
+def _fetch_s(engine, store: TieredStore, address: str, keys: list[BlockKey]) -> float:
+    pages = [store.reserve_page(key) for key in keys]
+    started = time.perf_counter()
+    received = engine.fetch(address, keys, pages, timeout_s=120)
+    committed = sum(store.commit_received(k, n) for k, n in zip(keys, received, strict=True) if n)
+    elapsed = time.perf_counter() - started
+    if committed != len(keys):
+        raise AssertionError(f"only {committed} of {len(keys)} blocks arrived intact")
+    store.remove(keys)
+    return elapsed
+
+
+def socket_results(block_bytes: int, batch: int, runs: int) -> dict[str, float]:
+    """A raw socket sendall/recv_into of the same bytes: the loopback limit for (b) and (c)."""
+    page_bytes = block_bytes + HEADER_BYTES
+    pages = np.zeros((batch, page_bytes), dtype=np.uint8)
+    with peers.raw_sender(page_bytes, batch) as conn:
+        seconds = [peers.raw_receive_s(conn, pages) for _ in range(runs + 1)][1:]
+    return {"socket_GBps": _median_gbps(seconds, page_bytes * batch)}
+
+
+# ---- (d) Redis -----------------------------------------------------------------------------
+def redis_results(block_bytes: int, batch: int, runs: int) -> dict[str, float]:
+    payload = np.random.default_rng(0).integers(0, 256, block_bytes, dtype=np.uint8).tobytes()
+    keys = [f"block:{i}" for i in range(batch)]
+    set_s, get_s = [], []
+    with peers.redis_server() as client:
+        for _ in range(runs + 1):
+            started = time.perf_counter()
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                pipe.set(key, payload)
+            pipe.execute()
+            set_s.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            values = client.mget(keys)
+            get_s.append(time.perf_counter() - started)
+            assert all(len(v) == block_bytes for v in values)
+            del values
+    total = block_bytes * batch
+    return {"redis_put_GBps": _median_gbps(set_s[1:], total),
+            "redis_get_GBps": _median_gbps(get_s[1:], total)}  # fmt: skip
+
+
+# ---- all together ----------------------------------------------------------------------------
+def run_transfer(runs: int = 5, sizes_mib=(4, 16), batch: int = BATCH, ucx: bool = True) -> dict:
+    check_runs(runs)
+    multiprocessing.set_start_method("spawn", force=True)
+    result: dict = {"runs": runs, "batch": batch}
+    for size_mib in sizes_mib:
+        block_bytes = size_mib * MIB
+        measured = {}
+        measured.update(shm_results(block_bytes, batch, runs))
+        measured.update(remote_results("tcp", block_bytes, batch, runs))
+        measured.update(socket_results(block_bytes, batch, runs))
+        if ucx:
+            measured.update(remote_results("ucx", block_bytes, batch, runs))
+        measured.update(redis_results(block_bytes, batch, runs))
+        measured["shm_get_vs_memcpy"] = measured["shm_get_GBps"] / measured["memcpy_GBps"]
+        measured["tcp_get_vs_socket"] = measured["tcp_get_GBps"] / measured["socket_GBps"]
+        measured["tcp_get_vs_redis"] = measured["tcp_get_GBps"] / measured["redis_get_GBps"]
+        result.update({f"{name}_{size_mib}MiB": value for name, value in measured.items()})
+        if size_mib == max(sizes_mib):
+            result.update(measured)  # the largest block size is also reported unsuffixed
+    result["machine"] = machine_info()
+    return result

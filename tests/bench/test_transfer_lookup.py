@@ -1,0 +1,27 @@
+"""The transfer and lookup benchmarks run end to end on tiny sizes and report every field
+(shape, not performance: figures come from full runs on a quiet machine)."""
+
+import math
+
+from kvstore.bench.lookup import run_lookup
+from kvstore.bench.transfer import run_transfer
+
+
+def positive(value) -> bool:
+    return isinstance(value, float) and math.isfinite(value) and value > 0
+
+
+def test_transfer_benchmark_reports_every_path():
+    result = run_transfer(runs=1, sizes_mib=(1,), batch=2)
+    for field in ("shm_get_GBps", "shm_put_GBps", "memcpy_GBps", "tcp_get_GBps", "socket_GBps",
+                  "ucx_get_GBps", "redis_get_GBps", "redis_put_GBps", "shm_get_vs_memcpy",
+                  "tcp_get_vs_socket", "tcp_get_vs_redis", "tcp_get_GBps_1MiB"):  # fmt: skip
+        assert positive(result[field]), field
+
+
+def test_lookup_benchmark_reports_latency_qps_and_the_redis_baseline():
+    result = run_lookup(runs=1, duration_s=0.2, concurrency=(1, 2))
+    fields = ("lookup_64_p50_us", "lookup_512_p50_us", "lookup_qps_1_clients",
+              "lookup_qps_2_clients", "redis_exists_64_p50_us", "lookup_64_vs_redis")  # fmt: skip
+    for field in fields:
+        assert positive(result[field]), field
