@@ -178,6 +178,7 @@ class NodeAgent:
             "pins": self.store.pins_held(),
             "workers": len(self.control.sessions) if self.control else 0,
             "metadata_connected": bool(self.link and self.link.connected),
+            "published_blocks": self.link.published if self.link else 0,
         }
 
     def stats_json(self) -> str:

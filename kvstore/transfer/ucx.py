@@ -14,6 +14,7 @@ import contextlib
 import gc
 import logging
 import os
+import sys
 import threading
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
@@ -29,7 +30,10 @@ from kvstore.transfer.base import OpenBlock, TransferEngine, register_engine
 
 logger = logging.getLogger(__name__)
 
-# UCX reads these when its libraries load (the first `import ucxx`); values already set win.
+# UCX reads these when its libraries load (the first `import ucxx`, which must come after this
+# module's import); values already set win.
+if "ucxx" in sys.modules:
+    logger.warning("ucxx was imported before %s: UCX may print warnings on stdout", __name__)
 for _name, _value in {
     "UCX_WARN_UNUSED_ENV_VARS": "n",  # else UCX lists every unused UCX_* variable
     "UCX_LOG_FILE": "stderr",  # UCX and UCXX log to stdout by default
@@ -216,7 +220,9 @@ class UcxEngine(TransferEngine):
 
     def close(self) -> None:
         with self._lock:
-            runtime, self._rt, self._closed = self._rt, None, True
+            if self._closed:
+                return
+            runtime, self._closed = self._rt, True  # in-flight coroutines still use _rt
         if runtime is not None and runtime.context is not None:  # not stopped at exit
             runtime.call(self._drop_endpoints(), _START_TIMEOUT_S)
             _release_runtime(self, runtime)
@@ -259,7 +265,7 @@ class UcxEngine(TransferEngine):
                 await self._serve_batch(endpoint, await _recv_batch(endpoint))
                 self.stats.batches_served += 1
         except Exception as exc:  # a peer leaving shows up as a UCX error
-            logger.debug("ucx peer done: %r", exc)
+            logger.debug("ucx peer done: %s", _forget(exc))
         finally:
             self._peers.discard(endpoint)
             endpoint.abort()
@@ -327,11 +333,12 @@ class UcxEngine(TransferEngine):
                 await asyncio.wait_for(_exchange(endpoint, batch), deadline - loop.time())
             except Exception as exc:
                 endpoint.abort()  # cancels receives still aimed at the pages
-                if pooled and not batch.answered and not isinstance(exc, TimeoutError):
+                stale = pooled and not batch.answered and not isinstance(exc, TimeoutError)
+                if stale and not self._closed:  # the peer had dropped it: redial once
                     endpoint, pooled = await self._dial(peer, deadline), False
-                    continue  # the peer had dropped the pooled endpoint: redial once
+                    continue
                 self.stats.transfers_broken += 1
-                logger.warning("ucx fetch from %s:%d broke: %r", *peer, exc)
+                logger.warning("ucx fetch from %s:%d broke: %s", *peer, _forget(exc))
                 return batch.received
             except BaseException:
                 endpoint.abort()
@@ -386,6 +393,16 @@ class UcxEngine(TransferEngine):
 
 
 # ---- wire helpers (module level: both sides use them, none touches engine state) ---------
+def _forget(exc: BaseException) -> str:
+    """Drop the frames of `exc` (and its context) and describe it. ucxx's C++ requests keep
+    their exceptions alive, and the frames would keep endpoints alive, each endpoint its
+    listener (accepting connections after close, then crashing on them) and page views."""
+    text = repr(exc)
+    while exc is not None:
+        exc.__traceback__, exc = None, exc.__context__
+    return text
+
+
 def _abort_all(endpoints: list[Any]) -> None:
     for endpoint in endpoints:
         endpoint.abort()  # pending sends and receives fail at once
@@ -455,7 +472,9 @@ async def _exchange(endpoint: Any, batch: _Batch) -> None:
     finally:
         for task in pending:
             task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
+        for outcome in await asyncio.gather(*pending, return_exceptions=True):
+            if isinstance(outcome, BaseException):
+                _forget(outcome)
 
 
 def _page_arrays(keys: Sequence[BlockKey], pages: Sequence[torch.Tensor]) -> list[np.ndarray]:

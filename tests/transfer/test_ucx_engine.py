@@ -9,8 +9,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -74,10 +76,10 @@ pair.reader.close()
 def make_ucx_pair():
     made = []
 
-    def make(page_bytes: int = SMALL_PAGE_BYTES, pages: int = 16, **options) -> Pair:
+    def make(page_bytes: int = SMALL_PAGE_BYTES, pages: int = 16, wrap=None, **options) -> Pair:
         options = {**LOOPBACK, **options}
         holder, reader = new_store(page_bytes, pages), new_store(page_bytes, pages)
-        made.append(Pair(holder, reader, UcxEngine(**options), UcxEngine(**options)))
+        made.append(Pair(holder, reader, UcxEngine(**options), UcxEngine(**options), wrap))
         return made[-1]
 
     yield make
@@ -190,6 +192,38 @@ def wait_until_arriving(fetching: Future, page: torch.Tensor) -> None:
         assert not fetching.done(), f"the fetch ended first: {fetching.result()}"
         assert time.monotonic() < deadline, "block 2 never started arriving"
         time.sleep(0.0002)
+
+
+def test_closing_the_client_mid_fetch_returns_what_arrived(make_ucx_pair):
+    stalled, release = threading.Event(), threading.Event()
+
+    def stall_at_block_2(open_block):
+        @contextmanager
+        def serve(key):
+            if key == KEYS[2]:
+                stalled.set()
+                release.wait(10.0)
+            with open_block(key) as view:
+                yield view
+
+        return serve
+
+    pair = make_ucx_pair(wrap=stall_at_block_2)
+    keys = pair.put(range(4))
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            fetching = pool.submit(pair.fetch, keys, 10.0)
+            assert stalled.wait(5.0)
+            time.sleep(0.3)  # blocks 0 and 1 land
+            pair.client.close()
+            received = fetching.result(timeout=5.0)
+    finally:
+        release.set()
+
+    assert received == [SMALL_PAGE_BYTES] * 2 + [0] * 2
+    assert pair.land(keys, received) == [True, True, False, False]
+    with pytest.raises(TransferError, match="closed"):
+        pair.fetch(keys[2:])
 
 
 def test_ucx_settings_are_per_process_and_must_agree(make_ucx_pair, make_store):

@@ -1,0 +1,106 @@
+"""Everything that differs between vLLM releases, in one place (written against vllm 0.32).
+
+Imported by the connector in both the scheduler and the worker processes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: F401 (re-exported)
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+SUPPORTED_VLLM = ("0.32",)
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request of a scheduler step, as the connector needs it."""
+
+    req_id: str
+    block_ids: list[int] | None  # full block table (new or resumed) or None
+    new_block_ids: list[int]  # blocks appended this step
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    prompt_token_ids: list[int] | None  # only for new requests
+
+
+def scheduled_requests(scheduler_output) -> Iterator[ScheduledRequest]:
+    """New and running requests of a step, with their block ids of KV cache group 0."""
+    for new in scheduler_output.scheduled_new_reqs:
+        yield ScheduledRequest(
+            new.req_id, list(new.block_ids[0]), [], new.num_computed_tokens,
+            scheduler_output.num_scheduled_tokens.get(new.req_id, 0), new.prompt_token_ids,
+        )  # fmt: skip
+    cached = scheduler_output.scheduled_cached_reqs
+    for index, req_id in enumerate(cached.req_ids):
+        new_ids = cached.new_block_ids[index]
+        blocks = list(new_ids[0]) if new_ids else []
+        resumed = req_id in cached.resumed_req_ids
+        yield ScheduledRequest(
+            req_id, blocks if resumed else None, [] if resumed else blocks,
+            cached.num_computed_tokens[index],
+            scheduler_output.num_scheduled_tokens.get(req_id, 0), None,
+        )  # fmt: skip
+
+
+def paged_layer_view(kv_cache: torch.Tensor) -> torch.Tensor:
+    """A layer's paged KV as [num_blocks, kv_heads, block_size, 2 * head_dim] (K then V
+    along the last dim), the layout of vLLM's CPU attention backend."""
+    if kv_cache.dim() != 4:
+        raise ValueError(f"unsupported KV cache layout of shape {tuple(kv_cache.shape)}")
+    return kv_cache
+
+
+def attention_layers(forward_context) -> dict[str, torch.Tensor]:
+    """Layer name -> paged KV tensor of every attention layer, in model order."""
+    layers = {}
+    for name, layer in forward_context.no_compile_layers.items():
+        kv_cache = getattr(layer, "kv_cache", None)
+        if isinstance(kv_cache, torch.Tensor) and kv_cache.numel():
+            layers[name] = kv_cache
+    return layers
+
+
+def tp_rank(vllm_config) -> int:
+    """This worker's tensor-parallel rank; the scheduler (no TP group) speaks for rank 0."""
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    try:
+        return get_tensor_model_parallel_rank()
+    except AssertionError:
+        return 0
+
+
+def paged_layout_id(vllm_config) -> str:
+    """Names how vLLM lays out a paged block in memory on this machine, which the stored bytes
+    follow: the platform, the CPU attention ISA (AMX tiles differ from vector layouts) and the
+    block size. Blocks are only shared between engines whose layout ids match."""
+    from vllm.platforms import current_platform
+
+    block_size = vllm_config.cache_config.block_size
+    if not current_platform.is_cpu():
+        return f"vllm-{current_platform.device_name}-bs{block_size}"
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    model = vllm_config.model_config
+    isa = _get_attn_isa(model.dtype, block_size, model.get_head_size(),
+                        vllm_config.cache_config.cache_dtype)  # fmt: skip
+    return f"vllm-cpu-{isa}-bs{block_size}"
+
+
+def kv_shape(vllm_config) -> tuple[int, int, int, str]:
+    """(attention layers, kv heads per TP rank, head dim, KV dtype name) of the model."""
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    dtype = vllm_config.cache_config.cache_dtype
+    if dtype in ("auto", None):
+        dtype = str(model.dtype).removeprefix("torch.")
+    return (
+        model.get_num_layers(parallel), model.get_num_kv_heads(parallel), model.get_head_size(),
+        dtype,
+    )  # fmt: skip

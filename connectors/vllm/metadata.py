@@ -1,0 +1,31 @@
+"""What the scheduler half tells the worker half each step: which chunks to load into which
+engine blocks, and which to save from which. Built in the scheduler, read in the workers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from connectors.vllm.compat import KVConnectorMetadata
+
+
+@dataclass
+class LoadSpec:
+    req_id: str
+    keys: list[bytes]  # chunk keys 0..n-1 of the prompt's loadable prefix
+    block_ids: list[int]  # the request's block table (covers at least the chunks)
+    skip_blocks: int  # leading engine blocks already computed locally: not overwritten
+
+
+@dataclass
+class SaveSpec:
+    req_id: str
+    keys: list[bytes]  # consecutive chunk keys, fully computed by the end of this step
+    first_parent: bytes  # key of the chunk before keys[0] (b"" for the first chunk)
+    block_ids: list[int]  # engine blocks of those chunks, blocks_per_chunk per key
+
+
+@dataclass
+class KVStoreConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)

@@ -1,0 +1,131 @@
+"""The scheduler half of the connector: how many prompt tokens the store can supply, and per
+step which chunks each worker loads and saves. Runs in vLLM's scheduler (engine core) process.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from connectors.vllm import compat
+from connectors.vllm.config import ConnectorSettings, EngineKV
+from connectors.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
+from kvstore.client import KVStoreClient
+from kvstore.errors import KVStoreError
+from kvstore.keys import chunk_keys
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestState:
+    keys: list[bytes]  # keys of every full chunk of the prompt
+    block_ids: list[int] = field(default_factory=list)
+    saved_chunks: int = 0  # chunks [0, saved_chunks) need no save (loaded or saved)
+    load_chunks: int = 0
+    computed_at_load: int = 0
+
+
+class SchedulerSide:
+    def __init__(self, settings: ConnectorSettings, kv: EngineKV) -> None:
+        self.settings = settings
+        self.kv = kv
+        self._client: KVStoreClient | None = None
+        self.requests: dict[str, RequestState] = {}
+        self._pending_loads: dict[str, RequestState] = {}
+        self.stats = {"lookups": 0, "hit_tokens": 0, "lookup_failures": 0}
+
+    @property
+    def client(self) -> KVStoreClient | None:
+        """The agent connection, (re)opened on demand; None while no agent answers."""
+        if self._client is None:
+            try:
+                self._client = KVStoreClient(self.settings.socket_path, "vllm-scheduler")
+            except KVStoreError as exc:
+                logger.warning("kvstore agent unavailable (%s); computing prefixes", exc)
+        return self._client
+
+    def _state(self, request) -> RequestState:
+        state = self.requests.get(request.request_id)
+        if state is None:
+            tokens = request.prompt_token_ids or []
+            keys = chunk_keys(self.kv.namespace, tokens, self.kv.layout.chunk_tokens)
+            state = self.requests[request.request_id] = RequestState(keys=list(keys))
+        return state
+
+    def matched_tokens(self, request, num_computed_tokens: int) -> int:
+        """Tokens beyond `num_computed_tokens` loadable from the store (whole chunks, always
+        leaving at least one prompt token to compute). No side effects on the store."""
+        state = self._state(request)
+        state.computed_at_load = num_computed_tokens
+        chunk = self.kv.layout.chunk_tokens
+        prompt_tokens = len(request.prompt_token_ids or [])
+        usable = min(len(state.keys), (prompt_tokens - 1) // chunk)
+        if usable * chunk <= num_computed_tokens or self.client is None:
+            return 0
+        try:
+            hits = self.client.lookup(self.settings.tenant, state.keys[:usable]).total
+        except KVStoreError as exc:
+            logger.warning("kvstore lookup failed (%s); computing the prefix", exc)
+            self.stats["lookup_failures"] += 1
+            self._drop_client()
+            return 0
+        self.stats["lookups"] += 1
+        external = max(0, hits * chunk - num_computed_tokens)
+        self.stats["hit_tokens"] += external
+        return external
+
+    def after_alloc(self, request, num_external_tokens: int) -> None:
+        if num_external_tokens <= 0:
+            return
+        state = self._state(request)
+        computed = state.computed_at_load  # what get_num_new_matched_tokens was told
+        state.load_chunks = (computed + num_external_tokens) // self.kv.layout.chunk_tokens
+        state.saved_chunks = state.load_chunks
+        self._pending_loads[request.request_id] = state
+
+    def build_meta(self, scheduler_output) -> KVStoreConnectorMetadata:
+        meta = KVStoreConnectorMetadata()
+        for scheduled in compat.scheduled_requests(scheduler_output):
+            state = self.requests.get(scheduled.req_id)
+            if state is None:
+                continue
+            if scheduled.block_ids is not None:
+                state.block_ids = scheduled.block_ids
+            state.block_ids.extend(scheduled.new_block_ids)
+            if scheduled.req_id in self._pending_loads:
+                meta.loads.append(self._load_spec(scheduled.req_id, state))
+            done = scheduled.num_computed_tokens + scheduled.num_scheduled_tokens
+            save = self._save_spec(scheduled.req_id, state, done)
+            if save is not None:
+                meta.saves.append(save)
+        self._pending_loads.clear()
+        return meta
+
+    def _load_spec(self, req_id: str, state: RequestState) -> LoadSpec:
+        return LoadSpec(
+            req_id, state.keys[: state.load_chunks], list(state.block_ids),
+            state.computed_at_load // self.kv.block_size,
+        )  # fmt: skip
+
+    def _save_spec(self, req_id: str, state: RequestState, done_tokens: int) -> SaveSpec | None:
+        complete = min(len(state.keys), done_tokens // self.kv.layout.chunk_tokens)
+        first, per_chunk = state.saved_chunks, self.kv.blocks_per_chunk
+        if complete <= first or len(state.block_ids) < complete * per_chunk:
+            return None
+        state.saved_chunks = complete
+        return SaveSpec(
+            req_id, state.keys[first:complete], state.keys[first - 1] if first else b"",
+            state.block_ids[first * per_chunk : complete * per_chunk],
+        )  # fmt: skip
+
+    def finished(self, request) -> None:
+        self.requests.pop(request.request_id, None)
+        self._pending_loads.pop(request.request_id, None)
+
+    def _drop_client(self) -> None:
+        if self._client is not None:
+            try:
+                self._client.close()
+            finally:
+                self._client = None

@@ -1,0 +1,246 @@
+"""The worker half of the connector: copies chunks between the node agent's shared arena and
+vLLM's paged KV cache. Loads run layer by layer on a background thread, so layer i+1 loads
+while layer i computes; saves copy each layer as its attention finishes and commit at the end
+of the step. Runs in each vLLM worker process.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+
+from connectors.vllm import compat
+from connectors.vllm.config import ConnectorSettings, EngineKV
+from connectors.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
+from kvstore.client import KVStoreClient, LoadedBlocks, SaveReservation
+from kvstore.codec import decode_layer, encode_layer
+from kvstore.errors import KVStoreError
+
+logger = logging.getLogger(__name__)
+
+
+class LayerwiseLoad:
+    """One step's loads: a thread fills layer after layer; `wait(layer)` blocks on one."""
+
+    def __init__(self, names: list[str], copy_layer) -> None:
+        self.index = {name: i for i, name in enumerate(names)}
+        self.done = [threading.Event() for _ in names]
+        self._copy_layer = copy_layer
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="kvstore-load", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for index, event in enumerate(self.done):
+                self._copy_layer(index)
+                event.set()
+        except BaseException as exc:  # reported as load errors; never leave a waiter hanging
+            self.error = exc
+            logger.exception("layer-wise load failed")
+        finally:
+            for event in self.done:
+                event.set()
+
+    def wait(self, layer_name: str) -> None:
+        index = self.index.get(layer_name)
+        if index is not None:
+            self.done[index].wait()
+
+    def join(self) -> None:
+        self._thread.join()
+
+
+class WorkerSide:
+    def __init__(self, settings: ConnectorSettings, kv: EngineKV) -> None:
+        self.settings = settings
+        self.kv = kv
+        self._client: KVStoreClient | None = None
+        self.kv_caches: dict[str, torch.Tensor] = {}
+        self._load: LayerwiseLoad | None = None
+        self._loaded: list[tuple[LoadSpec, LoadedBlocks]] = []
+        self._saves: list[tuple[SaveSpec, SaveReservation]] | None = None
+        self.failed_block_ids: set[int] = set()
+        self.stats = {"loaded_blocks": 0, "loaded_bytes": 0, "load_s": 0.0, "saved_blocks": 0,
+                      "saved_bytes": 0, "load_failures": 0, "save_failures": 0}  # fmt: skip
+
+    @property
+    def client(self) -> KVStoreClient | None:
+        if self._client is None:
+            try:
+                self._client = KVStoreClient(self.settings.socket_path, "vllm-worker")
+            except KVStoreError as exc:
+                logger.warning("kvstore agent unavailable (%s); loads become recomputes", exc)
+        return self._client
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.kv_caches = dict(kv_caches)
+
+    # ---- loads -----------------------------------------------------------------------------
+    def start_load(self, meta: KVStoreConnectorMetadata, forward_context) -> None:
+        self._load = None
+        if not meta.loads:
+            return
+        layers = compat.attention_layers(forward_context) or self.kv_caches
+        started = time.perf_counter()
+        self._loaded = [(spec, self._fetch(spec)) for spec in meta.loads]
+        names = list(layers)
+        tensors = [compat.paged_layer_view(layers[name]) for name in names]
+        self._load = LayerwiseLoad(names, lambda i: self._copy_layer_in(i, tensors[i]))
+        self.stats["load_s"] += time.perf_counter() - started
+
+    def _fetch(self, spec: LoadSpec) -> LoadedBlocks | None:
+        """Pin the chunks in the arena; chunks that cannot be had are load errors."""
+        loaded = None
+        try:
+            if self.client is not None:
+                loaded = self.client.load(
+                    self.settings.tenant, spec.keys, timeout_s=self.settings.load_timeout_s,
+                    verify=self.settings.verify_checksums,
+                )  # fmt: skip
+        except KVStoreError as exc:
+            logger.warning("kvstore load failed (%s); recomputing", exc)
+            self._drop_client()
+        got = len(loaded) if loaded is not None else 0
+        if got < len(spec.keys):
+            per_chunk = self.kv.blocks_per_chunk
+            missing = spec.block_ids[
+                max(got * per_chunk, spec.skip_blocks) : len(spec.keys) * per_chunk
+            ]
+            self.failed_block_ids.update(missing)
+            self.stats["load_failures"] += len(spec.keys) - got
+        return loaded
+
+    def _copy_layer_in(self, layer: int, paged: torch.Tensor) -> None:
+        start, stop = self.kv.layout.layer_range(layer)
+        canonical = torch.empty(self.kv.layout.layer_shape, dtype=self.kv.layout.torch_dtype)
+        for spec, loaded in self._loaded:
+            if loaded is None:
+                continue
+            for chunk, payload in enumerate(loaded.payloads):
+                blocks = self._chunk_blocks(spec.block_ids, chunk)
+                keep = [
+                    i for i, b in enumerate(blocks) if chunk * len(blocks) + i >= spec.skip_blocks
+                ]
+                if not keep:
+                    continue
+                decode_layer(self.kv.layout, payload[start:stop], canonical)
+                _scatter(paged, blocks, keep, canonical, self.kv.block_size)
+
+    def _chunk_blocks(self, block_ids: list[int], chunk: int) -> list[int]:
+        per_chunk = self.kv.blocks_per_chunk
+        return block_ids[chunk * per_chunk : (chunk + 1) * per_chunk]
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        if self._load is not None:
+            self._load.wait(layer_name)
+
+    def finish_load(self) -> None:
+        """After the forward: release pins and count what arrived."""
+        if self._load is not None:
+            self._load.join()
+            if self._load.error is not None:
+                for spec, _ in self._loaded:
+                    self.failed_block_ids.update(spec.block_ids[spec.skip_blocks :])
+        for _, loaded in self._loaded:
+            if loaded is not None:
+                self.stats["loaded_blocks"] += len(loaded)
+                self.stats["loaded_bytes"] += sum(p.numel() for p in loaded.payloads)
+                self._release(loaded)
+        self._loaded, self._load = [], None
+
+    def _release(self, loaded: LoadedBlocks) -> None:
+        try:
+            self.client.release(loaded)
+        except (KVStoreError, AttributeError) as exc:
+            logger.info("release after a lost agent: %s", exc)
+
+    def take_failed_block_ids(self) -> set[int]:
+        failed, self.failed_block_ids = self.failed_block_ids, set()
+        return failed
+
+    # ---- saves -----------------------------------------------------------------------------
+    def save_layer(self, meta: KVStoreConnectorMetadata, layer_name: str, kv_layer) -> None:
+        if not meta.saves:
+            return
+        if self._saves is None:
+            self._saves = self._reserve(meta.saves)
+        layer = self._layer_index(layer_name)
+        if layer is None:
+            return
+        start, stop = self.kv.layout.layer_range(layer)
+        paged = compat.paged_layer_view(kv_layer)
+        for spec, reservation in self._saves:
+            for chunk, payload in enumerate(reservation.payloads):
+                if payload is None:
+                    continue
+                canonical = _gather(paged, self._chunk_blocks(spec.block_ids, chunk), self.kv)
+                encode_layer(self.kv.layout, canonical, payload[start:stop])
+
+    def _layer_index(self, layer_name: str) -> int | None:
+        names = list(self.kv_caches)
+        return names.index(layer_name) if layer_name in self.kv_caches else None
+
+    def _reserve(self, saves: list[SaveSpec]) -> list[tuple[SaveSpec, SaveReservation]]:
+        reserved = []
+        for spec in saves:
+            try:
+                if self.client is None:
+                    break
+                reservation = self.client.save(
+                    self.settings.tenant, spec.keys, self.kv.layout.payload_bytes,
+                    first_parent=spec.first_parent or None,
+                    layout_hash=self.kv.layout.layout_hash,
+                )  # fmt: skip
+                reserved.append((spec, reservation))
+            except KVStoreError as exc:
+                logger.warning("kvstore save skipped (%s)", exc)
+                self.stats["save_failures"] += len(spec.keys)
+        return reserved
+
+    def finish_save(self) -> None:
+        """End of step: commit every reserved chunk (all its layers are written by now)."""
+        saves, self._saves = self._saves or [], None
+        for _, reservation in saves:
+            try:
+                committed = self.client.commit(reservation)
+            except KVStoreError as exc:
+                logger.warning("kvstore commit failed (%s)", exc)
+                self.stats["save_failures"] += len(reservation.reserved_keys())
+                continue
+            self.stats["saved_blocks"] += committed
+            self.stats["saved_bytes"] += committed * self.kv.layout.payload_bytes
+
+    def _drop_client(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except Exception:  # the agent may be gone; nothing to release there
+                logger.debug("closing a dead kvstore client", exc_info=True)
+
+    def close(self) -> None:
+        self.finish_load()
+        self._drop_client()
+
+
+def _scatter(paged, blocks: list[int], keep: list[int], canonical: torch.Tensor, block_size: int):
+    """canonical [2, T, H, D] -> paged[blocks[i]] ([H, block_size, 2D]) for i in keep."""
+    heads, dim = canonical.shape[2], canonical.shape[3]
+    per_block = canonical.view(2, len(blocks), block_size, heads, dim).permute(1, 3, 2, 0, 4)
+    per_block = per_block.reshape(len(blocks), heads, block_size, 2 * dim)
+    index = torch.tensor([blocks[i] for i in keep], dtype=torch.long, device=paged.device)
+    paged.index_copy_(0, index, per_block[keep].to(paged.device, paged.dtype))
+
+
+def _gather(paged, blocks: list[int], kv: EngineKV) -> torch.Tensor:
+    """paged[blocks] ([n, H, block_size, 2D]) -> canonical [2, T, H, D] on the CPU."""
+    index = torch.tensor(blocks, dtype=torch.long, device=paged.device)
+    selected = paged.index_select(0, index)
+    n, heads, block_size, two_dim = selected.shape
+    dim = two_dim // 2
+    canonical = selected.view(n, heads, block_size, 2, dim).permute(3, 0, 2, 1, 4)
+    return canonical.reshape(2, n * block_size, heads, dim).to("cpu", kv.layout.torch_dtype)
