@@ -160,6 +160,12 @@ def _bench_transfer(args: argparse.Namespace) -> dict:
     return run_transfer(runs=args.runs, sizes_mib=sizes, batch=args.batch, ucx=not args.no_ucx)
 
 
+def _bench_vllm(args: argparse.Namespace) -> dict:
+    from kvstore.bench.vllm import run_vllm
+
+    return run_vllm(runs=args.runs, prompt_tokens=args.prompt_tokens)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvstore.eviction import policy_names
 
@@ -215,6 +221,11 @@ def build_parser() -> argparse.ArgumentParser:
     transfer.add_argument("--no-ucx", action="store_true", help="skip the ucx engine")
     transfer.add_argument("--json", action="store_true")
     transfer.set_defaults(handler=_bench_transfer)
+    vllm = benches.add_parser("vllm", help="TTFT of a long prompt: cold vs 50 %% / 90 %% cached")
+    vllm.add_argument("--runs", type=int, default=5, help="repetitions; medians are reported")
+    vllm.add_argument("--prompt-tokens", type=int, default=4096)
+    vllm.add_argument("--json", action="store_true")
+    vllm.set_defaults(handler=_bench_vllm)
     return parser
 
 

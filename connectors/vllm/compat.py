@@ -57,16 +57,6 @@ def paged_layer_view(kv_cache: torch.Tensor) -> torch.Tensor:
     return kv_cache
 
 
-def attention_layers(forward_context) -> dict[str, torch.Tensor]:
-    """Layer name -> paged KV tensor of every attention layer, in model order."""
-    layers = {}
-    for name, layer in forward_context.no_compile_layers.items():
-        kv_cache = getattr(layer, "kv_cache", None)
-        if isinstance(kv_cache, torch.Tensor) and kv_cache.numel():
-            layers[name] = kv_cache
-    return layers
-
-
 def tp_rank(vllm_config) -> int:
     """This worker's tensor-parallel rank; the scheduler (no TP group) speaks for rank 0."""
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank

@@ -59,7 +59,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.worker.register(kv_caches)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
-        self.worker.start_load(self._get_connector_metadata(), forward_context)
+        self.worker.start_load(self._get_connector_metadata())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self.worker.wait_for_layer(layer_name)

@@ -60,6 +60,7 @@ class WorkerSide:
         self.kv = kv
         self._client: KVStoreClient | None = None
         self.kv_caches: dict[str, torch.Tensor] = {}
+        self._layer_indexes: dict[str, int] = {}
         self._load: LayerwiseLoad | None = None
         self._loaded: list[tuple[LoadSpec, LoadedBlocks]] = []
         self._saves: list[tuple[SaveSpec, SaveReservation]] | None = None
@@ -78,17 +79,23 @@ class WorkerSide:
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.kv_caches = dict(kv_caches)
+        self._layer_indexes = {name: index for index, name in enumerate(self.kv_caches)}
+        if len(self.kv_caches) != self.kv.layout.num_layers:
+            raise ValueError(
+                f"vLLM registered {len(self.kv_caches)} KV caches; the layout expects "
+                f"{self.kv.layout.num_layers} attention layers"
+            )
 
     # ---- loads -----------------------------------------------------------------------------
-    def start_load(self, meta: KVStoreConnectorMetadata, forward_context) -> None:
+    def start_load(self, meta: KVStoreConnectorMetadata) -> None:
         self._load = None
         if not meta.loads:
             return
-        layers = compat.attention_layers(forward_context) or self.kv_caches
+        # Layer i of a payload is the i-th registered KV cache, for loads and saves alike.
         started = time.perf_counter()
         self._loaded = [(spec, self._fetch(spec)) for spec in meta.loads]
-        names = list(layers)
-        tensors = [compat.paged_layer_view(layers[name]) for name in names]
+        names = list(self.kv_caches)
+        tensors = [compat.paged_layer_view(self.kv_caches[name]) for name in names]
         self._load = LayerwiseLoad(names, lambda i: self._copy_layer_in(i, tensors[i]))
         self.stats["load_s"] += time.perf_counter() - started
 
@@ -181,8 +188,7 @@ class WorkerSide:
                 encode_layer(self.kv.layout, canonical, payload[start:stop])
 
     def _layer_index(self, layer_name: str) -> int | None:
-        names = list(self.kv_caches)
-        return names.index(layer_name) if layer_name in self.kv_caches else None
+        return self._layer_indexes.get(layer_name)
 
     def _reserve(self, saves: list[SaveSpec]) -> list[tuple[SaveSpec, SaveReservation]]:
         reserved = []

