@@ -82,11 +82,17 @@ class KVStoreClient:
             raise errors.UnavailableError(f"no node agent at {socket_path}: {exc}") from None
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
+        self._broken = False
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvstore-client")
-        self.info = self._call("hello", pb.HelloRequest(worker=worker)).hello
-        self._arena: SharedArena = attach_arena(
-            self.info.arena_name, self.info.num_pages, self.info.page_size_bytes
-        )
+        try:
+            self.info = self._call("hello", pb.HelloRequest(worker=worker)).hello
+            self._arena: SharedArena = attach_arena(
+                self.info.arena_name, self.info.num_pages, self.info.page_size_bytes
+            )
+        except BaseException:
+            self._executor.shutdown(wait=False)
+            self._sock.close()
+            raise
         self.header_bytes = self.info.header_bytes
 
     # ---- protocol --------------------------------------------------------------------------
@@ -94,17 +100,32 @@ class KVStoreClient:
         request = pb.AgentRequest(request_id=next(self._ids))
         getattr(request, name).CopyFrom(message)
         with self._lock:
+            if self._broken:
+                raise errors.UnavailableError("this client's agent connection broke; reconnect")
             try:
                 framing.send_message(self._sock, request)
                 response = framing.recv_message(self._sock, pb.AgentResponse)
-            except OSError as exc:
+            except (OSError, errors.KVStoreError) as exc:
+                self._break()  # a late answer must never be read as the next call's
                 raise errors.UnavailableError(f"node agent connection failed: {exc}") from None
-        if response is None:
-            raise errors.UnavailableError("the node agent closed the connection")
+            if response is None or response.request_id != request.request_id:
+                self._break()
+                raise errors.UnavailableError(
+                    "the node agent closed or desynchronised the connection"
+                )
         if response.HasField("error"):
             cls = _ERROR_FOR_CODE.get(response.error.code, errors.KVStoreError)
             raise cls(f"{response.error.code}: {response.error.message}")
         return response
+
+    def _break(self) -> None:
+        self._broken = True
+        self._sock.close()
+
+    @property
+    def broken(self) -> bool:
+        """True once the connection failed: make a new client."""
+        return self._broken
 
     def _payload_view(self, page: int, payload_bytes: int) -> torch.Tensor:
         start = self.header_bytes

@@ -152,9 +152,9 @@ class TieredStore:
                     f"payload of {payload_bytes} bytes does not fit a {top.kind} page of "
                     f"{top.page_size_bytes} bytes (header {block.HEADER_BYTES})"
                 )
+            block.encode_tenant(tenant)  # validate before taking a page, not at commit
             self._make_room(0)
             page = top.reserve(key)
-            block.encode_tenant(tenant)  # validate now, not at commit
             header = block.BlockHeader(key, parent, payload_bytes, 0, layout_hash, codec_id, tenant)
             self._pending[key] = _Pending(0, page, header)
             return page[block.HEADER_BYTES : block.HEADER_BYTES + payload_bytes]
@@ -247,18 +247,20 @@ class TieredStore:
         """Verify a received block (header, key, length, checksum) and make it readable.
         A block that fails is discarded, counted in checksum_failures, and False returned."""
         with self._lock:
-            pending = self._pending.pop(key, None)
+            pending = self._pending.get(key)  # stays pending (not re-reservable) until decided
             if pending is None:
                 raise NotFoundError(f"{key!r} has no page reserved for a received block")
         try:
             header = block.verify(pending.page[:received_bytes].cpu(), key)
         except ChecksumError as exc:
             logger.warning("discarding block received for %r: %s", key, exc)
-            with self._lock:
+            header = None
+        with self._lock:
+            del self._pending[key]
+            if header is None:
                 self.checksum_failures += 1
                 self.slots[pending.slot].tier.release(key)
-            return False
-        with self._lock:
+                return False
             self.slots[pending.slot].tier.commit(key, header.block_bytes)
             self._announce(pending.slot, header)
         return True
@@ -301,8 +303,9 @@ class TieredStore:
         if lower < len(self.slots) and key not in self.slots[lower].tier:
             with self.slots[index].tier.open(key) as page:
                 header = self._checked_header(index, key, page)
-                if header is not None:
-                    self._copy_into(lower, key, header, page[: header.block_bytes])
+                if header is None:
+                    return  # corrupt: already purged
+                self._copy_into(lower, key, header, page[: header.block_bytes])
         self._remove(index, key)
 
     def _promote(self, key: BlockKey) -> None:

@@ -156,3 +156,19 @@ def test_remove_drops_unpinned_blocks_from_every_tier(store):
     assert [(e.kind, e.key) for e in store.events.drain()] == [
         (EventKind.REMOVED, KEYS[0]), (EventKind.REMOVED, KEYS[4])
     ]  # fmt: skip
+
+
+def test_a_bad_tenant_takes_no_page(store):
+    """Regression: reserve() validated the tenant after taking a page, which then leaked."""
+    with pytest.raises(ConfigError, match="tenant"):
+        store.reserve(KEYS[0], None, 100, tenant="x" * 65)
+    assert store.usage()["host"]["used_pages"] == 0
+    assert store.reserve(KEYS[0], None, 100) is not None
+
+
+def test_a_received_block_stays_unreservable_until_it_is_decided(store):
+    """Regression: commit_received released its pending entry before verifying."""
+    page = store.reserve_page(KEYS[0])
+    assert store.reserve(KEYS[0], None, 10) is None and store.reserve_page(KEYS[0]) is None
+    assert store.commit_received(KEYS[0], 50) is False  # garbage: discarded, page freed
+    assert store.usage()["host"]["used_pages"] == 0 and page is not None

@@ -4,6 +4,7 @@ KV layout they imply. Runs in both halves of the connector at construction.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,14 @@ class EngineKV:
     @property
     def blocks_per_chunk(self) -> int:
         return self.layout.chunk_tokens // self.block_size
+
+    def rank_key(self, chain_key: bytes) -> bytes:
+        """The key this TP rank stores a chunk under. The scheduler chains keys once (it speaks
+        for rank 0); each rank derives its own from them, so ranks never share a shard."""
+        if not chain_key:
+            return b""
+        digest = hashlib.blake2b(chain_key, digest_size=16, key=self.namespace.root_key())
+        return digest.digest()
 
 
 def engine_kv(vllm_config, settings: ConnectorSettings) -> EngineKV:

@@ -46,6 +46,8 @@ class SchedulerSide:
         return self._client
 
     def _state(self, request) -> RequestState:
+        """Per-request bookkeeping; requests whose KV is not a function of their tokens alone
+        (see _not_keyed_by_tokens_alone) never get any, so they are neither loaded nor saved."""
         state = self.requests.get(request.request_id)
         if state is None:
             tokens = request.prompt_token_ids or []
@@ -56,6 +58,8 @@ class SchedulerSide:
     def matched_tokens(self, request, num_computed_tokens: int) -> int:
         """Tokens beyond `num_computed_tokens` loadable from the store (whole chunks, always
         leaving at least one prompt token to compute). No side effects on the store."""
+        if _not_keyed_by_tokens_alone(request):
+            return 0
         state = self._state(request)
         state.computed_at_load = num_computed_tokens
         chunk = self.kv.layout.chunk_tokens
@@ -64,7 +68,8 @@ class SchedulerSide:
         if usable * chunk <= num_computed_tokens or self.client is None:
             return 0
         try:
-            hits = self.client.lookup(self.settings.tenant, state.keys[:usable]).total
+            rank_keys = [self.kv.rank_key(key) for key in state.keys[:usable]]
+            hits = self.client.lookup(self.settings.tenant, rank_keys).total
         except KVStoreError as exc:
             logger.warning("kvstore lookup failed (%s); computing the prefix", exc)
             self.stats["lookup_failures"] += 1
@@ -129,3 +134,13 @@ class SchedulerSide:
                 self._client.close()
             finally:
                 self._client = None
+
+
+def _not_keyed_by_tokens_alone(request) -> bool:
+    """LoRA adapters, multimodal inputs and cache salts change the KV of the same tokens; the
+    chunk keys do not cover them yet, so such requests bypass the store."""
+    return bool(
+        getattr(request, "lora_request", None)
+        or getattr(request, "mm_features", None)
+        or getattr(request, "cache_salt", None)
+    )

@@ -105,12 +105,12 @@ class WorkerSide:
         try:
             if self.client is not None:
                 loaded = self.client.load(
-                    self.settings.tenant, spec.keys, timeout_s=self.settings.load_timeout_s,
-                    verify=self.settings.verify_checksums,
+                    self.settings.tenant, [self.kv.rank_key(k) for k in spec.keys],
+                    timeout_s=self.settings.load_timeout_s, verify=self.settings.verify_checksums,
                 )  # fmt: skip
         except KVStoreError as exc:
+            # Not dropped here: earlier loads of this step are pinned through this connection.
             logger.warning("kvstore load failed (%s); recomputing", exc)
-            self._drop_client()
         got = len(loaded) if loaded is not None else 0
         if got < len(spec.keys):
             per_chunk = self.kv.blocks_per_chunk
@@ -158,6 +158,7 @@ class WorkerSide:
                 self.stats["loaded_bytes"] += sum(p.numel() for p in loaded.payloads)
                 self._release(loaded)
         self._loaded, self._load = [], None
+        self._drop_client_if_broken()
 
     def _release(self, loaded: LoadedBlocks) -> None:
         try:
@@ -197,8 +198,9 @@ class WorkerSide:
                 if self.client is None:
                     break
                 reservation = self.client.save(
-                    self.settings.tenant, spec.keys, self.kv.layout.payload_bytes,
-                    first_parent=spec.first_parent or None,
+                    self.settings.tenant, [self.kv.rank_key(k) for k in spec.keys],
+                    self.kv.layout.payload_bytes,
+                    first_parent=self.kv.rank_key(spec.first_parent) or None,
                     layout_hash=self.kv.layout.layout_hash,
                 )  # fmt: skip
                 reserved.append((spec, reservation))
@@ -219,6 +221,12 @@ class WorkerSide:
                 continue
             self.stats["saved_blocks"] += committed
             self.stats["saved_bytes"] += committed * self.kv.layout.payload_bytes
+        self._drop_client_if_broken()
+
+    def _drop_client_if_broken(self) -> None:
+        """After a step, reconnect next time if the connection broke (an agent restart)."""
+        if self._client is not None and self._client.broken:
+            self._drop_client()
 
     def _drop_client(self) -> None:
         client, self._client = self._client, None

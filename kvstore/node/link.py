@@ -14,7 +14,15 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
-from kvstore.errors import KVStoreError, LeaseError, NotFoundError, UnavailableError
+from kvstore.errors import (
+    CapacityError,
+    ConfigError,
+    KVStoreError,
+    LeaseError,
+    NotFoundError,
+    PermissionDeniedError,
+    UnavailableError,
+)
 from kvstore.events import BlockEvent, EventKind
 from kvstore.metadata.client import LookupResult, MetadataClient
 from kvstore.metadata.index import BlockEntry, NodeRecord
@@ -79,6 +87,10 @@ class MetadataLink:
                 logger.warning("lost the lease (%s); registering again", exc)
                 self.lease_id = None
                 period_s = 0
+            except Exception as exc:
+                logger.error("metadata link step failed: %s", exc)
+                period_s = self.backoff.delay_s(attempt)
+                attempt += 1
             self._wake.wait(period_s)
             self._wake.clear()
 
@@ -90,9 +102,13 @@ class MetadataLink:
         self._publish_events()
 
     def _register_and_resync(self) -> None:
-        self.lease_id, self.lease_ttl_ms = self.client.register_node(self.node, self.lease_ttl_ms)
-        self._next_heartbeat = time.monotonic() + self.lease_ttl_ms / 3000
-        logger.info("registered node %s (lease %d)", self.node.node_id, self.lease_id)
+        """Register, forget whatever the service believed this node held (a restarted agent's
+        arena is empty; events may have been dropped), then publish the store's inventory.
+        The lease counts as held only once all of it is published: a failure redoes it all."""
+        node_id = self.node.node_id
+        lease_id, _ = self.client.register_node(self.node, self.lease_ttl_ms)
+        self.client.deregister_node(node_id, lease_id)
+        lease_id, self.lease_ttl_ms = self.client.register_node(self.node, self.lease_ttl_ms)
         self.store.events.drain()  # the inventory below supersedes queued events
         self._backlog.clear()
         self._dropped_seen = self.store.events.dropped
@@ -101,9 +117,11 @@ class MetadataLink:
             entries = [BlockEntry(k, tier) for k, tier, t in inventory if t == tenant]
             for start in range(0, len(entries), self.batch_max):
                 batch = entries[start : start + self.batch_max]
-                self.published += self.client.publish(
-                    self.node.node_id, self.lease_id, tenant, batch
-                )
+                self.published += self.client.publish(node_id, lease_id, tenant, batch)
+        self.lease_id = lease_id
+        self._next_heartbeat = time.monotonic() + self.lease_ttl_ms / 3000
+        logger.info("registered node %s (lease %d), %d blocks published", node_id, lease_id,
+                    len(inventory))  # fmt: skip
 
     def _heartbeat_if_due(self) -> None:
         if time.monotonic() >= self._next_heartbeat:
@@ -118,7 +136,12 @@ class MetadataLink:
         self._backlog.extend(self.store.events.drain())
         while self._backlog:
             batch = self._next_batch()
-            self._send(batch)
+            try:
+                self._send(batch)
+            except (ConfigError, CapacityError, PermissionDeniedError) as exc:
+                # No retry can make this batch acceptable (bad tenant, quota, permissions).
+                logger.error("dropping %d %s events the service refuses: %s", len(batch),
+                             batch[0].kind, exc)  # fmt: skip
             for _ in batch:
                 self._backlog.popleft()
 

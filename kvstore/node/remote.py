@@ -95,6 +95,10 @@ class RemoteFetcher:
         except TransferError as exc:
             logger.warning("fetch from %s failed: %s", address, exc)
             received = [0] * len(wanted)
+        except BaseException:
+            for key in wanted:
+                self.store.abort(key)
+            raise
         self.stats.seconds += time.monotonic() - started
         return self._commit(wanted, received)
 

@@ -89,7 +89,11 @@ class WorkerSession:
         local = self._pin_in_arena(keys)
         remote = 0
         if local < len(keys) and self.fetcher is not None:
-            fetched = self.fetcher.fetch(tenant, keys[local:], timeout_s)
+            try:
+                fetched = self.fetcher.fetch(tenant, keys[local:], timeout_s)
+            except BaseException:
+                self.store.unpin(keys[:local])  # not registered under a load id yet
+                raise
             remote = self._pin_in_arena(keys[local : local + fetched])
         pinned = list(keys[: local + remote])
         load_id = next(_ids)
@@ -123,13 +127,18 @@ class WorkerSession:
     ) -> tuple[int, list[int | None]]:  # fmt: skip
         """Reserve a page per key (None: already stored, being written, or no room left)."""
         reservation = Reservation(next(_ids))
-        self.saves[reservation.save_id] = reservation
         pages: list[int | None] = []
         parent = first_parent
-        for key in keys:
-            pages.append(self._reserve(reservation, tenant, key, parent, payload_bytes,
-                                       layout_hash, codec_id))  # fmt: skip
-            parent = key
+        try:
+            for key in keys:
+                pages.append(self._reserve(reservation, tenant, key, parent, payload_bytes,
+                                           layout_hash, codec_id))  # fmt: skip
+                parent = key
+        except BaseException:
+            for reserved in reservation.pages:
+                self.store.abort(reserved)
+            raise
+        self.saves[reservation.save_id] = reservation
         return reservation.save_id, pages
 
     def _reserve(self, reservation, tenant, key, parent, payload_bytes, layout_hash, codec_id):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from kvstore.errors import ConfigError, NotFoundError
+from kvstore.errors import ConfigError, NotFoundError, UnavailableError
 from kvstore.tiers.arena import ArenaTier
 from kvstore.tiers.base import pages_for
 
@@ -29,7 +29,7 @@ ARENA_PREFIX = "kvstore-arena-"
 
 def _map_file(path: Path, size_bytes: int, create: bool) -> mmap.mmap:
     flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-    fd = os.open(path, flags, 0o600)
+    fd = os.open(path, flags, 0o660)  # the worker group maps it, like the agent's socket
     try:
         if create:
             os.ftruncate(fd, size_bytes)
@@ -51,6 +51,8 @@ class SharedArena:
             raise NotFoundError(f"no shared arena named {name!r} in {SHM_DIR}") from None
         except FileExistsError:
             raise ConfigError(f"shared arena {name!r} already exists; pick another name") from None
+        except PermissionError as exc:
+            raise UnavailableError(f"cannot map shared arena {name!r}: {exc}") from None
         flat = torch.frombuffer(self._mmap, dtype=torch.uint8)
         self.pages = flat.view(num_pages, page_size_bytes)
         self._cuda_registered = create and _register_with_cuda(self.pages)

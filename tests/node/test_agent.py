@@ -133,3 +133,19 @@ def test_several_processes_writing_and_reading_the_same_keys_never_see_torn_bloc
         assert sum(torn for torn, _ in results) == 0
         assert sum(loads for _, loads in results) > 0
         assert agent.store.pins_held() == 0
+
+
+def test_an_agent_that_died_within_its_lease_leaves_no_stale_holdings(tmp_path):
+    """Regression: a restarted agent re-registered under the same id and kept the dead
+    process's host-tier holdings published, promising blocks it no longer had."""
+    with running_server(tmp_path) as server, client_for(server) as metadata:
+        settings = {"metadata_address": f"127.0.0.1:{server.port}", "lease_ttl_ms": 60_000}
+        with running_agent(tmp_path, **settings) as agent:
+            with KVStoreClient(agent.config.socket_path) as client:
+                save_chain(client, KEYS[:3])
+            assert wait_until(lambda: published(metadata, KEYS) == 3)
+            agent.link.stop(deregister=False)  # dies: its lease is still alive for a minute
+            agent.link = None
+        with running_agent(tmp_path, **settings) as agent:  # same node id, empty arena
+            assert wait_until(lambda: agent.link.connected)
+            assert published(metadata, KEYS) == 0

@@ -9,9 +9,11 @@ import textwrap
 import pytest
 import torch
 
+from kvstore import framing
 from kvstore.client import KVStoreClient, LookupCounts
 from kvstore.errors import ConfigError, NotFoundError, UnavailableError
 from kvstore.keys import Namespace, chunk_keys
+from kvstore.v1 import agent_pb2 as pb
 from tests.metadata.servers import wait_until
 from tests.node.agents import running_agent
 
@@ -107,7 +109,7 @@ def test_no_agent_is_unavailable(tmp_path):
 _DYING_WORKER = textwrap.dedent(
     """
     import sys, time
-    from kvstore.client import KVStoreClient, LookupCounts
+    from kvstore.client import KVStoreClient
     from kvstore.keys import Namespace, chunk_keys
     keys = chunk_keys(Namespace("sha256:model", "layout"), range(256 * 8), 256)
     client = KVStoreClient(sys.argv[1], "doomed")
@@ -134,3 +136,34 @@ def test_a_worker_killed_holding_pins_and_reservations_leaks_nothing(tmp_path):
         worker.wait()
         assert wait_until(lambda: agent.store.pins_held() == 0)
         assert wait_until(lambda: agent.store.usage()["host"]["used_pages"] == 5)
+
+
+def test_pins_of_the_local_prefix_are_released_when_the_remote_part_fails(tmp_path):
+    """Regression: a fetch that raised left the local prefix pinned under no load id."""
+    from kvstore.node.session import RequestCounters, WorkerSession
+
+    class FailingFetcher:
+        def fetch(self, tenant, keys, timeout_s):
+            raise ConfigError("the metadata service refused the tenant")
+
+    with running_agent(tmp_path) as agent, KVStoreClient(agent.config.socket_path) as client:
+        save_chain(client, KEYS[:2])
+        session = WorkerSession(agent.store, FailingFetcher(), RequestCounters())
+        with pytest.raises(ConfigError):
+            session.load("t", KEYS[:4], timeout_s=1)
+        session.close()
+        assert agent.store.pins_held() == 0
+
+
+def test_a_desynchronised_connection_is_never_reused(tmp_path):
+    """Regression: after a timeout, a late answer could be read as the next call's answer."""
+    with running_agent(tmp_path) as agent:
+        client = KVStoreClient(agent.config.socket_path)
+        stray = pb.AgentRequest(request_id=999_999, stats=pb.AgentStatsRequest())
+        framing.send_message(client._sock, stray)  # its answer now precedes the next call's
+        with pytest.raises(UnavailableError, match="desynchronised"):
+            client.lookup("t", KEYS)
+        assert client.broken
+        with pytest.raises(UnavailableError, match="reconnect"):
+            client.lookup("t", KEYS)
+        client.close()
