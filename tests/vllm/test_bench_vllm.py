@@ -1,13 +1,21 @@
 """`kvstore bench vllm` runs end to end on a short prompt and reports every field (shape, not
-performance: figures come from full runs)."""
+performance: figures come from full runs). It runs as its own process: an in-process vLLM
+engine leaves process-wide state (the KV-transfer group) behind."""
 
+import json
 import math
-
-from kvstore.bench.vllm import run_vllm
+import subprocess
+import sys
 
 
 def test_vllm_benchmark_reports_ttft_and_speedups():
-    result = run_vllm(runs=1, prompt_tokens=1024)
+    completed = subprocess.run(
+        [sys.executable, "-m", "kvstore", "bench", "vllm", "--runs", "1",
+         "--prompt-tokens", "1024", "--json"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    result = json.loads(completed.stdout.strip().splitlines()[-1])
     for field in ("ttft_cold_s", "ttft_cached50_s", "ttft_cached90_s", "speedup50", "speedup90"):
         assert math.isfinite(result[field]) and result[field] > 0, field
     assert result["cached_tokens_cold"] == 0
