@@ -24,6 +24,12 @@ def _wait_for_signal() -> None:
     stop.wait()
 
 
+def _announce_metrics(what: str, listen: str, port: int) -> None:
+    if port:
+        host = listen.rpartition(":")[0] or "127.0.0.1"
+        print(f"{what} metrics on http://{host}:{port}/metrics", flush=True)
+
+
 def _announce_metadata(server: MetadataServer) -> None:
     config = server.config
     host = config.listen.rpartition(":")[0]
@@ -35,11 +41,7 @@ def _announce_metadata(server: MetadataServer) -> None:
         f"auth {'on' if server.servicer.auth.enabled else 'off'}",
         flush=True,
     )
-    if server.metrics_port:
-        metrics_host = config.metrics_listen.rpartition(":")[0] or "127.0.0.1"
-        print(
-            f"metadata metrics on http://{metrics_host}:{server.metrics_port}/metrics", flush=True
-        )
+    _announce_metrics("metadata", config.metrics_listen, server.metrics_port)
 
 
 def _announce_agent(agent: NodeAgent) -> None:
@@ -53,9 +55,7 @@ def _announce_agent(agent: NodeAgent) -> None:
         f"metadata {config.metadata_address or 'none'}",
         flush=True,
     )
-    if agent.metrics_port:
-        metrics_host = config.metrics_listen.rpartition(":")[0] or "127.0.0.1"
-        print(f"agent metrics on http://{metrics_host}:{agent.metrics_port}/metrics", flush=True)
+    _announce_metrics("agent", config.metrics_listen, agent.metrics_port)
 
 
 def _run(stoppables: list) -> int:

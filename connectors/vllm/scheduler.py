@@ -8,9 +8,9 @@ import logging
 from dataclasses import dataclass, field
 
 from connectors.vllm import compat
+from connectors.vllm.agent import AgentConnection
 from connectors.vllm.config import ConnectorSettings, EngineKV
 from connectors.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
-from kvstore.client import KVStoreClient
 from kvstore.errors import KVStoreError
 from kvstore.keys import chunk_keys
 
@@ -30,20 +30,10 @@ class SchedulerSide:
     def __init__(self, settings: ConnectorSettings, kv: EngineKV) -> None:
         self.settings = settings
         self.kv = kv
-        self._client: KVStoreClient | None = None
+        self.agent = AgentConnection(settings.socket_path, "vllm-scheduler")
         self.requests: dict[str, RequestState] = {}
         self._pending_loads: dict[str, RequestState] = {}
         self.stats = {"lookups": 0, "hit_tokens": 0, "lookup_failures": 0}
-
-    @property
-    def client(self) -> KVStoreClient | None:
-        """The agent connection, (re)opened on demand; None while no agent answers."""
-        if self._client is None:
-            try:
-                self._client = KVStoreClient(self.settings.socket_path, "vllm-scheduler")
-            except KVStoreError as exc:
-                logger.warning("kvstore agent unavailable (%s); computing prefixes", exc)
-        return self._client
 
     def _state(self, request) -> RequestState:
         """Per-request bookkeeping; requests whose KV is not a function of their tokens alone
@@ -65,15 +55,15 @@ class SchedulerSide:
         chunk = self.kv.layout.chunk_tokens
         prompt_tokens = len(request.prompt_token_ids or [])
         usable = min(len(state.keys), (prompt_tokens - 1) // chunk)
-        if usable * chunk <= num_computed_tokens or self.client is None:
+        if usable * chunk <= num_computed_tokens or self.agent.client is None:
             return 0
         try:
             rank_keys = [self.kv.rank_key(key) for key in state.keys[:usable]]
-            hits = self.client.lookup(self.settings.tenant, rank_keys).total
+            hits = self.agent.client.lookup(self.settings.tenant, rank_keys).total
         except KVStoreError as exc:
             logger.warning("kvstore lookup failed (%s); computing the prefix", exc)
             self.stats["lookup_failures"] += 1
-            self._drop_client()
+            self.agent.drop()
             return 0
         self.stats["lookups"] += 1
         external = max(0, hits * chunk - num_computed_tokens)
@@ -127,13 +117,6 @@ class SchedulerSide:
     def finished(self, request) -> None:
         self.requests.pop(request.request_id, None)
         self._pending_loads.pop(request.request_id, None)
-
-    def _drop_client(self) -> None:
-        if self._client is not None:
-            try:
-                self._client.close()
-            finally:
-                self._client = None
 
 
 def _not_keyed_by_tokens_alone(request) -> bool:

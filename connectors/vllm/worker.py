@@ -13,9 +13,10 @@ import time
 import torch
 
 from connectors.vllm import compat
+from connectors.vllm.agent import AgentConnection
 from connectors.vllm.config import ConnectorSettings, EngineKV
 from connectors.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
-from kvstore.client import KVStoreClient, LoadedBlocks, SaveReservation
+from kvstore.client import LoadedBlocks, SaveReservation
 from kvstore.codec import decode_layer, encode_layer
 from kvstore.errors import KVStoreError
 
@@ -58,7 +59,7 @@ class WorkerSide:
     def __init__(self, settings: ConnectorSettings, kv: EngineKV) -> None:
         self.settings = settings
         self.kv = kv
-        self._client: KVStoreClient | None = None
+        self.agent = AgentConnection(settings.socket_path, "vllm-worker")
         self.kv_caches: dict[str, torch.Tensor] = {}
         self._layer_indexes: dict[str, int] = {}
         self._load: LayerwiseLoad | None = None
@@ -67,15 +68,6 @@ class WorkerSide:
         self.failed_block_ids: set[int] = set()
         self.stats = {"loaded_blocks": 0, "loaded_bytes": 0, "load_s": 0.0, "saved_blocks": 0,
                       "saved_bytes": 0, "load_failures": 0, "save_failures": 0}  # fmt: skip
-
-    @property
-    def client(self) -> KVStoreClient | None:
-        if self._client is None:
-            try:
-                self._client = KVStoreClient(self.settings.socket_path, "vllm-worker")
-            except KVStoreError as exc:
-                logger.warning("kvstore agent unavailable (%s); loads become recomputes", exc)
-        return self._client
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.kv_caches = dict(kv_caches)
@@ -103,8 +95,8 @@ class WorkerSide:
         """Pin the chunks in the arena; chunks that cannot be had are load errors."""
         loaded = None
         try:
-            if self.client is not None:
-                loaded = self.client.load(
+            if self.agent.client is not None:
+                loaded = self.agent.client.load(
                     self.settings.tenant, [self.kv.rank_key(k) for k in spec.keys],
                     timeout_s=self.settings.load_timeout_s, verify=self.settings.verify_checksums,
                 )  # fmt: skip
@@ -158,11 +150,11 @@ class WorkerSide:
                 self.stats["loaded_bytes"] += sum(p.numel() for p in loaded.payloads)
                 self._release(loaded)
         self._loaded, self._load = [], None
-        self._drop_client_if_broken()
+        self.agent.drop_if_broken()
 
     def _release(self, loaded: LoadedBlocks) -> None:
         try:
-            self.client.release(loaded)
+            self.agent.client.release(loaded)
         except (KVStoreError, AttributeError) as exc:
             logger.info("release after a lost agent: %s", exc)
 
@@ -195,9 +187,9 @@ class WorkerSide:
         reserved = []
         for spec in saves:
             try:
-                if self.client is None:
+                if self.agent.client is None:
                     break
-                reservation = self.client.save(
+                reservation = self.agent.client.save(
                     self.settings.tenant, [self.kv.rank_key(k) for k in spec.keys],
                     self.kv.layout.payload_bytes,
                     first_parent=self.kv.rank_key(spec.first_parent) or None,
@@ -214,31 +206,18 @@ class WorkerSide:
         saves, self._saves = self._saves or [], None
         for _, reservation in saves:
             try:
-                committed = self.client.commit(reservation)
+                committed = self.agent.client.commit(reservation)
             except KVStoreError as exc:
                 logger.warning("kvstore commit failed (%s)", exc)
                 self.stats["save_failures"] += len(reservation.reserved_keys())
                 continue
             self.stats["saved_blocks"] += committed
             self.stats["saved_bytes"] += committed * self.kv.layout.payload_bytes
-        self._drop_client_if_broken()
-
-    def _drop_client_if_broken(self) -> None:
-        """After a step, reconnect next time if the connection broke (an agent restart)."""
-        if self._client is not None and self._client.broken:
-            self._drop_client()
-
-    def _drop_client(self) -> None:
-        client, self._client = self._client, None
-        if client is not None:
-            try:
-                client.close()
-            except Exception:  # the agent may be gone; nothing to release there
-                logger.debug("closing a dead kvstore client", exc_info=True)
+        self.agent.drop_if_broken()
 
     def close(self) -> None:
         self.finish_load()
-        self._drop_client()
+        self.agent.drop()
 
 
 def _scatter(paged, blocks: list[int], keep: list[int], canonical: torch.Tensor, block_size: int):

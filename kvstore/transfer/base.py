@@ -10,6 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 
 import torch
 
@@ -21,10 +22,21 @@ from kvstore.keys import BlockKey
 OpenBlock = Callable[[BlockKey], AbstractContextManager[torch.Tensor | None]]
 
 
+@dataclass
+class TransferStats:
+    """Counters every engine keeps, for tests and metrics."""
+
+    connections_accepted: int = 0  # serving side
+    connections_opened: int = 0  # fetching side
+    batches_served: int = 0
+    transfers_broken: int = 0  # fetches that ended early (peer gone, timeout, protocol error)
+
+
 class TransferEngine(ABC):
     """Serves local blocks to peers and fetches peers' blocks. Thread-safe."""
 
     name: str = ""
+    stats: TransferStats
 
     @abstractmethod
     def serve(self, open_block: OpenBlock, host: str = "127.0.0.1", port: int = 0) -> str:

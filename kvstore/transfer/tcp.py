@@ -20,7 +20,7 @@ import torch
 
 from kvstore.errors import ConfigError, TransferError
 from kvstore.keys import KEY_BYTES, BlockKey
-from kvstore.transfer.base import OpenBlock, TransferEngine, register_engine
+from kvstore.transfer.base import OpenBlock, TransferEngine, TransferStats, register_engine
 
 logger = logging.getLogger(__name__)
 
@@ -56,23 +56,13 @@ class TcpOptions:
             raise ConfigError("tcp engine: pool_connections_per_peer and socket_buffer_bytes >= 0")
 
 
-@dataclass
-class TcpStats:
-    """Counters for tests and metrics; updated under the engine's lock."""
-
-    connections_accepted: int = 0  # serving side
-    connections_opened: int = 0  # fetching side
-    batches_served: int = 0
-    transfers_broken: int = 0  # fetches that ended early (peer gone, timeout, protocol error)
-
-
 @register_engine("tcp")
 class TcpEngine(TransferEngine):
     """Serves and fetches whole blocks over TCP. Thread-safe; connections are never shared."""
 
     def __init__(self, **options: float) -> None:
         self.options = _make_options(options)
-        self.stats = TcpStats()
+        self.stats = TransferStats()  # updated under the engine's lock
         self._lock = threading.Lock()
         self._pool: dict[str, list[socket.socket]] = {}
         self._peers: dict[socket.socket, threading.Thread] = {}  # connections being served

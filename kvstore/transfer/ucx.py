@@ -26,7 +26,7 @@ import torch
 from kvstore.block import HEADER_BYTES
 from kvstore.errors import ConfigError, TransferError
 from kvstore.keys import KEY_BYTES, BlockKey
-from kvstore.transfer.base import OpenBlock, TransferEngine, register_engine
+from kvstore.transfer.base import OpenBlock, TransferEngine, TransferStats, register_engine
 
 logger = logging.getLogger(__name__)
 
@@ -48,16 +48,6 @@ _GRACE_S = 5.0  # the loop enforces fetch deadlines; this only guards against a 
 
 class _ProtocolError(Exception):
     """The peer broke the protocol; its endpoint is discarded."""
-
-
-@dataclass
-class UcxStats:
-    """Counters for tests and metrics; updated on the loop thread only."""
-
-    connections_accepted: int = 0  # serving side
-    connections_opened: int = 0  # fetching side
-    batches_served: int = 0
-    transfers_broken: int = 0  # fetches that ended early (peer gone, timeout, protocol error)
 
 
 class _Runtime:
@@ -198,7 +188,7 @@ class UcxEngine(TransferEngine):
         }
         self.send_timeout_s = send_timeout_s  # a peer that stops reading releases its pins
         self.pool_connections_per_peer = pool_connections_per_peer
-        self.stats = UcxStats()
+        self.stats = TransferStats()  # updated on the loop thread only
         self._lock = threading.Lock()
         self._rt: _Runtime | None = None
         self._closed = False

@@ -54,7 +54,7 @@ def test_a_large_batch_arrives_and_later_batches_reuse_the_connection(pair, make
     assert pair.land(keys, first) == [True] * 64
     assert pair.land(keys, second, reader=second_reader) == [True] * 64
     assert stored_payload(second_reader, KEYS[63]) == block_bytes(pair, 63)
-    # Engines expose `stats` with these two counters (see the tcp engine's TcpStats).
+    # Every engine keeps a TransferStats (kvstore/transfer/base.py).
     assert pair.server.stats.connections_accepted == 1
     assert pair.client.stats.connections_opened == 1
 

@@ -1,0 +1,42 @@
+"""A connector half's connection to its host's node agent: opened on demand, dropped when it
+breaks, so an absent or restarted agent costs recomputes, never a failed request. Runs in the
+vLLM scheduler and worker processes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvstore.client import KVStoreClient
+from kvstore.errors import KVStoreError
+
+logger = logging.getLogger(__name__)
+
+
+class AgentConnection:
+    def __init__(self, socket_path: str, worker: str) -> None:
+        self.socket_path = socket_path
+        self.worker = worker
+        self._client: KVStoreClient | None = None
+
+    @property
+    def client(self) -> KVStoreClient | None:
+        """The client, (re)connected if needed; None while no agent answers."""
+        if self._client is None:
+            try:
+                self._client = KVStoreClient(self.socket_path, self.worker)
+            except KVStoreError as exc:
+                logger.warning("kvstore agent unavailable (%s); prefixes are computed", exc)
+        return self._client
+
+    def drop_if_broken(self) -> None:
+        if self._client is not None and self._client.broken:
+            self.drop()
+
+    def drop(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except Exception:  # the agent may be gone; nothing to release there
+                logger.debug("closing a dead kvstore client", exc_info=True)
