@@ -75,13 +75,19 @@ class TieredStore:
         self._recover()
 
     # ---- lookups -------------------------------------------------------------------------
-    def lookup(self, keys: Sequence[BlockKey]) -> int:
-        """How many leading `keys` are committed in some tier. No side effects."""
+    def lookup(self, keys: Sequence[BlockKey], tenant: str | None = None) -> int:
+        """How many leading `keys` are committed in some tier (and, with `tenant`, belong to
+        that tenant: another tenant's block reads as absent). No side effects."""
         with self._lock:
             for count, key in enumerate(keys):
-                if self._slot_of(key) is None:
+                if not self._readable(key, tenant):
                     return count
             return len(keys)
+
+    def _readable(self, key: BlockKey, tenant: str | None) -> bool:
+        if self._slot_of(key) is None:
+            return False
+        return tenant is None or self._tenants.get(key) == tenant
 
     def tier_of(self, key: BlockKey) -> str | None:
         """The kind of the fastest tier holding `key`, or None."""
@@ -96,15 +102,16 @@ class TieredStore:
         return None
 
     # ---- pins ----------------------------------------------------------------------------
-    def pin(self, keys: Sequence[BlockKey]) -> int:
-        """Pin the leading resident `keys` for reading and return how many were pinned.
+    def pin(self, keys: Sequence[BlockKey], tenant: str | None = None) -> int:
+        """Pin the leading resident `keys` (of `tenant`, when given) for reading and return
+        how many were pinned.
 
         Counts as an access for every policy; promotes blocks from lower tiers to the top
         tier when room can be made. A block failing its checksum ends the run (it is purged).
         """
         with self._lock:
             for count, key in enumerate(keys):
-                if self._slot_of(key) is None or not self._pin_one(key):
+                if not self._readable(key, tenant) or not self._pin_one(key):
                     return count
             return len(keys)
 
@@ -210,15 +217,16 @@ class TieredStore:
             yield None if whole is None else whole[block.HEADER_BYTES :]
 
     @contextmanager
-    def open_block(self, key: BlockKey) -> Iterator[torch.Tensor | None]:
-        """Yield the whole stored block (header + payload) of `key`, or None on a miss.
+    def open_block(self, key: BlockKey, tenant: str | None = None) -> Iterator[torch.Tensor | None]:
+        """Yield the whole stored block (header + payload) of `key`, or None on a miss; with
+        `tenant`, a block of another tenant is a miss too (the caller cannot tell them apart).
 
         The block is pinned while the context is open, so the view stays valid without the
         store lock (other threads keep working). Blocks from tiers that require it (disk) are
         checksummed first; a corrupt block is purged and reads as a miss.
         """
         with self._lock:
-            index = self._slot_of(key)
+            index = self._slot_of(key) if self._readable(key, tenant) else None
             if index is not None:
                 self._pins[key] += 1
         if index is None:
@@ -243,15 +251,20 @@ class TieredStore:
             self._pending[key] = _Pending(0, page, block.BlockHeader(key, None, 0, 0))
             return page
 
-    def commit_received(self, key: BlockKey, received_bytes: int) -> bool:
-        """Verify a received block (header, key, length, checksum) and make it readable.
-        A block that fails is discarded, counted in checksum_failures, and False returned."""
+    def commit_received(
+        self, key: BlockKey, received_bytes: int, tenant: str | None = None
+    ) -> bool:
+        """Verify a received block (header, key, length, checksum and, with `tenant`, that it
+        is the tenant it was fetched for) and make it readable. A block that fails is
+        discarded, counted in checksum_failures, and False returned."""
         with self._lock:
             pending = self._pending.get(key)  # stays pending (not re-reservable) until decided
             if pending is None:
                 raise NotFoundError(f"{key!r} has no page reserved for a received block")
         try:
             header = block.verify(pending.page[:received_bytes].cpu(), key)
+            if tenant is not None and header.tenant != tenant:
+                raise ChecksumError(f"holder sent tenant {header.tenant!r}, fetched for {tenant!r}")
         except ChecksumError as exc:
             logger.warning("discarding block received for %r: %s", key, exc)
             header = None
