@@ -58,8 +58,10 @@ _METADATA_FLAGS = (
 
 _NODE_FLAGS = (
     "node_id", "socket_path", "host_capacity_bytes", "page_size_bytes", "disk_dir",
-    "disk_capacity_bytes", "host_policy", "disk_policy", "metadata_address", "metadata_token",
-    "transfer", "transfer_host", "transfer_port", "advertise_host", "node_metrics_listen",
+    "disk_capacity_bytes", "host_policy", "disk_policy", "metadata_address",
+    "metadata_token_file", "worker_credentials", "cluster_secret_file", "max_workers",
+    "max_pins_per_worker", "transfer", "transfer_host", "transfer_port", "advertise_host",
+    "node_metrics_listen",
 )  # fmt: skip
 
 
@@ -101,10 +103,12 @@ def _metadata(args: argparse.Namespace) -> int:
 
 
 def _stats(args: argparse.Namespace) -> dict | int:
+    from kvstore.config import read_secret_file
     from kvstore.metadata.client import MetadataClient
     from kvstore.stats import format_stats, stats_dict
 
-    with MetadataClient(args.address, token=args.token, tls_ca=args.tls_ca) as client:
+    token = read_secret_file(args.token_file, "metadata token") if args.token_file else None
+    with MetadataClient(args.address, token=token, tls_ca=args.tls_ca) as client:
         stats = stats_dict(client.stats())
     if args.json:
         return stats
@@ -137,7 +141,9 @@ def _add_node_flags(parser: argparse.ArgumentParser, standalone: bool) -> None:
     if standalone:
         parser.add_argument("--config", type=Path, help="TOML file; settings under [node]")
         parser.add_argument("--metadata-address", help="host:port of the metadata service")
-        parser.add_argument("--metadata-token", default=os.environ.get("KVSTORE_TOKEN"))
+        parser.add_argument(
+            "--metadata-token-file", type=Path, help="file holding a `*` metadata token"
+        )
         parser.add_argument("--disk-dir", type=Path, help="LMDB disk tier directory (none: off)")
     parser.add_argument("--node-id", help="this host's name in the cluster (default: hostname)")
     parser.add_argument("--socket-path", type=Path, help="unix socket workers connect to")
@@ -151,6 +157,17 @@ def _add_node_flags(parser: argparse.ArgumentParser, standalone: bool) -> None:
     parser.add_argument("--transfer-port", type=int)
     parser.add_argument("--advertise-host", help="address other nodes dial (default: bind)")
     parser.add_argument("--node-metrics-listen", help="host:port of the agent's metrics")
+    parser.add_argument(
+        "--worker-credentials", type=Path,
+        help="lines 'token:T|uid:N|gid:N TENANTS' (default: this user, every tenant)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--cluster-secret-file",
+        type=Path,
+        help="secret every agent shares; authenticates transfers",
+    )
+    parser.add_argument("--max-workers", type=int, help="worker connections at once (256)")
+    parser.add_argument("--max-pins-per-worker", type=int, help="pages one worker may hold")
 
 
 def _bench_transfer(args: argparse.Namespace) -> dict:
@@ -190,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     stats = commands.add_parser("stats", help="cluster stats from a metadata service")
     stats.add_argument("--address", default="127.0.0.1:50051")
-    stats.add_argument("--token", default=os.environ.get("KVSTORE_TOKEN"))
+    stats.add_argument("--token-file", type=Path, help="file holding a metadata token")
     stats.add_argument("--tls-ca", type=Path, help="CA certificate to verify the service")
     stats.add_argument("--json", action="store_true")
     stats.set_defaults(handler=_stats)

@@ -20,6 +20,7 @@ import torch
 
 from kvstore import errors, framing
 from kvstore.block import payload_checksum
+from kvstore.config import read_secret_file
 from kvstore.keys import BlockKey
 from kvstore.tiers.host import SharedArena, attach_arena
 from kvstore.v1 import agent_pb2 as pb
@@ -31,7 +32,14 @@ _ERROR_FOR_CODE = {
     "FAILED_PRECONDITION": errors.LeaseError,
     "UNAVAILABLE": errors.UnavailableError,
     "DATA_LOSS": errors.ChecksumError,
+    "UNAUTHENTICATED": errors.AuthError,
+    "PERMISSION_DENIED": errors.PermissionDeniedError,
 }
+
+
+def _error(error: pb.AgentError) -> errors.KVStoreError:
+    cls = _ERROR_FOR_CODE.get(error.code, errors.KVStoreError)
+    return cls(f"{error.code}: {error.message}")
 
 
 @dataclass(frozen=True)
@@ -72,7 +80,16 @@ class SaveReservation:
 
 
 class KVStoreClient:
-    def __init__(self, socket_path: str | Path, worker: str = "", timeout_s: float = 30.0) -> None:
+    """A worker's connection to its node agent. `credential_file` holds a token the agent's
+    worker-credentials file maps to tenants; without it the agent goes by this process's uid
+    and gid (SO_PEERCRED)."""
+
+    def __init__(
+        self, socket_path: str | Path, worker: str = "", timeout_s: float = 30.0,
+        credential_file: str | Path | None = None,
+    ) -> None:  # fmt: skip
+        credential = read_secret_file(Path(credential_file), "worker credential") if (
+            credential_file) else ""  # fmt: skip
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout_s)
         try:
@@ -85,7 +102,8 @@ class KVStoreClient:
         self._broken = False
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvstore-client")
         try:
-            self.info = self._call("hello", pb.HelloRequest(worker=worker)).hello
+            hello = pb.HelloRequest(worker=worker, credential=credential)
+            self.info = self._call("hello", hello).hello
             self._arena: SharedArena = attach_arena(
                 self.info.arena_name, self.info.num_pages, self.info.page_size_bytes
             )
@@ -110,12 +128,13 @@ class KVStoreClient:
                 raise errors.UnavailableError(f"node agent connection failed: {exc}") from None
             if response is None or response.request_id != request.request_id:
                 self._break()
+                if response is not None and response.HasField("error"):
+                    raise _error(response.error)  # the agent refused this connection
                 raise errors.UnavailableError(
                     "the node agent closed or desynchronised the connection"
                 )
         if response.HasField("error"):
-            cls = _ERROR_FOR_CODE.get(response.error.code, errors.KVStoreError)
-            raise cls(f"{response.error.code}: {response.error.message}")
+            raise _error(response.error)
         return response
 
     def _break(self) -> None:

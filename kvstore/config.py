@@ -81,3 +81,15 @@ def _coerce(raw: Any, hint: Any, where: str) -> Any:
         return target(raw)
     except (KeyError, TypeError, ValueError):
         raise ConfigError(f"{where}: {raw!r} is not a valid {target.__name__}") from None
+
+
+def read_secret_file(path: Path, what: str) -> str:
+    """The stripped text of a secret file (a mounted Kubernetes Secret); ConfigError if it
+    cannot be read or is empty."""
+    try:
+        secret = path.read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} from {path}: {exc}") from None
+    if not secret:
+        raise ConfigError(f"{what} file {path} is empty")
+    return secret

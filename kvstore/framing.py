@@ -1,13 +1,17 @@
 """Length-prefixed protobuf messages over a stream socket (the node agent's unix socket).
 
 Used by both ends: the node agent's control server and the worker-side client. A frame is a
-4-byte little-endian length then the serialized message; oversized frames are refused.
+4-byte little-endian length then the serialized message. The reader is bounded: a frame larger
+than `max_bytes` is refused from its length alone, its body is read as it arrives (a stalled
+frame costs only the bytes that came), and with `frame_timeout_s` the whole frame must arrive
+within that time of its first byte.
 """
 
 from __future__ import annotations
 
 import socket
 import struct
+import time
 from typing import TypeVar
 
 from google.protobuf.message import DecodeError, Message
@@ -15,8 +19,13 @@ from google.protobuf.message import DecodeError, Message
 from kvstore.errors import ConfigError, TransferError
 
 MAX_FRAME_BYTES = 64 << 20
+_READ_SLICE_BYTES = 1 << 20
 _LENGTH = struct.Struct("<I")
 M = TypeVar("M", bound=Message)
+
+
+class FrameTimeoutError(TransferError):
+    """A frame began but did not complete within its deadline."""
 
 
 def send_message(sock: socket.socket, message: Message) -> None:
@@ -24,30 +33,44 @@ def send_message(sock: socket.socket, message: Message) -> None:
     sock.sendall(_LENGTH.pack(len(payload)) + payload)
 
 
-def recv_message(sock: socket.socket, message_type: type[M]) -> M | None:
-    """The next message, or None when the peer closed the connection cleanly between frames."""
-    head = _recv_exactly(sock, _LENGTH.size, allow_eof=True)
-    if head is None:
+def recv_message(
+    sock: socket.socket, message_type: type[M], max_bytes: int = MAX_FRAME_BYTES,
+    frame_timeout_s: float | None = None,
+) -> M | None:  # fmt: skip
+    """The next message, or None when the peer closed the connection cleanly between frames.
+    Waiting for a frame to begin is bounded by the socket's own timeout only."""
+    first = sock.recv(1)
+    if not first:
         return None
-    (length,) = _LENGTH.unpack(head)
-    if length > MAX_FRAME_BYTES:
-        raise ConfigError(f"frame of {length} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
-    body = _recv_exactly(sock, length, allow_eof=False)
+    deadline = None if frame_timeout_s is None else time.monotonic() + frame_timeout_s
+    (length,) = _LENGTH.unpack(first + _recv_exactly(sock, _LENGTH.size - 1, deadline))
+    if length > max_bytes:
+        raise ConfigError(f"frame of {length} bytes exceeds the {max_bytes}-byte limit")
+    body = _recv_exactly(sock, length, deadline)
     try:
         return message_type.FromString(body)
     except DecodeError as exc:
         raise ConfigError(f"malformed {message_type.__name__}: {exc}") from None
 
 
-def _recv_exactly(sock: socket.socket, size: int, allow_eof: bool) -> bytes | None:
-    buffer = bytearray(size)
-    view = memoryview(buffer)
-    received = 0
-    while received < size:
-        count = sock.recv_into(view[received:])
-        if count == 0:
-            if allow_eof and received == 0:
-                return None
-            raise TransferError(f"connection closed mid-frame ({received} of {size} bytes)")
-        received += count
+def _recv_exactly(sock: socket.socket, size: int, deadline: float | None) -> bytes:
+    """`size` bytes, gathered slice by slice so memory follows what actually arrived."""
+    buffer = bytearray()
+    while len(buffer) < size:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _incomplete(len(buffer), size)
+            sock.settimeout(left)
+        try:
+            piece = sock.recv(min(size - len(buffer), _READ_SLICE_BYTES))
+        except TimeoutError:
+            raise _incomplete(len(buffer), size) from None
+        if not piece:
+            raise TransferError(f"connection closed mid-frame ({len(buffer)} of {size} bytes)")
+        buffer += piece
     return bytes(buffer)
+
+
+def _incomplete(received: int, size: int) -> FrameTimeoutError:
+    return FrameTimeoutError(f"frame incomplete by its deadline ({received} of {size} bytes)")

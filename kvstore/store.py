@@ -17,14 +17,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-import xxhash
 
 from kvstore import block
 from kvstore.errors import CapacityError, ChecksumError, ConfigError, NotFoundError
 from kvstore.events import EventFeed, EventKind
 from kvstore.eviction.base import EvictionPolicy
 from kvstore.keys import BlockKey
-from kvstore.tiers.base import Tier, copy_bytes
+from kvstore.kvcopy.verified import copy_and_checksum
+from kvstore.tiers.base import Tier
 
 logger = logging.getLogger(__name__)
 
@@ -40,22 +40,6 @@ class _Pending:
     slot: int
     page: torch.Tensor
     header: block.BlockHeader
-
-
-_CHECKSUM_SLICE_BYTES = 1 << 20  # hash each slice right after copying it, while it is in cache
-
-
-def _copy_and_checksum(destination: torch.Tensor, source: torch.Tensor) -> int | None:
-    """Copy and return the xxh3-64 of the bytes (None for device memory: commit hashes it)."""
-    if destination.device.type != "cpu":
-        copy_bytes(destination, source)
-        return None
-    hasher = xxhash.xxh3_64()
-    for start in range(0, source.numel(), _CHECKSUM_SLICE_BYTES):
-        piece = destination[start : start + _CHECKSUM_SLICE_BYTES]
-        copy_bytes(piece, source[start : start + _CHECKSUM_SLICE_BYTES])
-        hasher.update(block.as_buffer(piece))
-    return hasher.intdigest()
 
 
 class TieredStore:
@@ -202,7 +186,7 @@ class TieredStore:
             if view is None:
                 return False
             try:
-                checksum = _copy_and_checksum(view, source.view(-1).view(torch.uint8))
+                checksum = copy_and_checksum(view, source.view(-1).view(torch.uint8))
             except BaseException:
                 self.abort(key)
                 raise

@@ -1,7 +1,10 @@
 """The worker half of the connector: copies chunks between the node agent's shared arena and
 vLLM's paged KV cache. Loads run layer by layer on a background thread, so layer i+1 loads
-while layer i computes; saves copy each layer as its attention finishes and commit at the end
-of the step. Runs in each vLLM worker process.
+while layer i computes; each layer is copied out of the shared page into a private buffer and
+hashed in the same pass, and a chunk whose digest is not the checksum it was loaded with is a
+load error (recomputed), so a page reused under a stale view can never become KV. Saves copy
+each layer as its attention finishes and commit at the end of the step. Runs in each vLLM
+worker process.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import threading
 import time
 
 import torch
+import xxhash
 
 from connectors.vllm import compat
 from connectors.vllm.agent import AgentConnection
@@ -19,6 +23,7 @@ from connectors.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpe
 from kvstore.client import LoadedBlocks, SaveReservation
 from kvstore.codec import decode_layer, encode_layer
 from kvstore.errors import KVStoreError
+from kvstore.kvcopy.verified import copy_hashed
 
 logger = logging.getLogger(__name__)
 
@@ -64,10 +69,14 @@ class WorkerSide:
         self._layer_indexes: dict[str, int] = {}
         self._load: LayerwiseLoad | None = None
         self._loaded: list[tuple[LoadSpec, LoadedBlocks]] = []
+        self._digests: list[list[xxhash.xxh3_64 | None]] = []  # per load, per chunk (None: unused)
+        self._staging: torch.Tensor | None = None  # one layer of one chunk, reused
+        self._decoded: torch.Tensor | None = None  # the same, decoded (fp8 only), reused
         self._saves: list[tuple[SaveSpec, SaveReservation]] | None = None
         self.failed_block_ids: set[int] = set()
         self.stats = {"loaded_blocks": 0, "loaded_bytes": 0, "load_s": 0.0, "saved_blocks": 0,
-                      "saved_bytes": 0, "load_failures": 0, "save_failures": 0}  # fmt: skip
+                      "saved_bytes": 0, "load_failures": 0, "save_failures": 0,
+                      "verify_failures": 0}  # fmt: skip
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.kv_caches = dict(kv_caches)
@@ -86,6 +95,7 @@ class WorkerSide:
         # Layer i of a payload is the i-th registered KV cache, for loads and saves alike.
         started = time.perf_counter()
         self._loaded = [(spec, self._fetch(spec)) for spec in meta.loads]
+        self._digests = [self._new_digests(spec, loaded) for spec, loaded in self._loaded]
         names = list(self.kv_caches)
         tensors = [compat.paged_layer_view(self.kv_caches[name]) for name in names]
         self._load = LayerwiseLoad(names, lambda i: self._copy_layer_in(i, tensors[i]))
@@ -96,9 +106,9 @@ class WorkerSide:
         loaded = None
         try:
             if self.agent.client is not None:
-                loaded = self.agent.client.load(
+                loaded = self.agent.client.load(  # verified as copied, not here
                     self.settings.tenant, [self.kv.rank_key(k) for k in spec.keys],
-                    timeout_s=self.settings.load_timeout_s, verify=self.settings.verify_checksums,
+                    timeout_s=self.settings.load_timeout_s, verify=False,
                 )  # fmt: skip
         except KVStoreError as exc:
             # Not dropped here: earlier loads of this step are pinned through this connection.
@@ -113,21 +123,57 @@ class WorkerSide:
             self.stats["load_failures"] += len(spec.keys) - got
         return loaded
 
+    def _new_digests(self, spec: LoadSpec, loaded: LoadedBlocks | None) -> list:
+        """A running xxh3 per loaded chunk that has blocks to fill (others are not copied)."""
+        if loaded is None:
+            return []
+        per_chunk = self.kv.blocks_per_chunk
+        return [
+            xxhash.xxh3_64() if (chunk + 1) * per_chunk > spec.skip_blocks else None
+            for chunk in range(len(loaded))
+        ]
+
     def _copy_layer_in(self, layer: int, paged: torch.Tensor) -> None:
         start, stop = self.kv.layout.layer_range(layer)
-        canonical = torch.empty(self.kv.layout.layer_shape, dtype=self.kv.layout.torch_dtype)
-        for spec, loaded in self._loaded:
-            if loaded is None:
-                continue
-            for chunk, payload in enumerate(loaded.payloads):
+        for (spec, loaded), digests in zip(self._loaded, self._digests, strict=True):
+            for chunk, digest in enumerate(digests):
+                if digest is None:
+                    continue
                 blocks = self._chunk_blocks(spec.block_ids, chunk)
                 keep = [
-                    i for i, b in enumerate(blocks) if chunk * len(blocks) + i >= spec.skip_blocks
+                    i for i in range(len(blocks)) if chunk * len(blocks) + i >= spec.skip_blocks
                 ]
-                if not keep:
-                    continue
-                decode_layer(self.kv.layout, payload[start:stop], canonical)
+                canonical = self._private_layer(loaded.payloads[chunk][start:stop], digest)
                 _scatter(paged, blocks, keep, canonical, self.kv.block_size)
+
+    def _private_layer(self, shared: torch.Tensor, digest: xxhash.xxh3_64) -> torch.Tensor:
+        """One layer of a chunk copied out of the shared page (hashed as copied), decoded."""
+        layout = self.kv.layout
+        if self._staging is None:
+            self._staging = torch.empty(layout.layer_bytes, dtype=torch.uint8)
+        copy_hashed(self._staging, shared, digest)
+        if layout.codec == "raw":
+            return self._staging.view(layout.torch_dtype).view(layout.layer_shape)
+        if self._decoded is None:
+            self._decoded = torch.empty(layout.layer_shape, dtype=layout.torch_dtype)
+        decode_layer(layout, self._staging, self._decoded)
+        return self._decoded
+
+    def _verified_chunks(self, spec: LoadSpec, loaded: LoadedBlocks, digests: list) -> int:
+        """After every layer was copied: how many leading chunks' private copies are the
+        blocks that were loaded. The first that is not (its page was reused, or corrupted)
+        fails with every later chunk: its blocks are load errors, recomputed by vLLM."""
+        for chunk, digest in enumerate(digests):
+            if not self.settings.verify_checksums or digest is None:
+                continue
+            if digest.intdigest() != loaded.checksums[chunk]:
+                first = max(chunk * self.kv.blocks_per_chunk, spec.skip_blocks)
+                self.failed_block_ids.update(spec.block_ids[first:])
+                self.stats["verify_failures"] += len(digests) - chunk
+                self.stats["load_failures"] += len(digests) - chunk
+                logger.warning("chunk %d failed its checksum as copied; recomputing", chunk)
+                return chunk
+        return len(digests)
 
     def _chunk_blocks(self, block_ids: list[int], chunk: int) -> list[int]:
         per_chunk = self.kv.blocks_per_chunk
@@ -139,17 +185,22 @@ class WorkerSide:
 
     def finish_load(self) -> None:
         """After the forward: release pins and count what arrived."""
+        failed = False
         if self._load is not None:
             self._load.join()
-            if self._load.error is not None:
+            failed = self._load.error is not None
+            if failed:
                 for spec, _ in self._loaded:
                     self.failed_block_ids.update(spec.block_ids[spec.skip_blocks :])
-        for _, loaded in self._loaded:
-            if loaded is not None:
-                self.stats["loaded_blocks"] += len(loaded)
-                self.stats["loaded_bytes"] += sum(p.numel() for p in loaded.payloads)
-                self._release(loaded)
-        self._loaded, self._load = [], None
+        for (spec, loaded), digests in zip(self._loaded, self._digests, strict=True):
+            if loaded is None:
+                continue
+            if not failed:
+                good = self._verified_chunks(spec, loaded, digests)
+                self.stats["loaded_blocks"] += good
+                self.stats["loaded_bytes"] += sum(p.numel() for p in loaded.payloads[:good])
+            self._release(loaded)
+        self._loaded, self._digests, self._load = [], [], None
         self.agent.drop_if_broken()
 
     def _release(self, loaded: LoadedBlocks) -> None:

@@ -14,11 +14,13 @@ from pathlib import Path
 from prometheus_client import start_http_server
 
 from kvstore.block import HEADER_BYTES
+from kvstore.config import read_secret_file
 from kvstore.errors import ConfigError
 from kvstore.eviction import make_policy
 from kvstore.metadata.client import MetadataClient
 from kvstore.metadata.index import NodeRecord
-from kvstore.node.control import ControlServer
+from kvstore.node.control import ControlLimits, ControlServer
+from kvstore.node.identity import WorkerCredentials, WorkerIdentity
 from kvstore.node.link import MetadataLink
 from kvstore.node.metrics import agent_registry
 from kvstore.node.remote import RemoteFetcher
@@ -30,6 +32,7 @@ from kvstore.transfer.base import make_engine
 
 logger = logging.getLogger(__name__)
 DEFAULT_PAGE_BYTES = (32 << 20) + HEADER_BYTES  # a 256-token chunk of Llama-3-8B in bf16
+DEFAULT_SOCKET_PATH = Path("/run/kvstore/agent.sock")
 
 
 @dataclass(frozen=True)
@@ -37,7 +40,7 @@ class NodeConfig:
     """Settings of one node agent; see `kvstore node --help`."""
 
     node_id: str = field(default_factory=socket.gethostname)
-    socket_path: Path = Path("/tmp/kvstore/agent.sock")
+    socket_path: Path = DEFAULT_SOCKET_PATH
     host_capacity_bytes: int = 4 << 30
     page_size_bytes: int = DEFAULT_PAGE_BYTES
     disk_dir: Path | None = None  # None: no disk tier
@@ -45,8 +48,13 @@ class NodeConfig:
     host_policy: str = "prefix-lru"
     disk_policy: str = "prefix-lru"
     metadata_address: str = ""  # empty: this node serves only its own blocks
-    metadata_token: str | None = None
+    metadata_token_file: Path | None = None  # a `*` token for the metadata service
     metadata_tls_ca: Path | None = None
+    worker_credentials: Path | None = None  # token/uid/gid → tenants; None: own uid only
+    cluster_secret_file: Path | None = None  # shared by every agent; authenticates transfers
+    max_workers: int = 256
+    max_pins_per_worker: int = 65536
+    orphan_pin_ttl_s: float = 600.0
     transfer: str = "tcp"  # tcp | ucx | none
     transfer_host: str = "127.0.0.1"  # where the transfer engine listens
     transfer_port: int = 0
@@ -62,6 +70,28 @@ class NodeConfig:
             raise ConfigError(f"page_size_bytes must exceed the {HEADER_BYTES}-byte header")
         if self.transfer == "none" and self.metadata_address:
             logger.warning("no transfer engine: blocks of other nodes cannot be fetched")
+        self.control_limits()  # validates the bounds now, not at start
+
+    def control_limits(self) -> ControlLimits:
+        return ControlLimits(
+            max_workers=self.max_workers, max_pins_per_worker=self.max_pins_per_worker,
+            orphan_pin_ttl_s=self.orphan_pin_ttl_s,
+        )  # fmt: skip
+
+    def worker_table(self) -> WorkerCredentials:
+        if self.worker_credentials is None:
+            return WorkerCredentials.owner_only()
+        return WorkerCredentials.from_file(self.worker_credentials)
+
+    def metadata_token(self) -> str | None:
+        if self.metadata_token_file is None:
+            return None
+        return read_secret_file(self.metadata_token_file, "metadata token")
+
+    def cluster_secret(self) -> bytes | None:
+        if self.cluster_secret_file is None:
+            return None
+        return read_secret_file(self.cluster_secret_file, "cluster secret").encode()
 
 
 class NodeAgent:
@@ -83,7 +113,10 @@ class NodeAgent:
             logger.info("removed shared arena %s left by a dead agent", name)
         self.store = TieredStore(self._slots())
         if config.transfer != "none":
-            self.engine = make_engine(config.transfer)
+            secret = config.cluster_secret()
+            self.engine = make_engine(
+                config.transfer, **({"cluster_secret": secret} if secret else {})
+            )
             self.transfer_address = self.engine.serve(
                 self.store.open_block, config.transfer_host, config.transfer_port
             )
@@ -91,7 +124,7 @@ class NodeAgent:
             self._start_link()
         self.control = ControlServer(
             config.socket_path, self._new_session, self._hello(), self.stats_json,
-            config.fetch_timeout_s,
+            config.fetch_timeout_s, config.worker_table(), config.control_limits(),
         )  # fmt: skip
         self.control.start()
         self._start_metrics()
@@ -129,7 +162,7 @@ class NodeAgent:
             },
         )
         client = MetadataClient(
-            config.metadata_address, token=config.metadata_token, tls_ca=config.metadata_tls_ca
+            config.metadata_address, token=config.metadata_token(), tls_ca=config.metadata_tls_ca
         )
         self.link = MetadataLink(client, node, self.store, config.lease_ttl_ms)
         self.link.start()
@@ -146,8 +179,10 @@ class NodeAgent:
             header_bytes=HEADER_BYTES,
         )  # fmt: skip
 
-    def _new_session(self) -> WorkerSession:
-        return WorkerSession(self.store, self.fetcher, self.counters)
+    def _new_session(self, identity: WorkerIdentity) -> WorkerSession:
+        return WorkerSession(
+            self.store, self.fetcher, self.counters, identity, self.config.max_pins_per_worker
+        )
 
     def _start_metrics(self) -> None:
         if not self.config.metrics_listen:
@@ -177,6 +212,9 @@ class NodeAgent:
             "evictions": dict(self.store.removals),
             "pins": self.store.pins_held(),
             "workers": len(self.control.sessions) if self.control else 0,
+            "orphaned_workers": len(self.control.orphans) if self.control else 0,
+            "orphaned_pages": self.control.orphans.pages_held() if self.control else 0,
+            "refused": dict(self.control.refused) if self.control else {},
             "metadata_connected": bool(self.link and self.link.connected),
             "published_blocks": self.link.published if self.link else 0,
         }

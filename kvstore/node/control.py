@@ -1,6 +1,8 @@
 """The node agent's control server: a unix socket, one thread and one WorkerSession per
-connected worker. Requests are answered in order; errors come back as AgentError with the
-gRPC status name of their class. Runs in the node agent process.
+connected worker. The worker's identity belongs to the connection (SO_PEERCRED, plus the
+token of its hello), never to a request; requests are dispatched through one table and
+answered in order; errors come back as AgentError with the gRPC status name of their class.
+Everything is bounded: workers, frame size and time, pins per worker. Runs in the node agent.
 """
 
 from __future__ import annotations
@@ -8,18 +10,40 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import stat
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvstore import errors, framing
 from kvstore.keys import KEY_BYTES, BlockKey
 from kvstore.metadata.service import status_for
+from kvstore.node.identity import WorkerCredentials, WorkerIdentity, peer_credentials
+from kvstore.node.orphans import OrphanedSessions, open_pidfd
 from kvstore.node.session import WorkerSession
 from kvstore.v1 import agent_pb2 as pb
 
 logger = logging.getLogger(__name__)
 MAX_KEYS_PER_CALL = 65536
+MakeSession = Callable[[WorkerIdentity], WorkerSession]
+
+
+@dataclass(frozen=True)
+class ControlLimits:
+    """Bounds of the control socket; see `kvstore node --help`."""
+
+    max_workers: int = 256  # connections at once; more are refused with RESOURCE_EXHAUSTED
+    max_frame_bytes: int = 4 << 20  # 65,536 keys of 16 bytes fit 16 times over
+    frame_timeout_s: float = 10.0  # a request must arrive whole within this of its first byte
+    max_pins_per_worker: int = 65536  # pinned + reserved pages one worker may hold
+    orphan_pin_ttl_s: float = 600.0  # pins of a broken connection whose process lives on
+
+    def __post_init__(self) -> None:
+        for name in ("max_workers", "max_frame_bytes", "frame_timeout_s", "max_pins_per_worker",
+                     "orphan_pin_ttl_s"):  # fmt: skip
+            if getattr(self, name) <= 0:
+                raise errors.ConfigError(f"control {name} must be positive")
 
 
 def _keys(raw: list[bytes]) -> list[BlockKey]:
@@ -30,30 +54,56 @@ def _keys(raw: list[bytes]) -> list[BlockKey]:
     return [BlockKey(key) for key in raw]
 
 
+def secure_socket_dir(directory: Path) -> None:
+    """Create the socket's directory (0750), or refuse one that another user could have
+    planted or can write: a socket in it could be swapped for an impostor's."""
+    directory.mkdir(mode=0o750, parents=True, exist_ok=True)
+    info = directory.lstat()
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        raise errors.ConfigError(f"socket directory {directory} is not a plain directory")
+    if info.st_uid != os.getuid():
+        raise errors.ConfigError(
+            f"socket directory {directory} belongs to uid {info.st_uid}, not this agent's "
+            f"uid {os.getuid()}; remove it or choose another --socket-path"
+        )
+    if info.st_mode & 0o022:
+        raise errors.ConfigError(
+            f"socket directory {directory} is writable by group or others (mode "
+            f"{stat.S_IMODE(info.st_mode):o}); chmod it to 750 or choose another --socket-path"
+        )
+
+
 class ControlServer:
-    """Accepts workers on `socket_path`; `make_session` builds each worker's session."""
+    """Accepts workers on `socket_path`; `make_session` builds each authenticated session."""
 
     def __init__(
-        self, socket_path: Path, make_session: Callable[[], WorkerSession], hello: pb.HelloResponse,
+        self, socket_path: Path, make_session: MakeSession, hello: pb.HelloResponse,
         stats_json: Callable[[], str], default_timeout_s: float,
+        credentials: WorkerCredentials | None = None, limits: ControlLimits | None = None,
     ) -> None:  # fmt: skip
         self.socket_path = Path(socket_path)
         self.make_session = make_session
         self.hello = hello
         self.stats_json = stats_json
         self.default_timeout_s = default_timeout_s
+        self.credentials = credentials or WorkerCredentials.owner_only()
+        self.limits = limits or ControlLimits()
         self.sessions: set[WorkerSession] = set()
+        self.connections = 0
+        self.refused = {"workers": 0, "auth": 0, "frames": 0}
+        self.orphans = OrphanedSessions(self.limits.orphan_pin_ttl_s)
         self._listener: socket.socket | None = None
         self._lock = threading.Lock()
 
     def start(self) -> None:
-        self.socket_path.parent.mkdir(parents=True, exist_ok=True)
+        secure_socket_dir(self.socket_path.parent)
         self.socket_path.unlink(missing_ok=True)  # a stale socket of a crashed agent
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(str(self.socket_path))
         os.chmod(self.socket_path, 0o660)
         listener.listen(64)
         self._listener = listener
+        self.orphans.start()
         threading.Thread(target=self._accept, name="control-accept", daemon=True).start()
 
     def _accept(self) -> None:
@@ -62,32 +112,84 @@ class ControlServer:
                 conn, _ = self._listener.accept()
             except OSError:
                 return  # closed by stop()
+            with self._lock:
+                admitted = self.connections < self.limits.max_workers
+                self.connections += admitted
+                self.refused["workers"] += not admitted
+            if not admitted:
+                _refuse(conn, "RESOURCE_EXHAUSTED", f"{self.limits.max_workers} workers are "
+                        "connected, the agent's limit (max_workers)")  # fmt: skip
+                continue
             threading.Thread(
                 target=self._serve, args=(conn,), name="control-conn", daemon=True
             ).start()
 
     def _serve(self, conn: socket.socket) -> None:
-        session = self.make_session()
+        peer = peer_credentials(conn)
+        pidfd = open_pidfd(peer.pid)
+        session = None
+        try:
+            session = self._handshake(conn, peer)
+            if session is not None:
+                self._answer_until_closed(conn, session)
+        finally:
+            conn.close()
+            with self._lock:
+                self.connections -= 1
+                if session is not None:
+                    self.sessions.discard(session)
+            if session is not None:
+                self.orphans.adopt(session, pidfd)  # pins outlive the connection, not the worker
+            elif pidfd is not None:
+                os.close(pidfd)
+
+    def _handshake(self, conn: socket.socket, peer) -> WorkerSession | None:
+        """Read the hello and authenticate; None (connection to close) if that fails."""
+        request = None
+        try:
+            request = self._recv(conn)
+            if request is None:
+                return None
+            if request.WhichOneof("call") != "hello":
+                raise errors.AuthError("the first call on a connection must be hello")
+            identity = self.credentials.identify(peer, request.hello.credential)
+        except (OSError, errors.KVStoreError) as exc:
+            with self._lock:
+                self.refused["auth"] += 1
+            logger.warning("refusing worker pid %d uid %d: %s", peer.pid, peer.uid, exc)
+            _refuse(conn, status_for(exc).name, str(exc), getattr(request, "request_id", 0))
+            return None
+        session = self.make_session(identity)
+        session.name = request.hello.worker
         with self._lock:
             self.sessions.add(session)
+        framing.send_message(conn, self._answer(session, request))
+        return session
+
+    def _answer_until_closed(self, conn: socket.socket, session: WorkerSession) -> None:
         try:
-            while (request := framing.recv_message(conn, pb.AgentRequest)) is not None:
+            while (request := self._recv(conn)) is not None:
                 framing.send_message(conn, self._answer(session, request))
         except (OSError, errors.KVStoreError) as exc:
+            if isinstance(exc, errors.ConfigError | framing.FrameTimeoutError):
+                with self._lock:
+                    self.refused["frames"] += 1
             logger.info("worker %s disconnected: %s", session.name or "?", exc)
-        finally:
-            with self._lock:
-                self.sessions.discard(session)
-                session.close()
-            conn.close()
+
+    def _recv(self, conn: socket.socket) -> pb.AgentRequest | None:
+        conn.settimeout(None)  # a worker may idle for as long as it likes between requests
+        return framing.recv_message(
+            conn, pb.AgentRequest, self.limits.max_frame_bytes, self.limits.frame_timeout_s
+        )
 
     def _answer(self, session: WorkerSession, request: pb.AgentRequest) -> pb.AgentResponse:
         response = pb.AgentResponse(request_id=request.request_id)
         call = request.WhichOneof("call")
         try:
-            if call is None:
+            handler = _CALLS.get(call)
+            if handler is None:
                 raise errors.ConfigError("empty request: set one call")
-            getattr(self, f"_{call}")(session, getattr(request, call), response)
+            handler(self, session, getattr(request, call), response)
         except errors.KVStoreError as exc:
             response.error.code = status_for(exc).name
             response.error.message = str(exc)
@@ -99,8 +201,8 @@ class ControlServer:
 
     # ---- calls ---------------------------------------------------------------------------
     def _hello(self, session, call: pb.HelloRequest, response) -> None:
-        session.name = call.worker
         response.hello.CopyFrom(self.hello)
+        response.hello.tenants.extend(sorted(session.identity.tenants))
 
     def _lookup(self, session, call: pb.LookupKeysRequest, response) -> None:
         local, remote = session.lookup(call.tenant, _keys(call.keys), call.local_only)
@@ -146,4 +248,29 @@ class ControlServer:
         listener, self._listener = self._listener, None
         if listener is not None:
             listener.close()
+        self.orphans.stop()
         self.socket_path.unlink(missing_ok=True)
+
+
+_CALLS = {
+    "hello": ControlServer._hello,
+    "lookup": ControlServer._lookup,
+    "load": ControlServer._load,
+    "release": ControlServer._release,
+    "save": ControlServer._save,
+    "commit": ControlServer._commit,
+    "abort": ControlServer._abort,
+    "stats": ControlServer._stats,
+}
+
+
+def _refuse(conn: socket.socket, code: str, message: str, request_id: int = 0) -> None:
+    """Answer with an error and close: the worker sees why, not a bare hang-up."""
+    response = pb.AgentResponse(request_id=request_id)
+    response.error.code, response.error.message = code, message
+    try:
+        conn.settimeout(1.0)
+        framing.send_message(conn, response)
+    except OSError:
+        pass
+    conn.close()

@@ -1,6 +1,9 @@
 """One worker's session with the node agent: its loads (pinned pages) and saves (reserved
-pages), released when the worker asks or when its connection closes, so a dead worker leaks
-nothing. Runs in the node agent, on that worker's control-connection thread.
+pages), released when the worker asks, or when the worker is gone (see control.py: a session
+whose connection broke keeps its pins until its process exits or a long lease passes, because
+the worker may still be copying from those pages). Every call acts for a tenant the worker's
+authenticated identity allows, and sees only that tenant's blocks. Runs in the node agent, on
+that worker's control-connection thread.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from dataclasses import dataclass, field
 from kvstore import block
 from kvstore.errors import CapacityError, NotFoundError
 from kvstore.keys import BlockKey
+from kvstore.node.identity import WorkerIdentity
 from kvstore.node.remote import RemoteFetcher
 from kvstore.store import TieredStore
 from kvstore.tiers.arena import ArenaTier
@@ -62,14 +66,28 @@ class RequestCounters:
 
 class WorkerSession:
     def __init__(
-        self, store: TieredStore, fetcher: RemoteFetcher | None, counters: RequestCounters
-    ) -> None:
+        self, store: TieredStore, fetcher: RemoteFetcher | None, counters: RequestCounters,
+        identity: WorkerIdentity, max_pins: int,
+    ) -> None:  # fmt: skip
         self.store = store
         self.fetcher = fetcher
         self.counters = counters
+        self.identity = identity
+        self.max_pins = max_pins  # pinned plus reserved pages this worker may hold at once
         self.name = ""
         self.loads: dict[int, list[BlockKey]] = {}
         self.saves: dict[int, Reservation] = {}
+
+    def pages_held(self) -> int:
+        return sum(map(len, self.loads.values())) + sum(len(r.pages) for r in self.saves.values())
+
+    def _require_room(self, wanted: int) -> None:
+        held = self.pages_held()
+        if held + wanted > self.max_pins:
+            raise CapacityError(
+                f"this worker holds {held} pinned or reserved pages and asks for {wanted} more; "
+                f"the limit per worker is {self.max_pins}: release loads or commit saves first"
+            )
 
     @property
     def arena(self) -> ArenaTier:
@@ -77,7 +95,8 @@ class WorkerSession:
 
     # ---- reads -----------------------------------------------------------------------------
     def lookup(self, tenant: str, keys: Sequence[BlockKey], local_only: bool) -> tuple[int, int]:
-        local = self.store.lookup(keys)
+        self.identity.require(tenant)
+        local = self.store.lookup(keys, tenant)
         remote = 0
         if local < len(keys) and not local_only and self.fetcher is not None:
             remote = self.fetcher.remote_prefix(tenant, keys[local:])
@@ -86,7 +105,9 @@ class WorkerSession:
 
     def load(self, tenant: str, keys: Sequence[BlockKey], timeout_s: float) -> LoadedPrefix:
         """Pin the longest prefix servable from the host arena, fetching remote blocks first."""
-        local = self._pin_in_arena(keys)
+        self.identity.require(tenant)
+        self._require_room(len(keys))
+        local = self._pin_in_arena(keys, tenant)
         remote = 0
         if local < len(keys) and self.fetcher is not None:
             try:
@@ -94,7 +115,7 @@ class WorkerSession:
             except BaseException:
                 self.store.unpin(keys[:local])  # not registered under a load id yet
                 raise
-            remote = self._pin_in_arena(keys[local : local + fetched])
+            remote = self._pin_in_arena(keys[local : local + fetched], tenant)
         pinned = list(keys[: local + remote])
         load_id = next(_ids)
         self.loads[load_id] = pinned
@@ -103,9 +124,9 @@ class WorkerSession:
         self.counters.add(load_local=local, load_remote=remote, load_miss=len(keys) - len(pinned))
         return LoadedPrefix(load_id, pinned, pages, headers, local, remote)
 
-    def _pin_in_arena(self, keys: Sequence[BlockKey]) -> int:
+    def _pin_in_arena(self, keys: Sequence[BlockKey], tenant: str) -> int:
         """Pin leading keys, keeping only those that are (or were promoted) in the arena."""
-        pinned = self.store.pin(keys)
+        pinned = self.store.pin(keys, tenant)
         in_arena = next((i for i, key in enumerate(keys[:pinned]) if key not in self.arena), pinned)
         self.store.unpin(keys[in_arena:pinned])
         return in_arena
@@ -126,6 +147,8 @@ class WorkerSession:
         payload_bytes: int, layout_hash: int, codec_id: int,
     ) -> tuple[int, list[int | None]]:  # fmt: skip
         """Reserve a page per key (None: already stored, being written, or no room left)."""
+        self.identity.require(tenant)
+        self._require_room(len(keys))
         reservation = Reservation(next(_ids))
         pages: list[int | None] = []
         parent = first_parent

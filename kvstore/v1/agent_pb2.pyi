@@ -61,24 +61,28 @@ class AgentResponse(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., error: _Optional[_Union[AgentError, _Mapping]] = ..., hello: _Optional[_Union[HelloResponse, _Mapping]] = ..., lookup: _Optional[_Union[LookupKeysResponse, _Mapping]] = ..., load: _Optional[_Union[LoadResponse, _Mapping]] = ..., release: _Optional[_Union[ReleaseResponse, _Mapping]] = ..., save: _Optional[_Union[SaveResponse, _Mapping]] = ..., commit: _Optional[_Union[CommitResponse, _Mapping]] = ..., abort: _Optional[_Union[AbortResponse, _Mapping]] = ..., stats: _Optional[_Union[AgentStatsResponse, _Mapping]] = ...) -> None: ...
 
 class HelloRequest(_message.Message):
-    __slots__ = ("worker",)
+    __slots__ = ("worker", "credential")
     WORKER_FIELD_NUMBER: _ClassVar[int]
+    CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
     worker: str
-    def __init__(self, worker: _Optional[str] = ...) -> None: ...
+    credential: str
+    def __init__(self, worker: _Optional[str] = ..., credential: _Optional[str] = ...) -> None: ...
 
 class HelloResponse(_message.Message):
-    __slots__ = ("node_id", "arena_name", "num_pages", "page_size_bytes", "header_bytes")
+    __slots__ = ("node_id", "arena_name", "num_pages", "page_size_bytes", "header_bytes", "tenants")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ARENA_NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     HEADER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     arena_name: str
     num_pages: int
     page_size_bytes: int
     header_bytes: int
-    def __init__(self, node_id: _Optional[str] = ..., arena_name: _Optional[str] = ..., num_pages: _Optional[int] = ..., page_size_bytes: _Optional[int] = ..., header_bytes: _Optional[int] = ...) -> None: ...
+    tenants: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node_id: _Optional[str] = ..., arena_name: _Optional[str] = ..., num_pages: _Optional[int] = ..., page_size_bytes: _Optional[int] = ..., header_bytes: _Optional[int] = ..., tenants: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LookupKeysRequest(_message.Message):
     __slots__ = ("tenant", "keys", "local_only")

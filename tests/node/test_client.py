@@ -140,6 +140,7 @@ def test_a_worker_killed_holding_pins_and_reservations_leaks_nothing(tmp_path):
 
 def test_pins_of_the_local_prefix_are_released_when_the_remote_part_fails(tmp_path):
     """Regression: a fetch that raised left the local prefix pinned under no load id."""
+    from kvstore.node.identity import ALL_TENANTS, PeerCredentials, WorkerIdentity
     from kvstore.node.session import RequestCounters, WorkerSession
 
     class FailingFetcher:
@@ -148,7 +149,8 @@ def test_pins_of_the_local_prefix_are_released_when_the_remote_part_fails(tmp_pa
 
     with running_agent(tmp_path) as agent, KVStoreClient(agent.config.socket_path) as client:
         save_chain(client, KEYS[:2])
-        session = WorkerSession(agent.store, FailingFetcher(), RequestCounters())
+        identity = WorkerIdentity(PeerCredentials(0, 0, 0), frozenset({ALL_TENANTS}), "test")
+        session = WorkerSession(agent.store, FailingFetcher(), RequestCounters(), identity, 64)
         with pytest.raises(ConfigError):
             session.load("t", KEYS[:4], timeout_s=1)
         session.close()

@@ -1,0 +1,38 @@
+"""Copy and checksum in one pass: each slice is hashed right after it is copied, while it is
+still in cache, and the hash is of the destination, the private copy that will be used.
+
+Runs wherever bytes leave a shared page: the node agent (writes into its tiers) and the
+worker (loads out of the shared arena). Hashing the private copy, not the shared page, is what
+makes a page reused under a stale view a detected miss instead of wrong KV: whatever the page
+held while it was read, the copy's digest says whether it is the block that was loaded.
+"""
+
+from __future__ import annotations
+
+import torch
+import xxhash
+
+from kvstore.block import as_buffer
+from kvstore.tiers.base import copy_bytes
+
+SLICE_BYTES = 1 << 20
+
+
+def copy_hashed(destination: torch.Tensor, source: torch.Tensor, hasher: xxhash.xxh3_64) -> None:
+    """Copy flat uint8 `source` into `destination` (host memory), feeding `hasher` with the
+    copied bytes. Consecutive calls over consecutive pieces of a payload give the payload's
+    xxh3-64, so a payload can be verified layer by layer as it is loaded."""
+    for start in range(0, source.numel(), SLICE_BYTES):
+        piece = destination[start : start + SLICE_BYTES]
+        copy_bytes(piece, source[start : start + SLICE_BYTES])
+        hasher.update(as_buffer(piece))
+
+
+def copy_and_checksum(destination: torch.Tensor, source: torch.Tensor) -> int | None:
+    """Copy and return the xxh3-64 of the bytes (None for device memory: hash it later)."""
+    if destination.device.type != "cpu":
+        copy_bytes(destination, source)
+        return None
+    hasher = xxhash.xxh3_64()
+    copy_hashed(destination, source, hasher)
+    return hasher.intdigest()
