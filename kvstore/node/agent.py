@@ -55,6 +55,7 @@ class NodeConfig:
     max_workers: int = 256
     max_pins_per_worker: int = 65536
     orphan_pin_ttl_s: float = 600.0
+    control_frame_timeout_s: float = 10.0
     transfer: str = "tcp"  # tcp | ucx | none
     transfer_host: str = "127.0.0.1"  # where the transfer engine listens
     transfer_port: int = 0
@@ -75,7 +76,7 @@ class NodeConfig:
     def control_limits(self) -> ControlLimits:
         return ControlLimits(
             max_workers=self.max_workers, max_pins_per_worker=self.max_pins_per_worker,
-            orphan_pin_ttl_s=self.orphan_pin_ttl_s,
+            orphan_pin_ttl_s=self.orphan_pin_ttl_s, frame_timeout_s=self.control_frame_timeout_s,
         )  # fmt: skip
 
     def worker_table(self) -> WorkerCredentials:

@@ -155,7 +155,7 @@ class ControlServer:
             identity = self.credentials.identify(peer, request.hello.credential)
         except (OSError, errors.KVStoreError) as exc:
             with self._lock:
-                self.refused["auth"] += 1
+                self.refused["auth" if isinstance(exc, errors.AuthError) else "frames"] += 1
             logger.warning("refusing worker pid %d uid %d: %s", peer.pid, peer.uid, exc)
             _refuse(conn, status_for(exc).name, str(exc), getattr(request, "request_id", 0))
             return None
