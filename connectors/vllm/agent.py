@@ -14,9 +14,10 @@ logger = logging.getLogger(__name__)
 
 
 class AgentConnection:
-    def __init__(self, socket_path: str, worker: str) -> None:
+    def __init__(self, socket_path: str, worker: str, credential_file: str = "") -> None:
         self.socket_path = socket_path
         self.worker = worker
+        self.credential_file = credential_file or None
         self._client: KVStoreClient | None = None
 
     @property
@@ -24,7 +25,9 @@ class AgentConnection:
         """The client, (re)connected if needed; None while no agent answers."""
         if self._client is None:
             try:
-                self._client = KVStoreClient(self.socket_path, self.worker)
+                self._client = KVStoreClient(
+                    self.socket_path, self.worker, credential_file=self.credential_file
+                )
             except KVStoreError as exc:
                 logger.warning("kvstore agent unavailable (%s); prefixes are computed", exc)
         return self._client

@@ -20,7 +20,8 @@ from kvstore.layout import KVLayout
 class ConnectorSettings:
     """kv_connector_extra_config fields."""
 
-    socket_path: str = "/tmp/kvstore/agent.sock"  # the host's node agent
+    socket_path: str = "/run/kvstore/agent.sock"  # the host's node agent
+    credential_file: str = ""  # a token the agent maps to tenants; empty: this process's uid
     chunk_tokens: int = 256  # a multiple of vLLM's block size
     tenant: str = "default"
     salt: str = ""  # isolates deployments that must never share KV

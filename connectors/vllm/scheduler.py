@@ -30,7 +30,9 @@ class SchedulerSide:
     def __init__(self, settings: ConnectorSettings, kv: EngineKV) -> None:
         self.settings = settings
         self.kv = kv
-        self.agent = AgentConnection(settings.socket_path, "vllm-scheduler")
+        self.agent = AgentConnection(
+            settings.socket_path, "vllm-scheduler", settings.credential_file
+        )
         self.requests: dict[str, RequestState] = {}
         self._pending_loads: dict[str, RequestState] = {}
         self.stats = {"lookups": 0, "hit_tokens": 0, "lookup_failures": 0}

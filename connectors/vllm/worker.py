@@ -64,7 +64,7 @@ class WorkerSide:
     def __init__(self, settings: ConnectorSettings, kv: EngineKV) -> None:
         self.settings = settings
         self.kv = kv
-        self.agent = AgentConnection(settings.socket_path, "vllm-worker")
+        self.agent = AgentConnection(settings.socket_path, "vllm-worker", settings.credential_file)
         self.kv_caches: dict[str, torch.Tensor] = {}
         self._layer_indexes: dict[str, int] = {}
         self._load: LayerwiseLoad | None = None
