@@ -9,6 +9,7 @@ connector can overlap loads with compute.
 from __future__ import annotations
 
 import itertools
+import os
 import socket
 import threading
 from collections.abc import Sequence
@@ -22,7 +23,7 @@ from kvstore import errors, framing
 from kvstore.block import payload_checksum
 from kvstore.config import read_secret_file
 from kvstore.keys import BlockKey
-from kvstore.tiers.host import SharedArena, attach_arena
+from kvstore.tiers.host import MappedBuffer, map_fd
 from kvstore.v1 import agent_pb2 as pb
 
 _ERROR_FOR_CODE = {
@@ -54,8 +55,9 @@ class LookupCounts:
 
 @dataclass
 class LoadedBlocks:
-    """Pinned payloads of the loaded prefix, as views into the shared arena: read them in
-    place, then `release`. len(payloads) may be shorter than the keys asked for."""
+    """The loaded prefix's payloads, as views into this worker's mapping (pinned arena pages,
+    or private copies): read them in place, then `release`. len(payloads) may be shorter
+    than the keys asked for."""
 
     load_id: int
     payloads: list[torch.Tensor]
@@ -104,14 +106,31 @@ class KVStoreClient:
         try:
             hello = pb.HelloRequest(worker=worker, credential=credential)
             self.info = self._call("hello", hello).hello
-            self._arena: SharedArena = attach_arena(
-                self.info.arena_name, self.info.num_pages, self.info.page_size_bytes
-            )
+            self._mapping = self._receive_mapping()
         except BaseException:
             self._executor.shutdown(wait=False)
             self._sock.close()
             raise
         self.header_bytes = self.info.header_bytes
+
+    def _receive_mapping(self) -> MappedBuffer:
+        """Map the descriptor the agent sends after its hello (the arena, or this worker's
+        private buffer: `info.access` says which)."""
+        try:
+            _, fds, _, _ = socket.recv_fds(self._sock, 1, 1)
+        except OSError as exc:
+            raise errors.UnavailableError(f"the node agent sent no mapping: {exc}") from None
+        if len(fds) != 1:
+            raise errors.UnavailableError("the node agent sent no mapping after its hello")
+        try:
+            return map_fd(fds[0], self.info.mapping_bytes)
+        finally:
+            os.close(fds[0])
+
+    @property
+    def access(self) -> str:
+        """Either "shared" (payload views are arena pages) or "private" (copies of its own)."""
+        return self.info.access
 
     # ---- protocol --------------------------------------------------------------------------
     def _call(self, name: str, message) -> pb.AgentResponse:
@@ -146,9 +165,8 @@ class KVStoreClient:
         """True once the connection failed: make a new client."""
         return self._broken
 
-    def _payload_view(self, page: int, payload_bytes: int) -> torch.Tensor:
-        start = self.header_bytes
-        return self._arena.pages[page, start : start + payload_bytes]
+    def _payload_view(self, offset: int, payload_bytes: int) -> torch.Tensor:
+        return self._mapping.flat[offset : offset + payload_bytes]
 
     # ---- reads -----------------------------------------------------------------------------
     def lookup(self, tenant: str, keys: Sequence[bytes], local_only: bool = False) -> LookupCounts:
@@ -168,8 +186,8 @@ class KVStoreClient:
         request = pb.LoadRequest(tenant=tenant, keys=keys, timeout_ms=int(timeout_s * 1000))
         result = self._call("load", request).load
         payloads = [
-            self._payload_view(page, size)
-            for page, size in zip(result.pages, result.payload_bytes, strict=True)
+            self._payload_view(offset, size)
+            for offset, size in zip(result.offsets, result.payload_bytes, strict=True)
         ]
         checksums = list(result.checksums)
         loaded = LoadedBlocks(
@@ -203,8 +221,8 @@ class KVStoreClient:
         )  # fmt: skip
         result = self._call("save", request).save
         views = [
-            self._payload_view(page, payload_bytes) if reserved else None
-            for reserved, page in zip(result.reserved, result.pages, strict=True)
+            self._payload_view(offset, payload_bytes) if reserved else None
+            for reserved, offset in zip(result.reserved, result.offsets, strict=True)
         ]
         return SaveReservation(result.save_id, [BlockKey(k) for k in keys], views)
 
@@ -230,7 +248,7 @@ class KVStoreClient:
     def close(self) -> None:
         self._executor.shutdown(wait=True)
         self._sock.close()
-        self._arena.close()
+        self._mapping.close()
 
     def __enter__(self) -> KVStoreClient:
         return self

@@ -23,6 +23,7 @@ from kvstore.node.control import ControlLimits, ControlServer
 from kvstore.node.identity import WorkerCredentials, WorkerIdentity
 from kvstore.node.link import MetadataLink
 from kvstore.node.metrics import agent_registry
+from kvstore.node.private import PrivateBuffer
 from kvstore.node.remote import RemoteFetcher
 from kvstore.node.session import RequestCounters, WorkerSession
 from kvstore.store import TieredStore, TierSlot
@@ -56,6 +57,7 @@ class NodeConfig:
     max_pins_per_worker: int = 65536
     orphan_pin_ttl_s: float = 600.0
     control_frame_timeout_s: float = 10.0
+    private_buffer_bytes: int = 256 << 20  # per private worker (see --worker-credentials)
     transfer: str = "tcp"  # tcp | ucx | none
     transfer_host: str = "127.0.0.1"  # where the transfer engine listens
     transfer_port: int = 0
@@ -124,8 +126,9 @@ class NodeAgent:
         if config.metadata_address:
             self._start_link()
         self.control = ControlServer(
-            config.socket_path, self._new_session, self._hello(), self.stats_json,
-            config.fetch_timeout_s, config.worker_table(), config.control_limits(),
+            config.socket_path, self._new_session, self._hello(),
+            self.store.slots[0].tier.arena.open_fd, self.stats_json, config.fetch_timeout_s,
+            config.worker_table(), config.control_limits(),
         )  # fmt: skip
         self.control.start()
         self._start_metrics()
@@ -181,9 +184,16 @@ class NodeAgent:
         )  # fmt: skip
 
     def _new_session(self, identity: WorkerIdentity) -> WorkerSession:
+        private = None
+        if not identity.shared_arena:
+            private = PrivateBuffer(
+                f"kvstore-worker-{identity.peer.pid}", self.config.private_buffer_bytes,
+                self.config.page_size_bytes - HEADER_BYTES,
+            )  # fmt: skip
         return WorkerSession(
-            self.store, self.fetcher, self.counters, identity, self.config.max_pins_per_worker
-        )
+            self.store, self.fetcher, self.counters, identity, self.config.max_pins_per_worker,
+            private,
+        )  # fmt: skip
 
     def _start_metrics(self) -> None:
         if not self.config.metrics_listen:

@@ -78,12 +78,13 @@ class ControlServer:
 
     def __init__(
         self, socket_path: Path, make_session: MakeSession, hello: pb.HelloResponse,
-        stats_json: Callable[[], str], default_timeout_s: float,
+        arena_fd: Callable[[], int], stats_json: Callable[[], str], default_timeout_s: float,
         credentials: WorkerCredentials | None = None, limits: ControlLimits | None = None,
     ) -> None:  # fmt: skip
         self.socket_path = Path(socket_path)
         self.make_session = make_session
         self.hello = hello
+        self.arena_fd = arena_fd  # a new descriptor of the arena for each shared worker
         self.stats_json = stats_json
         self.default_timeout_s = default_timeout_s
         self.credentials = credentials or WorkerCredentials.owner_only()
@@ -164,7 +165,19 @@ class ControlServer:
         with self._lock:
             self.sessions.add(session)
         framing.send_message(conn, self._answer(session, request))
+        self._send_mapping(conn, session)
         return session
+
+    def _send_mapping(self, conn: socket.socket, session: WorkerSession) -> None:
+        """The descriptor the worker maps, right after the hello: the arena, or its buffer."""
+        if session.private is not None:
+            socket.send_fds(conn, [b"\0"], [session.private.fd])
+            return
+        fd = self.arena_fd()
+        try:
+            socket.send_fds(conn, [b"\0"], [fd])
+        finally:
+            os.close(fd)
 
     def _answer_until_closed(self, conn: socket.socket, session: WorkerSession) -> None:
         try:
@@ -203,6 +216,12 @@ class ControlServer:
     def _hello(self, session, call: pb.HelloRequest, response) -> None:
         response.hello.CopyFrom(self.hello)
         response.hello.tenants.extend(sorted(session.identity.tenants))
+        if session.private is None:
+            response.hello.access = "shared"
+            response.hello.mapping_bytes = self.hello.num_pages * self.hello.page_size_bytes
+        else:
+            response.hello.access = "private"
+            response.hello.mapping_bytes = session.private.size_bytes
 
     def _lookup(self, session, call: pb.LookupKeysRequest, response) -> None:
         local, remote = session.lookup(call.tenant, _keys(call.keys), call.local_only)
@@ -213,7 +232,7 @@ class ControlServer:
         loaded = session.load(call.tenant, _keys(call.keys), timeout_s)
         out = response.load
         out.load_id = loaded.load_id
-        out.pages.extend(loaded.pages)
+        out.offsets.extend(loaded.offsets)
         out.payload_bytes.extend(h.payload_bytes for h in loaded.headers)
         out.checksums.extend(h.checksum for h in loaded.headers)
         out.local_blocks, out.remote_blocks = loaded.local_blocks, loaded.remote_blocks
@@ -224,13 +243,13 @@ class ControlServer:
 
     def _save(self, session, call: pb.SaveRequest, response) -> None:
         first_parent = BlockKey(call.first_parent) if call.first_parent else None
-        save_id, pages = session.save(
+        save_id, offsets = session.save(
             call.tenant, _keys(call.keys), first_parent, call.payload_bytes, call.layout_hash,
             call.codec_id,
         )  # fmt: skip
         response.save.save_id = save_id
-        response.save.reserved.extend(page is not None for page in pages)
-        response.save.pages.extend(page or 0 for page in pages)
+        response.save.reserved.extend(offset is not None for offset in offsets)
+        response.save.offsets.extend(offset or 0 for offset in offsets)
 
     def _commit(self, session, call: pb.CommitRequest, response) -> None:
         if call.checksums and len(call.checksums) != len(call.keys):

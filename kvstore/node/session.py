@@ -1,9 +1,10 @@
-"""One worker's session with the node agent: its loads (pinned pages) and saves (reserved
-pages), released when the worker asks, or when the worker is gone (see control.py: a session
-whose connection broke keeps its pins until its process exits or a long lease passes, because
-the worker may still be copying from those pages). Every call acts for a tenant the worker's
-authenticated identity allows, and sees only that tenant's blocks. Runs in the node agent, on
-that worker's control-connection thread.
+"""One worker's session with the node agent: its loads and saves, released when the worker
+asks, or when the worker is gone (see orphans.py: a session whose connection broke keeps its
+pins until its process exits or a long lease passes, because the worker may still be copying
+from those pages). Every call acts for a tenant the worker's authenticated identity allows and
+sees only that tenant's blocks. A shared worker reads and writes arena pages in place; a
+private one gets copies in its own buffer (private.py). Runs in the node agent, on that
+worker's control-connection thread.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from dataclasses import dataclass, field
 from kvstore import block
 from kvstore.errors import CapacityError, NotFoundError
 from kvstore.keys import BlockKey
+from kvstore.kvcopy.verified import copy_and_checksum
 from kvstore.node.identity import WorkerIdentity
+from kvstore.node.private import PrivateBuffer
 from kvstore.node.remote import RemoteFetcher
 from kvstore.store import TieredStore
 from kvstore.tiers.arena import ArenaTier
@@ -29,17 +32,24 @@ _ids = itertools.count(1)
 @dataclass
 class LoadedPrefix:
     load_id: int
-    keys: list[BlockKey]
-    pages: list[int]
+    offsets: list[int]  # where each payload starts in the worker's mapping
     headers: list[block.BlockHeader]
     local_blocks: int
     remote_blocks: int
 
 
 @dataclass
+class _Load:
+    keys: list[BlockKey]  # pinned in the arena (shared workers)
+    slots: list[int] = field(default_factory=list)  # private-buffer offsets (private workers)
+
+
+@dataclass
 class Reservation:
     save_id: int
+    payload_bytes: int
     pages: dict[BlockKey, int] = field(default_factory=dict)  # reserved, not yet committed
+    slots: dict[BlockKey, int] = field(default_factory=dict)  # private workers' write slots
 
 
 class RequestCounters:
@@ -67,19 +77,26 @@ class RequestCounters:
 class WorkerSession:
     def __init__(
         self, store: TieredStore, fetcher: RemoteFetcher | None, counters: RequestCounters,
-        identity: WorkerIdentity, max_pins: int,
+        identity: WorkerIdentity, max_pins: int, private: PrivateBuffer | None = None,
     ) -> None:  # fmt: skip
         self.store = store
         self.fetcher = fetcher
         self.counters = counters
         self.identity = identity
         self.max_pins = max_pins  # pinned plus reserved pages this worker may hold at once
+        self.private = private  # None: the worker maps the arena itself
         self.name = ""
-        self.loads: dict[int, list[BlockKey]] = {}
+        self.loads: dict[int, _Load] = {}
         self.saves: dict[int, Reservation] = {}
 
+    @property
+    def arena(self) -> ArenaTier:
+        return self.store.slots[0].tier
+
     def pages_held(self) -> int:
-        return sum(map(len, self.loads.values())) + sum(len(r.pages) for r in self.saves.values())
+        """Arena pages this worker keeps pinned or reserved."""
+        pinned = sum(len(load.keys) for load in self.loads.values())
+        return pinned + sum(len(r.pages) for r in self.saves.values())
 
     def _require_room(self, wanted: int) -> None:
         held = self.pages_held()
@@ -89,9 +106,8 @@ class WorkerSession:
                 f"the limit per worker is {self.max_pins}: release loads or commit saves first"
             )
 
-    @property
-    def arena(self) -> ArenaTier:
-        return self.store.slots[0].tier
+    def _payload_offset(self, page: int) -> int:
+        return page * self.arena.page_size_bytes + block.HEADER_BYTES
 
     # ---- reads -----------------------------------------------------------------------------
     def lookup(self, tenant: str, keys: Sequence[BlockKey], local_only: bool) -> tuple[int, int]:
@@ -104,9 +120,26 @@ class WorkerSession:
         return local, remote
 
     def load(self, tenant: str, keys: Sequence[BlockKey], timeout_s: float) -> LoadedPrefix:
-        """Pin the longest prefix servable from the host arena, fetching remote blocks first."""
+        """Pin the longest prefix servable from the host arena, fetching remote blocks first;
+        for a private worker, copy it into the worker's buffer and unpin."""
         self.identity.require(tenant)
         self._require_room(len(keys))
+        pinned, local, remote = self._pin_prefix(tenant, keys, timeout_s)
+        headers = [self._header(key) for key in pinned]
+        pages = [self.arena.page_index(key) for key in pinned]
+        load = _Load(pinned)
+        if self.private is None:
+            offsets = [self._payload_offset(page) for page in pages]
+        else:
+            offsets, headers = self._copy_out(load, pages, headers)
+        load_id = next(_ids)
+        self.loads[load_id] = load
+        served = len(offsets)
+        local, remote = min(local, served), max(0, served - local)
+        self.counters.add(load_local=local, load_remote=remote, load_miss=len(keys) - served)
+        return LoadedPrefix(load_id, offsets, headers, local, remote)
+
+    def _pin_prefix(self, tenant: str, keys: Sequence[BlockKey], timeout_s: float):
         local = self._pin_in_arena(keys, tenant)
         remote = 0
         if local < len(keys) and self.fetcher is not None:
@@ -116,13 +149,31 @@ class WorkerSession:
                 self.store.unpin(keys[:local])  # not registered under a load id yet
                 raise
             remote = self._pin_in_arena(keys[local : local + fetched], tenant)
-        pinned = list(keys[: local + remote])
-        load_id = next(_ids)
-        self.loads[load_id] = pinned
-        headers = [self._header(key) for key in pinned]
-        pages = [self.arena.page_index(key) for key in pinned]
-        self.counters.add(load_local=local, load_remote=remote, load_miss=len(keys) - len(pinned))
-        return LoadedPrefix(load_id, pinned, pages, headers, local, remote)
+        return list(keys[: local + remote]), local, remote
+
+    def _copy_out(self, load: _Load, pages: list[int], headers: list[block.BlockHeader]):
+        """Private worker: copy the pinned payloads into its buffer, verified as copied, then
+        unpin them all. The prefix ends at the first block whose copy fails its checksum."""
+        try:
+            wanted = min(len(pages), self.private.free_slots)
+            if pages and not wanted:
+                self.private.take(len(pages))  # raises: the worker must release first
+            load.slots = self.private.take(wanted)
+            for index, (page, header, slot) in enumerate(
+                zip(pages, headers, load.slots, strict=False)  # slots may be fewer
+            ):
+                payload = self.arena.pages[page, block.HEADER_BYTES : header.block_bytes]
+                target = self.private.view(slot, header.payload_bytes)
+                if copy_and_checksum(target, payload) != header.checksum:
+                    logger.warning("block %r changed while copied out; the load stops", header.key)
+                    wanted = index
+                    break
+            self.private.give_back(load.slots[wanted:])
+            load.slots = load.slots[:wanted]
+            return list(load.slots), headers[:wanted]
+        finally:
+            self.store.unpin(load.keys)
+            load.keys = []
 
     def _pin_in_arena(self, keys: Sequence[BlockKey], tenant: str) -> int:
         """Pin leading keys, keeping only those that are (or were promoted) in the arena."""
@@ -136,64 +187,92 @@ class WorkerSession:
         return block.unpack_header(page)
 
     def release(self, load_id: int) -> None:
-        keys = self.loads.pop(load_id, None)
-        if keys is None:
+        load = self.loads.pop(load_id, None)
+        if load is None:
             raise NotFoundError(f"no load {load_id} in this session (released already?)")
-        self.store.unpin(keys)
+        self.store.unpin(load.keys)
+        if self.private is not None:
+            self.private.give_back(load.slots)
 
     # ---- writes ----------------------------------------------------------------------------
     def save(
         self, tenant: str, keys: Sequence[BlockKey], first_parent: BlockKey | None,
         payload_bytes: int, layout_hash: int, codec_id: int,
     ) -> tuple[int, list[int | None]]:  # fmt: skip
-        """Reserve a page per key (None: already stored, being written, or no room left)."""
+        """Reserve a page per key; returns each payload's offset in the worker's mapping
+        (None: already stored, being written, or no room left)."""
         self.identity.require(tenant)
         self._require_room(len(keys))
-        reservation = Reservation(next(_ids))
-        pages: list[int | None] = []
+        reservation = Reservation(next(_ids), payload_bytes)
+        offsets: list[int | None] = []
         parent = first_parent
         try:
             for key in keys:
-                pages.append(self._reserve(reservation, tenant, key, parent, payload_bytes,
-                                           layout_hash, codec_id))  # fmt: skip
+                offsets.append(self._reserve(reservation, tenant, key, parent, layout_hash,
+                                             codec_id))  # fmt: skip
                 parent = key
         except BaseException:
-            for reserved in reservation.pages:
-                self.store.abort(reserved)
+            self._drop(reservation)
             raise
         self.saves[reservation.save_id] = reservation
-        return reservation.save_id, pages
+        return reservation.save_id, offsets
 
-    def _reserve(self, reservation, tenant, key, parent, payload_bytes, layout_hash, codec_id):
+    def _reserve(self, reservation, tenant, key, parent, layout_hash, codec_id) -> int | None:
         try:
-            view = self.store.reserve(key, parent, payload_bytes, layout_hash, codec_id, tenant)
+            view = self.store.reserve(key, parent, reservation.payload_bytes, layout_hash,
+                                      codec_id, tenant)  # fmt: skip
+            if view is None:
+                return None
+            reservation.pages[key] = page = self.arena.page_index(key)
+            if self.private is None:
+                return self._payload_offset(page)
+            reservation.slots[key] = slot = self.private.take(1)[0]
+            return slot
         except CapacityError as exc:
             logger.info("save of %r skipped: %s", key, exc)
+            if key in reservation.pages and key not in reservation.slots:
+                self.store.abort(key)
+                del reservation.pages[key]
             return None
-        if view is None:
-            return None
-        page = self.arena.page_index(key)
-        reservation.pages[key] = page
-        return page
 
     def commit(self, save_id: int, keys: Sequence[BlockKey], checksums: Sequence[int]) -> int:
         reservation = self._reservation(save_id)
         committed = 0
         for index, key in enumerate(keys):
-            if reservation.pages.pop(key, None) is None:
+            page = reservation.pages.pop(key, None)
+            if page is None:
                 continue  # not reserved in this save: nothing to commit
-            self.store.commit(key, checksums[index] if checksums else None)
+            checksum = checksums[index] if checksums else None
+            if self.private is not None:
+                checksum = self._copy_in(reservation, key, page)
+            self.store.commit(key, checksum)
             committed += 1
         self.counters.add(saved=committed)
         if not reservation.pages:
+            self._drop(reservation)
             del self.saves[save_id]
         return committed
 
+    def _copy_in(self, reservation: Reservation, key: BlockKey, page: int) -> int | None:
+        """Private worker: its slot into the reserved page, checksummed as copied."""
+        slot = reservation.slots.pop(key)
+        start = block.HEADER_BYTES
+        target = self.arena.pages[page, start : start + reservation.payload_bytes]
+        checksum = copy_and_checksum(target, self.private.view(slot, reservation.payload_bytes))
+        self.private.give_back([slot])
+        return checksum
+
     def abort(self, save_id: int) -> None:
-        reservation = self._reservation(save_id)
+        self._drop(self._reservation(save_id))
+        del self.saves[save_id]
+
+    def _drop(self, reservation: Reservation) -> None:
         for key in reservation.pages:
             self.store.abort(key)
-        del self.saves[save_id]
+        reservation.pages.clear()
+        if self.private is not None:
+            self.private.give_back(list(reservation.slots.values()))
+        reservation.slots.clear()
 
     def _reservation(self, save_id: int) -> Reservation:
         reservation = self.saves.get(save_id)
@@ -208,3 +287,5 @@ class WorkerSession:
             self.release(load_id)
         for save_id in list(self.saves):
             self.abort(save_id)
+        if self.private is not None:
+            self.private.close()

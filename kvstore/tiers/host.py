@@ -1,14 +1,18 @@
 """Host tier: a shared-memory arena of fixed-size pages in a file under /dev/shm.
 
-The node agent creates and owns the arena; workers on the same host `attach` to it by name and
-read or write pages in place (zero copy). A file mapped with mmap, not multiprocessing's
-SharedMemory, so that attaching never registers the segment for unlinking (Python 3.11's
-resource tracker would unlink it when a worker exits). Segment names carry the owner's pid so a
-restarted agent can remove segments left by a crashed one (`remove_stale_arenas`).
+The node agent creates and owns the arena (mode 0600: no other user can open it by name);
+workers on the same host get a file descriptor of it over the control socket (SCM_RIGHTS) when
+the agent grants them shared access, and read or write pages in place (zero copy). A file
+mapped with mmap, not multiprocessing's SharedMemory, so that mapping never registers the
+segment for unlinking (Python 3.11's resource tracker would unlink it when a worker exits).
+The owner holds an exclusive flock on the file for its lifetime, so a restarted agent removes
+exactly the arenas whose owner is gone (`remove_stale_arenas`), whatever pids were reused.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import mmap
 import os
@@ -27,50 +31,78 @@ SHM_DIR = Path("/dev/shm")
 ARENA_PREFIX = "kvstore-arena-"
 
 
-def _map_file(path: Path, size_bytes: int, create: bool) -> mmap.mmap:
-    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-    fd = os.open(path, flags, 0o660)  # the worker group maps it, like the agent's socket
+class MappedBuffer:
+    """A shared mapping of a file descriptor, viewed as a flat uint8 tensor."""
+
+    def __init__(self, fd: int, size_bytes: int) -> None:
+        self.size_bytes = size_bytes
+        self._mmap = mmap.mmap(fd, size_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.flat = torch.frombuffer(self._mmap, dtype=torch.uint8)
+
+    def close(self) -> None:
+        """Unmap. Idempotent; views must not be used afterwards."""
+        if self._mmap is None:
+            return
+        self.flat = None
+        try:
+            self._mmap.close()
+        except BufferError:  # a caller still holds a view; the mapping goes when it does
+            logger.debug("a mapping still has views; leaving it to the GC")
+        self._mmap = None
+
+
+def map_fd(fd: int, size_bytes: int) -> MappedBuffer:
+    """Map a descriptor received from the agent (its arena, or a private buffer)."""
+    if os.fstat(fd).st_size < size_bytes:
+        raise ConfigError(f"the agent's mapping is smaller than the {size_bytes} bytes announced")
+    return MappedBuffer(fd, size_bytes)
+
+
+def private_buffer(name: str, size_bytes: int) -> tuple[int, MappedBuffer]:
+    """An anonymous shared buffer (memfd) for one worker: (its fd, the agent's mapping)."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
     try:
-        if create:
-            os.ftruncate(fd, size_bytes)
-        return mmap.mmap(fd, size_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
+        os.ftruncate(fd, size_bytes)
+        return fd, MappedBuffer(fd, size_bytes)
+    except BaseException:
         os.close(fd)
+        raise
 
 
 class SharedArena:
-    """A named shared-memory region viewed as a [num_pages, page_size_bytes] uint8 tensor."""
+    """The agent's arena: a /dev/shm file viewed as [num_pages, page_size_bytes] uint8."""
 
-    def __init__(self, name: str, num_pages: int, page_size_bytes: int, create: bool) -> None:
+    def __init__(self, name: str, num_pages: int, page_size_bytes: int) -> None:
         self.name = name
         self.path = SHM_DIR / name
-        self.owner = create
         try:
-            self._mmap = _map_file(self.path, num_pages * page_size_bytes, create)
-        except FileNotFoundError:
-            raise NotFoundError(f"no shared arena named {name!r} in {SHM_DIR}") from None
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except FileExistsError:
             raise ConfigError(f"shared arena {name!r} already exists; pick another name") from None
         except PermissionError as exc:
-            raise UnavailableError(f"cannot map shared arena {name!r}: {exc}") from None
-        flat = torch.frombuffer(self._mmap, dtype=torch.uint8)
-        self.pages = flat.view(num_pages, page_size_bytes)
-        self._cuda_registered = create and _register_with_cuda(self.pages)
+            raise UnavailableError(f"cannot create shared arena {name!r}: {exc}") from None
+        fcntl.flock(self._fd, fcntl.LOCK_EX)  # held until this process is gone
+        os.ftruncate(self._fd, num_pages * page_size_bytes)
+        self.mapping = MappedBuffer(self._fd, num_pages * page_size_bytes)
+        self.pages = self.mapping.flat.view(num_pages, page_size_bytes)
+        self._cuda_registered = _register_with_cuda(self.pages)
+
+    def open_fd(self) -> int:
+        """A new descriptor of the arena to hand a worker (a new open file description: the
+        owner's lock never travels with it). The caller closes it once sent."""
+        return os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
 
     def close(self) -> None:
-        """Unmap (and, for the owner, unlink). Idempotent; views must not be used afterwards."""
-        if self._mmap is None:
+        """Unmap and unlink. Idempotent; views must not be used afterwards."""
+        if self._fd is None:
             return
         if self._cuda_registered:
             torch.cuda.cudart().cudaHostUnregister(self.pages.data_ptr())
         self.pages = None
-        try:
-            self._mmap.close()
-        except BufferError:  # a caller still holds a view; the mapping goes when it does
-            logger.debug("arena %s still has views; leaving the mapping to the GC", self.name)
-        self._mmap = None
-        if self.owner:
-            self.path.unlink(missing_ok=True)
+        self.mapping.close()
+        self.path.unlink(missing_ok=True)
+        os.close(self._fd)
+        self._fd = None
 
 
 def _register_with_cuda(pages: torch.Tensor) -> bool:
@@ -88,35 +120,39 @@ def _register_with_cuda(pages: torch.Tensor) -> bool:
 
 
 def remove_stale_arenas(prefix: str = ARENA_PREFIX) -> list[str]:
-    """Unlink arenas whose owning process (the pid in the name) is gone. Returns their names."""
+    """Unlink arenas no live process holds the lock of. Returns their names."""
     removed = []
     for path in SHM_DIR.glob(f"{prefix}*"):
-        pid_text = path.name[len(prefix) :].split("-", 1)[0]
-        if pid_text.isdigit() and not _pid_alive(int(pid_text)):
+        if _owner_gone(path):
             path.unlink(missing_ok=True)
             removed.append(path.name)
     return removed
 
 
-def _pid_alive(pid: int) -> bool:
+def _owner_gone(path: Path) -> bool:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False  # vanished meanwhile, or not ours to judge
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False  # its owner lives
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(fd)
     return True
 
 
 class HostTier(ArenaTier):
-    """Host DRAM pages in a shared arena that other processes on the host can map by name."""
+    """Host DRAM pages in a shared arena that workers on the host can be handed."""
 
     kind = "host"
 
     def __init__(self, capacity_bytes: int, page_size_bytes: int, name: str | None = None) -> None:
         num_pages = pages_for(capacity_bytes, page_size_bytes, self.kind)
         name = name or f"{ARENA_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        self.arena = SharedArena(name, num_pages, page_size_bytes, create=True)
+        self.arena = SharedArena(name, num_pages, page_size_bytes)
         super().__init__(self.arena.pages)
 
     @property
@@ -128,6 +164,16 @@ class HostTier(ArenaTier):
         self.arena.close()
 
 
-def attach_arena(name: str, num_pages: int, page_size_bytes: int) -> SharedArena:
-    """Map an existing arena created by another process on this host (never unlinks it)."""
-    return SharedArena(name, num_pages, page_size_bytes, create=False)
+def attach_arena(name: str, size_bytes: int) -> MappedBuffer:
+    """Map an arena by name (same user as its owner only: the file is 0600). Workers get a
+    descriptor from the agent instead; this is for tools and tests."""
+    try:
+        fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise NotFoundError(f"no shared arena named {name!r} in {SHM_DIR}") from None
+    except PermissionError as exc:
+        raise UnavailableError(f"cannot map shared arena {name!r}: {exc}") from None
+    try:
+        return map_fd(fd, size_bytes)
+    finally:
+        os.close(fd)

@@ -69,20 +69,24 @@ class HelloRequest(_message.Message):
     def __init__(self, worker: _Optional[str] = ..., credential: _Optional[str] = ...) -> None: ...
 
 class HelloResponse(_message.Message):
-    __slots__ = ("node_id", "arena_name", "num_pages", "page_size_bytes", "header_bytes", "tenants")
+    __slots__ = ("node_id", "arena_name", "num_pages", "page_size_bytes", "header_bytes", "tenants", "access", "mapping_bytes")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ARENA_NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     HEADER_BYTES_FIELD_NUMBER: _ClassVar[int]
     TENANTS_FIELD_NUMBER: _ClassVar[int]
+    ACCESS_FIELD_NUMBER: _ClassVar[int]
+    MAPPING_BYTES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     arena_name: str
     num_pages: int
     page_size_bytes: int
     header_bytes: int
     tenants: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, node_id: _Optional[str] = ..., arena_name: _Optional[str] = ..., num_pages: _Optional[int] = ..., page_size_bytes: _Optional[int] = ..., header_bytes: _Optional[int] = ..., tenants: _Optional[_Iterable[str]] = ...) -> None: ...
+    access: str
+    mapping_bytes: int
+    def __init__(self, node_id: _Optional[str] = ..., arena_name: _Optional[str] = ..., num_pages: _Optional[int] = ..., page_size_bytes: _Optional[int] = ..., header_bytes: _Optional[int] = ..., tenants: _Optional[_Iterable[str]] = ..., access: _Optional[str] = ..., mapping_bytes: _Optional[int] = ...) -> None: ...
 
 class LookupKeysRequest(_message.Message):
     __slots__ = ("tenant", "keys", "local_only")
@@ -113,20 +117,20 @@ class LoadRequest(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
 
 class LoadResponse(_message.Message):
-    __slots__ = ("load_id", "pages", "payload_bytes", "checksums", "local_blocks", "remote_blocks")
+    __slots__ = ("load_id", "payload_bytes", "checksums", "local_blocks", "remote_blocks", "offsets")
     LOAD_ID_FIELD_NUMBER: _ClassVar[int]
-    PAGES_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     REMOTE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
     load_id: int
-    pages: _containers.RepeatedScalarFieldContainer[int]
     payload_bytes: _containers.RepeatedScalarFieldContainer[int]
     checksums: _containers.RepeatedScalarFieldContainer[int]
     local_blocks: int
     remote_blocks: int
-    def __init__(self, load_id: _Optional[int] = ..., pages: _Optional[_Iterable[int]] = ..., payload_bytes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., local_blocks: _Optional[int] = ..., remote_blocks: _Optional[int] = ...) -> None: ...
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, load_id: _Optional[int] = ..., payload_bytes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., local_blocks: _Optional[int] = ..., remote_blocks: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("load_id",)
@@ -155,14 +159,14 @@ class SaveRequest(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., first_parent: _Optional[bytes] = ..., payload_bytes: _Optional[int] = ..., layout_hash: _Optional[int] = ..., codec_id: _Optional[int] = ...) -> None: ...
 
 class SaveResponse(_message.Message):
-    __slots__ = ("save_id", "reserved", "pages")
+    __slots__ = ("save_id", "reserved", "offsets")
     SAVE_ID_FIELD_NUMBER: _ClassVar[int]
     RESERVED_FIELD_NUMBER: _ClassVar[int]
-    PAGES_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
     save_id: int
     reserved: _containers.RepeatedScalarFieldContainer[bool]
-    pages: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, save_id: _Optional[int] = ..., reserved: _Optional[_Iterable[bool]] = ..., pages: _Optional[_Iterable[int]] = ...) -> None: ...
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, save_id: _Optional[int] = ..., reserved: _Optional[_Iterable[bool]] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("save_id", "keys", "checksums")

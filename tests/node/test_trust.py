@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from kvstore.block import HEADER_BYTES
 from kvstore.client import KVStoreClient
 from kvstore.errors import AuthError, CapacityError, ConfigError, PermissionDeniedError
 from kvstore.keys import Namespace, chunk_keys
@@ -19,6 +20,7 @@ from tests.node.agents import SMALL, running_agent, start_node_process
 
 ALICE_TOKEN, BOB_TOKEN = "alice-token-0123456789", "bob-token-0123456789ab"
 KEYS = chunk_keys(Namespace("sha256:model", "layout", tenant="alice", salt="s"), range(1024), 256)
+BOB_KEYS = chunk_keys(Namespace("sha256:model", "layout", tenant="bob"), range(1024), 256)
 PAYLOAD = 4096
 
 
@@ -216,3 +218,84 @@ def test_a_socket_directory_others_could_write_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="belongs to uid 4242"):
         agent.start()
     agent.stop()
+
+
+_OTHER_USER_WORKER = """
+import json, os, sys
+from kvstore.block import HEADER_BYTES
+from kvstore.client import KVStoreClient
+from kvstore.errors import PermissionDeniedError
+from tests.node.test_trust import BOB_KEYS, KEYS, save
+socket_path, arena, nobody = sys.argv[1], sys.argv[2], int(sys.argv[3])
+os.setgroups([]); os.setgid(nobody); os.setuid(nobody)  # imports done: become another user
+out = {"uid": os.getuid()}
+try:
+    open(arena, "rb")
+    out["arena"] = "readable"
+except PermissionError:
+    out["arena"] = "denied"
+with KVStoreClient(socket_path, "bob") as bob:
+    out["access"] = bob.access
+    out["sees_alice"] = bool((bob._mapping.flat == 0xA1).any())
+    try:
+        bob.lookup("alice", KEYS)
+    except PermissionDeniedError:
+        out["alice_lookup"] = "denied"
+    out["saved"] = save(bob, "bob", BOB_KEYS[:2], fill=0xB0)
+    loaded = bob.load("bob", BOB_KEYS[:2])
+    out["loaded_ok"] = all(bool((p == 0xB0).all()) for p in loaded.payloads) and len(loaded) == 2
+    bob.release(loaded)
+print(json.dumps(out))
+"""
+
+
+def test_a_worker_of_another_user_works_only_through_private_copies(tmp_path):
+    """Pages of one tenant are not readable by another tenant's worker: the arena file is the
+    agent's alone, and a private worker maps a buffer that holds only what it loaded."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    nobody = 65534
+    directory = Path(tempfile.mkdtemp(prefix="kvstore-trust-"))
+    os.chmod(directory, 0o755)  # other users may reach the socket; the agent decides the rest
+    table = credentials(tmp_path, "uid:0 alice shared", f"uid:{nobody} bob")
+    try:
+        config = NodeConfig(node_id="n", socket_path=directory / "agent.sock", **SMALL,
+                            transfer="none", worker_credentials=table)  # fmt: skip
+        agent = NodeAgent(config)
+        agent.start()
+        os.chmod(config.socket_path, 0o666)  # in production: a group both users share
+        with KVStoreClient(config.socket_path) as alice:
+            assert alice.access == "shared"
+            save(alice, "alice", KEYS, fill=0xA1)
+        arena = f"/dev/shm/{agent.store.slots[0].tier.arena_name}"
+        worker = subprocess.run(
+            [sys.executable, "-c", _OTHER_USER_WORKER, str(config.socket_path), arena,
+             str(nobody)],
+            capture_output=True, text=True, timeout=60, cwd=Path(__file__).parents[2],
+        )  # fmt: skip
+        assert worker.returncode == 0, worker.stderr
+        assert json.loads(worker.stdout) == {
+            "uid": nobody, "arena": "denied", "access": "private", "sees_alice": False,
+            "alice_lookup": "denied", "saved": 2, "loaded_ok": True,
+        }  # fmt: skip
+        assert agent.store.pins_held() == 0
+        agent.stop()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_a_private_workers_load_is_verified_as_it_is_copied_out(two_tenants):
+    agent, alice, _ = two_tenants
+    assert alice.access == "private"
+    save(alice, "alice", KEYS, fill=0x33)
+    host = agent.store.slots[0].tier
+    host.pages[host.page_index(KEYS[2]), HEADER_BYTES + 10] ^= 0xFF  # payload bytes rot
+    loaded = alice.load("alice", KEYS)
+    assert len(loaded) == 2 and all(bool((p == 0x33).all()) for p in loaded.payloads)
+    assert agent.store.pins_held() == 0, "a private worker never holds arena pins"
+    alice.release(loaded)

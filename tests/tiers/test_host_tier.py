@@ -1,5 +1,5 @@
-"""Host tier scenarios: another process maps the arena by name and reads and writes in place;
-segments left by a dead owner are cleaned up."""
+"""Host tier scenarios: another process maps the arena and reads and writes in place; no other
+user can open it; segments left by a dead owner are cleaned up, whatever pid reuse did."""
 
 import os
 import subprocess
@@ -19,10 +19,11 @@ _READER_WRITER = textwrap.dedent(
     """
     import sys
     from kvstore.tiers.host import attach_arena
-    arena = attach_arena(sys.argv[1], 4, 4096)
+    arena = attach_arena(sys.argv[1], 4 * 4096)
+    pages = arena.flat.view(4, 4096)
     row = int(sys.argv[2])
-    print(int(arena.pages[row, :16].sum()))      # read what the owner wrote, in place
-    arena.pages[row + 1, :16].fill_(7)           # write in place for the owner to see
+    print(int(pages[row, :16].sum()))      # read what the owner wrote, in place
+    pages[row + 1, :16].fill_(7)           # write in place for the owner to see
     arena.close()
     """
 )
@@ -47,20 +48,25 @@ def test_another_process_reads_and_writes_pages_in_place():
 
 def test_attaching_a_missing_arena_is_a_clear_error():
     with pytest.raises(NotFoundError, match="no shared arena"):
-        attach_arena("kvstore-arena-does-not-exist", 1, PAGE)
+        attach_arena("kvstore-arena-does-not-exist", PAGE)
+
+
+def test_the_arena_file_is_the_agents_alone():
+    with HostTier(4 * PAGE, PAGE) as tier:
+        mode = (SHM_DIR / tier.arena_name).stat().st_mode & 0o777
+        assert mode == 0o600, "other users (and groups) get a descriptor from the agent or nothing"
 
 
 def test_arenas_of_dead_owners_are_removed_and_live_ones_kept():
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
-    stale = SHM_DIR / f"{ARENA_PREFIX}{dead}-stale"
+    """Regression: ownership went by the pid in the name, so after pid reuse a dead agent's
+    arena (a whole host tier in /dev/shm) was taken for a live one and leaked."""
+    reused_pid = os.getpid()  # the name says "alive"; no process holds its lock
+    stale = SHM_DIR / f"{ARENA_PREFIX}{reused_pid}-stale"
     stale.write_bytes(b"x")
-    live = SHM_DIR / f"{ARENA_PREFIX}{os.getpid()}-live"
-    live.write_bytes(b"x")
-    try:
-        removed = remove_stale_arenas()
-        assert stale.name in removed and not stale.exists()
-        assert live.exists()
-    finally:
-        live.unlink(missing_ok=True)
-        stale.unlink(missing_ok=True)
+    with HostTier(4 * PAGE, PAGE) as live:
+        try:
+            removed = remove_stale_arenas()
+            assert stale.name in removed and not stale.exists()
+            assert (SHM_DIR / live.arena_name).exists()
+        finally:
+            stale.unlink(missing_ok=True)
