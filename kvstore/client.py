@@ -140,8 +140,8 @@ class KVStoreClient:
             if self._broken:
                 raise errors.UnavailableError("this client's agent connection broke; reconnect")
             try:
-                framing.send_message(self._sock, request)
-                response = framing.recv_message(self._sock, pb.AgentResponse)
+                refusal = self._send(request)
+                response = refusal or framing.recv_message(self._sock, pb.AgentResponse)
             except (OSError, errors.KVStoreError) as exc:
                 self._break()  # a late answer must never be read as the next call's
                 raise errors.UnavailableError(f"node agent connection failed: {exc}") from None
@@ -155,6 +155,18 @@ class KVStoreClient:
         if response.HasField("error"):
             raise _error(response.error)
         return response
+
+    def _send(self, request: pb.AgentRequest) -> pb.AgentResponse | None:
+        """Send; None, unless the agent already refused this connection: then its refusal,
+        waiting to be read, is returned as the answer (a bare broken pipe would hide why)."""
+        try:
+            framing.send_message(self._sock, request)
+        except (BrokenPipeError, ConnectionResetError):
+            refusal = framing.recv_message(self._sock, pb.AgentResponse)
+            if refusal is None or not refusal.HasField("error"):
+                raise
+            return refusal
+        return None
 
     def _break(self) -> None:
         self._broken = True
