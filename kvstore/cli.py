@@ -60,8 +60,8 @@ _NODE_FLAGS = (
     "node_id", "socket_path", "host_capacity_bytes", "page_size_bytes", "disk_dir",
     "disk_capacity_bytes", "host_policy", "disk_policy", "metadata_address",
     "metadata_token_file", "worker_credentials", "cluster_secret_file", "max_workers",
-    "max_pins_per_worker", "transfer", "transfer_host", "transfer_port", "advertise_host",
-    "node_metrics_listen",
+    "max_pins_per_worker", "private_buffer_bytes", "transfer", "transfer_host", "transfer_port",
+    "advertise_host", "node_metrics_listen",
 )  # fmt: skip
 
 
@@ -168,6 +168,7 @@ def _add_node_flags(parser: argparse.ArgumentParser, standalone: bool) -> None:
     )
     parser.add_argument("--max-workers", type=int, help="worker connections at once (256)")
     parser.add_argument("--max-pins-per-worker", type=int, help="pages one worker may hold")
+    parser.add_argument("--private-buffer-bytes", help="buffer of each private worker (256MiB)")
 
 
 def _bench_transfer(args: argparse.Namespace) -> dict:
