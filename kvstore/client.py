@@ -18,11 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import xxhash
 
 from kvstore import errors, framing
 from kvstore.block import payload_checksum
 from kvstore.config import read_secret_file
 from kvstore.keys import BlockKey
+from kvstore.kvcopy.verified import copy_hashed
 from kvstore.tiers.host import MappedBuffer, map_fd
 from kvstore.v1 import agent_pb2 as pb
 
@@ -67,6 +69,14 @@ class LoadedBlocks:
 
     def __len__(self) -> int:
         return len(self.payloads)
+
+    def copy_to(self, index: int, destination: torch.Tensor) -> bool:
+        """Copy payload `index` into `destination` (flat uint8, host memory), hashing the copy
+        as it is made: False when the copy is not the block that was loaded (its page changed
+        meanwhile): then `destination` must be treated as a miss. One pass over the bytes."""
+        hasher = xxhash.xxh3_64()
+        copy_hashed(destination, self.payloads[index], hasher)
+        return hasher.intdigest() == self.checksums[index]
 
 
 @dataclass
@@ -194,6 +204,8 @@ class KVStoreClient:
 
         With `verify`, each payload's checksum is checked here, in this process; the prefix
         ends before the first block that fails (it is then a miss, recomputed by the engine).
+        A consumer that copies the payloads out should pass verify=False and copy with
+        `LoadedBlocks.copy_to`, which verifies the copy itself in the same pass.
         """
         request = pb.LoadRequest(tenant=tenant, keys=keys, timeout_ms=int(timeout_s * 1000))
         result = self._call("load", request).load

@@ -169,3 +169,14 @@ def test_a_desynchronised_connection_is_never_reused(tmp_path):
         with pytest.raises(UnavailableError, match="reconnect"):
             client.lookup("t", KEYS)
         client.close()
+
+
+def test_copy_to_verifies_the_copy_it_makes(tmp_path):
+    with running_agent(tmp_path) as agent, KVStoreClient(agent.config.socket_path) as client:
+        save_chain(client, KEYS[:2], fill=lambda i: 0x11)
+        loaded = client.load("t", KEYS[:2], verify=False)
+        destination = torch.empty(PAYLOAD, dtype=torch.uint8)
+        assert loaded.copy_to(0, destination) and bool((destination == 0x11).all())
+        loaded.payloads[1][5] = 0x22  # the page changed under the view
+        assert not loaded.copy_to(1, destination), "a changed page is a miss, never data"
+        client.release(loaded)
