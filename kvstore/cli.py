@@ -7,6 +7,7 @@ prints either a readable summary or, with --json, one JSON object on stdout.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -178,6 +179,12 @@ def _bench_transfer(args: argparse.Namespace) -> dict:
     return run_transfer(runs=args.runs, sizes_mib=sizes, batch=args.batch, ucx=not args.no_ucx)
 
 
+def _bench_gpu(args: argparse.Namespace) -> dict:
+    from kvstore.bench.gpu import run_gpu
+
+    return run_gpu(device=args.device, chunks=args.chunks, runs=args.runs, quick=args.quick)
+
+
 def _bench_vllm(args: argparse.Namespace) -> dict:
     from kvstore.bench.vllm import run_vllm
 
@@ -239,6 +246,13 @@ def build_parser() -> argparse.ArgumentParser:
     transfer.add_argument("--no-ucx", action="store_true", help="skip the ucx engine")
     transfer.add_argument("--json", action="store_true")
     transfer.set_defaults(handler=_bench_transfer)
+    gpu = benches.add_parser("gpu", help="the copy engine on a device vs a pinned copy_")
+    gpu.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    gpu.add_argument("--chunks", type=int, default=64, help="256-token chunks saved and loaded")
+    gpu.add_argument("--runs", type=int, default=3, help="rounds over the six layouts")
+    gpu.add_argument("--quick", action="store_true", help="a small model, for smoke tests")
+    gpu.add_argument("--json", action="store_true")
+    gpu.set_defaults(handler=_bench_gpu)
     vllm = benches.add_parser("vllm", help="TTFT of a long prompt: cold vs 50 %% / 90 %% cached")
     vllm.add_argument("--runs", type=int, default=5, help="repetitions; medians are reported")
     vllm.add_argument("--prompt-tokens", type=int, default=4096)
@@ -254,7 +268,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        result = args.handler(args)
+        with _stdout_to_stderr(getattr(args, "json", False)):
+            result = args.handler(args)
     except KVStoreError as exc:
         print(f"kvstore {args.command}: {exc}", file=sys.stderr)
         return 2
@@ -262,6 +277,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         return result
     _print_result(result, args.json)
     return 0
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr(active: bool):
+    """With --json, stdout carries exactly one JSON object: whatever the work prints meanwhile
+    (vLLM logs to stdout, so do child processes that inherit it) goes to stderr, at the file
+    descriptor level."""
+    if not active:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 if __name__ == "__main__":

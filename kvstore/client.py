@@ -133,7 +133,7 @@ class KVStoreClient:
         if len(fds) != 1:
             raise errors.UnavailableError("the node agent sent no mapping after its hello")
         try:
-            return map_fd(fds[0], self.info.mapping_bytes)
+            return map_fd(fds[0], self.info.mapping_bytes, pin=True)  # DMA-able with CUDA
         finally:
             os.close(fds[0])
 

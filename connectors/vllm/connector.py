@@ -36,6 +36,12 @@ class KVStoreConnector(KVConnectorBase_V1):
         logger.info("kvstore connector (%s): %s, namespace %s", role.name, self.kv.layout.layout_id,
                     self.kv.namespace.model_fingerprint)  # fmt: skip
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Loads wait and saves copy per layer, inside the forward: a full CUDA graph would
+        skip them on replay, so vLLM must capture piecewise."""
+        return True
+
     # ---- scheduler side --------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         return self.scheduler.matched_tokens(request, num_computed_tokens), False

