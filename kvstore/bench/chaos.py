@@ -168,7 +168,7 @@ def run_chaos(
             deadline = cluster.started + spec.duration_s
             logger.info("chaos: cluster up; running %.0f s", spec.duration_s)
             while (wake := time.monotonic() + rng.uniform(5, 10)) < deadline:
-                _sleep_watching(cluster, wake, crashes)
+                sleep_watching(cluster, wake, crashes)
                 role = rng.choice(KILL_ROLES)
                 victim = pick_victim(cluster, role, rng)
                 logger.info("chaos: killing %s (%s)", victim, role)
@@ -178,9 +178,9 @@ def run_chaos(
                     failed += 1
                 else:
                     recoveries.setdefault(role, []).append(seconds)
-            _sleep_watching(cluster, deadline, crashes)
+            sleep_watching(cluster, deadline, crashes)
             logger.info("chaos: stopping workers, auditing committed blocks")
-            _stop_workers(cluster)
+            stop_workers(cluster)
             audit = lost_blocks(cluster, tally)
         child_pids = cluster.all_pids()
     every = [s for values in recoveries.values() for s in values]
@@ -195,7 +195,7 @@ def run_chaos(
     }  # fmt: skip
 
 
-def _sleep_watching(cluster: Cluster, until: float, crashes: Counter) -> None:
+def sleep_watching(cluster: Cluster, until: float, crashes: Counter) -> None:
     """Sleep until `until`, restarting (and counting) any process that exited by itself."""
     while (left := until - time.monotonic()) > 0:
         time.sleep(min(left, 0.5))
@@ -208,7 +208,7 @@ def _sleep_watching(cluster: Cluster, until: float, crashes: Counter) -> None:
             cluster.restart(name)
 
 
-def _stop_workers(cluster: Cluster) -> None:
+def stop_workers(cluster: Cluster) -> None:
     """SIGTERM every worker and wait: each prints its final counts first."""
     import signal
 

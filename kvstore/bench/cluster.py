@@ -311,15 +311,20 @@ def remove_arenas(pids: list[int]) -> None:
 
 
 def process_sample(pid: int) -> dict[str, float] | None:
-    """RSS (MiB), threads and open file descriptors of a live process; None once it is gone."""
+    """RSS and its private part (MiB), threads and open file descriptors of a live process;
+    None once it is gone."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
         fds = len(os.listdir(f"/proc/{pid}/fd"))
     except (FileNotFoundError, ProcessLookupError):
         return None
     fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-    rss_kib = int(fields.get("VmRSS", "0 kB").split()[0])
-    return {"rss_mib": rss_kib / 1024, "threads": int(fields["Threads"]), "fds": fds}
+
+    def mib(name: str) -> float:
+        return int(fields.get(name, "0 kB").split()[0]) / 1024
+
+    return {"rss_mib": mib("VmRSS"), "rss_anon_mib": mib("RssAnon"),
+            "threads": int(fields["Threads"]), "fds": fds}  # fmt: skip
 
 
 def shm_sample(pids: list[int]) -> dict[str, float]:
