@@ -1,16 +1,19 @@
 """`kvstore bench chaos`: a real cluster on loopback (metadata service, 3 node agents over tcp,
 a worker per agent) in which, every 5-10 s (seeded), one process is SIGKILLed and restarted:
 an agent, the agent holding the most blocks (a holder mid-transfer), the metadata service, or
-a worker mid-operation. Runs in the benchmark process; every other role is a child process.
+a worker mid-operation; `agent-1` is the witness, never killed itself. Workers save and load
+prefixes of a window of prefix ids that moves on every 15 s, so saves and remote fetches go on
+all run long. Runs in the benchmark process; every other role is a child process.
 
 Workers compare every loaded payload with the bytes its key implies (`wrong_results`, must be
 0; a miss is fine). `lost_blocks` counts blocks a worker committed on the *current* incarnation
-of an agent (never killed since) whose disk tier, sized above the whole key space, never
-dropped a block and which saw no checksum failure, and which a local lookup on that agent no
-longer finds at the end. Commits on a since-killed incarnation, or on an agent whose disk tier
-did drop or purge blocks, are `lost_blocks_excused` (their loss is explained); the blocks
-checked are `lost_blocks_checked`. Host-arena evictions only demote to disk, so they excuse
-nothing. Commits are attributed by arena name, which carries the agent's pid.
+of an agent (never killed since; always so for the witness) whose disk tier, sized above every
+key the run can name (`disk_bytes_for`), never dropped a block and which saw no checksum
+failure, and which a local lookup on that agent no longer finds at the end. Commits on a
+since-killed incarnation, or on an agent whose disk tier did drop or purge blocks, are
+`lost_blocks_excused` (their loss is explained); the blocks checked are `lost_blocks_checked`.
+Host-arena evictions only demote to disk, so they excuse nothing. Commits are attributed by
+arena name, which carries the agent's pid.
 """
 
 from __future__ import annotations
@@ -24,7 +27,14 @@ import time
 from collections import Counter
 from dataclasses import fields
 
-from kvstore.bench.chaos_worker import TENANT, Counts, prefix_keys
+from kvstore.bench.chaos_worker import (
+    CHUNKS,
+    PREFIXES,
+    SLIDE_PREFIXES,
+    TENANT,
+    Counts,
+    prefix_keys,
+)
 from kvstore.bench.cluster import (
     Cluster,
     ClusterSpec,
@@ -38,7 +48,10 @@ from kvstore.errors import KVStoreError
 
 logger = logging.getLogger(__name__)
 KILL_ROLES = ("agent", "holder", "metadata", "worker")
+WITNESS = "agent-1"  # never killed itself (its workers, peers and the service are)
 RECOVERY_TIMEOUT_S = 90.0
+SLIDE_S = 15.0  # the workers' prefix window moves on: fresh saves, remote fetches all along
+MAX_DISK_BYTES = 1 << 30
 
 
 class Tally:
@@ -85,13 +98,15 @@ def percentile(values: list[float], q: float) -> float:
 def pick_victim(cluster: Cluster, role: str, rng: random.Random) -> str:
     if role == "metadata":
         return "metadata"
+    agents = [name for name in cluster.names("agent") if name != WITNESS]
     if role == "holder":
-        return _busiest_holder(cluster) or rng.choice(cluster.names("agent"))
-    return rng.choice(cluster.names(role))
+        return _busiest_holder(cluster, agents) or rng.choice(agents)
+    return rng.choice(agents if role == "agent" else cluster.names(role))
 
 
-def _busiest_holder(cluster: Cluster) -> str | None:
-    """The agent the metadata service says holds the most blocks (peers fetch from it)."""
+def _busiest_holder(cluster: Cluster, agents: list[str]) -> str | None:
+    """Of `agents`, the one the metadata service says holds the most blocks (peers fetch
+    from it)."""
     from kvstore.metadata.client import MetadataClient
     from kvstore.stats import stats_dict
 
@@ -101,7 +116,7 @@ def _busiest_holder(cluster: Cluster) -> str | None:
     except KVStoreError:
         return None
     held = {n["node"]["node_id"]: sum(map(int, n.get("blocks_per_tier", {}).values()))
-            for n in nodes}  # fmt: skip
+            for n in nodes if n["node"]["node_id"] in agents}  # fmt: skip
     return max(held, key=held.get) if held else None
 
 
@@ -133,7 +148,12 @@ def lost_blocks(cluster: Cluster, tally: Tally) -> dict:
     lost, checked, examples = 0, 0, []
     excused = sum(len(blocks) for blocks in tally.committed.values())
     for agent in cluster.names("agent"):
-        with KVStoreClient(cluster.socket_path(agent), "chaos-audit") as client:
+        try:
+            client = KVStoreClient(cluster.socket_path(agent), "chaos-audit")
+        except KVStoreError as exc:  # it is not up: its blocks stay excused
+            logger.error("cannot audit %s: %s", agent, exc)
+            continue
+        with client:
             stats = json.loads(client.stats())
             blocks = tally.committed.get(client.info.arena_name, set())
             if stats["evictions"].get("disk", 0) or stats["checksum_failures"]:
@@ -147,6 +167,13 @@ def lost_blocks(cluster: Cluster, tally: Tally) -> dict:
                     examples.append({"agent": agent, "prefix": prefix, "chunk": chunk})
     return {"lost_blocks": lost, "lost_blocks_checked": checked,
             "lost_blocks_excused": excused, "lost_examples": examples[:5]}  # fmt: skip
+
+
+def disk_bytes_for(duration_s: float, page_bytes: int = 1 << 20) -> int:
+    """A disk tier for every block the sliding window can name in the run (so that it never
+    drops one), capped at MAX_DISK_BYTES (beyond that, drops excuse losses)."""
+    prefixes = PREFIXES + SLIDE_PREFIXES * (math.ceil(duration_s / SLIDE_S) + 2)
+    return min(MAX_DISK_BYTES, prefixes * CHUNKS * page_bytes)
 
 
 # ---- the run -------------------------------------------------------------------------------
@@ -163,7 +190,10 @@ def run_chaos(
     crashes: Counter[str] = Counter()
     failed = 0
     with work_directory("kvstore-chaos-") as workdir:
-        spec = ClusterSpec(workdir, minutes * 60, seed, corrupt_worker=corrupt_worker)
+        spec = ClusterSpec(
+            workdir, minutes * 60, seed, corrupt_worker=corrupt_worker, slide_s=SLIDE_S,
+            disk_capacity_bytes=disk_bytes_for(minutes * 60),
+        )  # fmt: skip
         with Cluster(spec, tally.handle) as cluster:
             deadline = cluster.started + spec.duration_s
             logger.info("chaos: cluster up; running %.0f s", spec.duration_s)

@@ -23,13 +23,14 @@ from kvstore.errors import KVStoreError
 from kvstore.keys import BlockKey, Namespace, chunk_key
 
 TENANT = "chaos"
-PREFIXES = 48  # prefix ids 0..47; every worker saves and loads from the same space
+PREFIXES = 48  # a window of 48 prefix ids; every worker saves and loads from the same one
+SLIDE_PREFIXES = 8  # with --slide-s, the window moves on by this many every slide_s seconds
 CHUNKS = 4  # blocks per prefix
 REPORT_EVERY_S = 1.0
 
 
 # ---- what every process can recompute ----------------------------------------------------
-@functools.lru_cache(maxsize=PREFIXES)
+@functools.lru_cache(maxsize=4 * PREFIXES)
 def prefix_keys(seed: int, prefix: int) -> tuple[BlockKey, ...]:
     """The chained keys of prefix `prefix` in the key space of `seed`."""
     parent: bytes = Namespace(f"chaos-seed-{seed}", "chaos-layout", tenant=TENANT).root_key()
@@ -45,7 +46,7 @@ def payload_bytes_of(prefix: int) -> int:
     return (64 << 10) * (1 + prefix % 8)
 
 
-@functools.lru_cache(maxsize=PREFIXES * CHUNKS)
+@functools.lru_cache(maxsize=2 * PREFIXES * CHUNKS)
 def expected_payload(key: bytes, size_bytes: int) -> np.ndarray:
     """SHAKE-256 of the key, expanded to `size_bytes`: the only correct payload of `key`."""
     return np.frombuffer(hashlib.shake_256(key).digest(size_bytes), dtype=np.uint8)
@@ -96,7 +97,9 @@ class Worker:
                 self.stopping.wait(0.2)
 
     def step(self) -> None:
-        prefix = self.rng.randrange(PREFIXES)
+        slide_s = self.args.slide_s
+        window = int(time.time() // slide_s) * SLIDE_PREFIXES if slide_s else 0  # same clock
+        prefix = window + self.rng.randrange(PREFIXES)
         keys = list(prefix_keys(self.args.seed, prefix))[: self.rng.randint(1, CHUNKS)]
         roll = self.rng.random()
         if roll < self.args.save_fraction:
@@ -177,6 +180,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--duration-s", type=float, required=True)
     parser.add_argument("--ops-per-s", type=float, default=20.0)
     parser.add_argument("--save-fraction", type=float, default=0.35)
+    parser.add_argument("--slide-s", type=float, default=0.0,
+                        help="move the prefix window every SLIDE_S seconds (0: fixed)")  # fmt: skip
     parser.add_argument("--corrupt-expected", action="store_true",
                         help="test only: flip one byte of one expected payload")  # fmt: skip
     return parser

@@ -43,6 +43,7 @@ class ClusterSpec:
     page_size_bytes: int = 1 << 20
     disk_capacity_bytes: int = 256 << 20  # more than the whole key space: the disk never drops
     ops_per_s: float = 20.0  # per worker
+    slide_s: float = 0.0  # workers' prefix window moves every slide_s seconds (0: fixed)
     corrupt_worker: str = ""  # test only: this worker flips a byte of one expected payload
 
     def __post_init__(self) -> None:
@@ -104,7 +105,7 @@ class Cluster:
         return [*base, "kvstore.bench.chaos_worker", "--name", member.name,
                 "--socket", str(self.socket_path(member.agent)), "--seed", str(spec.seed),
                 "--duration-s", f"{remaining_s:.1f}", "--ops-per-s", str(spec.ops_per_s),
-                *corrupt]  # fmt: skip
+                "--slide-s", str(spec.slide_s), *corrupt]  # fmt: skip
 
     # ---- lifecycle -------------------------------------------------------------------------
     def __enter__(self) -> Cluster:

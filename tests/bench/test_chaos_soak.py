@@ -26,11 +26,11 @@ def run_bench(*args: str) -> dict:
 
 def assert_nothing_left_behind(result: dict) -> None:
     for pid in result["child_pids"]:
-        assert not Path(f"/proc/{pid}").exists() or _is_zombie_free(pid), f"pid {pid} lives"
+        assert not Path(f"/proc/{pid}").exists() or _recycled(pid), f"pid {pid} lives"
         assert not list(Path("/dev/shm").glob(f"kvstore-arena-{pid}-*")), f"arena of {pid}"
 
 
-def _is_zombie_free(pid: int) -> bool:
+def _recycled(pid: int) -> bool:
     """A recycled pid is someone else's process: ours all ran `python -m kvstore...`."""
     cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     return b"kvstore" not in cmdline
