@@ -22,6 +22,8 @@ import json
 import logging
 import math
 import random
+import signal
+import subprocess
 import threading
 import time
 from collections import Counter
@@ -210,7 +212,7 @@ def run_chaos(
                     recoveries.setdefault(role, []).append(seconds)
             sleep_watching(cluster, deadline, crashes)
             logger.info("chaos: stopping workers, auditing committed blocks")
-            stop_workers(cluster)
+            stuck = stop_workers(cluster)
             audit = lost_blocks(cluster, tally)
         child_pids = cluster.all_pids()
     every = [s for values in recoveries.values() for s in values]
@@ -220,7 +222,8 @@ def run_chaos(
         "recovery_s_p50": percentile(every, 0.5), "recovery_s_p99": percentile(every, 0.99),
         "recovery_s_max_by_role": {role: max(v) for role, v in recoveries.items()},
         "recovery_failures": failed, **audit, "wrong_examples": tally.wrong[:5],
-        "crashes": dict(crashes), "private_shm": private_shm, "child_pids": child_pids,
+        "crashes": dict(crashes), "stuck_workers": stuck, "private_shm": private_shm,
+        "child_pids": child_pids,
         "minutes": minutes, "seed": seed,
     }  # fmt: skip
 
@@ -238,14 +241,25 @@ def sleep_watching(cluster: Cluster, until: float, crashes: Counter) -> None:
             cluster.restart(name)
 
 
-def stop_workers(cluster: Cluster) -> None:
-    """SIGTERM every worker and wait: each prints its final counts first."""
-    import signal
+def stop_workers(cluster: Cluster) -> dict[str, str]:
+    """SIGTERM every worker and wait: each prints its final counts first. Returns the stacks
+    of those that did not stop within 30 s (killed then), by name."""
 
-    workers = [cluster.members[name].process for name in cluster.names("worker")]
-    for process in workers:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-    for process in workers:
-        process.wait(timeout=30)
+    names = cluster.names("worker")
+    for name in names:
+        if cluster.members[name].process.poll() is None:
+            cluster.members[name].process.send_signal(signal.SIGTERM)
+    stuck = {}
+    for name in names:
+        process = cluster.members[name].process
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # a finding: dump its stacks (faulthandler), kill it
+            process.send_signal(signal.SIGUSR1)
+            time.sleep(1)
+            process.kill()
+            process.wait()
+            stuck[name] = cluster.log_tail(name, 6000)
+            logger.error("%s did not stop within 30 s; its stacks: %s", name, stuck[name])
     time.sleep(0.2)  # let the reader threads take the last lines
+    return stuck

@@ -7,6 +7,7 @@ reports JSON lines on stdout (cumulative counts, committed blocks, wrong results
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import functools
 import hashlib
 import json
@@ -190,6 +191,7 @@ def _parser() -> argparse.ArgumentParser:
 def main() -> int:
     worker = Worker(_parser().parse_args())
     signal.signal(signal.SIGTERM, lambda *_: worker.stopping.set())
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks of a worker that hangs
     worker.run()
     return 0
 

@@ -92,7 +92,7 @@ def run_soak(
                 sleep_watching(cluster, min(deadline, now + sample_s), crashes)
             times_s.append(time.monotonic() - cluster.started)
             rows.append(sample(cluster))
-            stop_workers(cluster)
+            stuck = stop_workers(cluster)
             audit = lost_blocks(cluster, tally)
         child_pids = cluster.all_pids()
     summary = summarize(times_s, rows, warmup_s=min(30.0, spec.duration_s / 5))
@@ -101,7 +101,7 @@ def run_soak(
         "operations": totals["ops"], "errors": totals["errors"] + sum(crashes.values()),
         "ops_per_s": round(totals["ops"] / spec.duration_s, 2),
         "target_ops_per_s": ops_per_s * len(cluster.names("worker")), **totals,
-        "wrong_results": totals["wrong_results"], "crashes": dict(crashes),
+        "wrong_results": totals["wrong_results"], "crashes": dict(crashes), "stuck_workers": stuck,
         "lost_blocks": audit["lost_blocks"], "lost_blocks_checked": audit["lost_blocks_checked"],
         "roles": {role: summary.get(role, {}) for role in ROLES}, "shm": summary.get("shm", {}),
         "processes": _per_process(summary),
