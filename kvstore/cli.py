@@ -191,6 +191,27 @@ def _bench_vllm(args: argparse.Namespace) -> dict:
     return run_vllm(runs=args.runs, prompt_tokens=args.prompt_tokens)
 
 
+_SHARED_SHM_HELP = "use the host's /dev/shm, not a private tmpfs (which needs root)"
+
+
+def _bench_chaos(args: argparse.Namespace) -> dict:
+    from kvstore.bench.chaos import run_chaos
+
+    return run_chaos(
+        args.minutes, seed=args.seed, corrupt_worker=args.corrupt_worker,
+        shared_shm=args.shared_shm,
+    )  # fmt: skip
+
+
+def _bench_soak(args: argparse.Namespace) -> dict:
+    from kvstore.bench.soak import run_soak
+
+    return run_soak(
+        args.minutes, ops_per_s=args.ops_per_s, sample_s=args.sample_s,
+        shared_shm=args.shared_shm,
+    )  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvstore.eviction import policy_names
 
@@ -258,6 +279,20 @@ def build_parser() -> argparse.ArgumentParser:
     vllm.add_argument("--prompt-tokens", type=int, default=4096)
     vllm.add_argument("--json", action="store_true")
     vllm.set_defaults(handler=_bench_vllm)
+    chaos = benches.add_parser("chaos", help="kill and restart processes of a real cluster")
+    chaos.add_argument("--minutes", type=float, default=2.0)
+    chaos.add_argument("--seed", type=int, default=0, help="kill schedule and key space")
+    chaos.add_argument("--corrupt-worker", default="", help=argparse.SUPPRESS)  # tests only
+    chaos.add_argument("--shared-shm", action="store_true", help=_SHARED_SHM_HELP)
+    chaos.add_argument("--json", action="store_true")
+    chaos.set_defaults(handler=_bench_chaos)
+    soak = benches.add_parser("soak", help="steady load on a real cluster; resource slopes")
+    soak.add_argument("--minutes", type=float, default=10.0)
+    soak.add_argument("--ops-per-s", type=float, default=20.0, help="per worker")
+    soak.add_argument("--sample-s", type=float, default=5.0, help="seconds between samples")
+    soak.add_argument("--shared-shm", action="store_true", help=_SHARED_SHM_HELP)
+    soak.add_argument("--json", action="store_true")
+    soak.set_defaults(handler=_bench_soak)
     return parser
 
 

@@ -1,0 +1,74 @@
+"""The chaos and soak benchmarks run end to end, briefly, as `kvstore bench ... --json` child
+processes: the JSON has every field, no load returns wrong bytes, chaos really kills, nothing
+(process or arena file) is left behind, and a worker that corrupts one expected payload is
+caught, so the comparison can fail."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
+MINUTES = "0.3"
+
+
+def run_bench(*args: str) -> dict:
+    completed = subprocess.run(
+        [sys.executable, "-m", "kvstore", "bench", *args, "--json"], capture_output=True,
+        text=True, timeout=150, env=dict(os.environ),
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return json.loads(completed.stdout)
+
+
+def assert_nothing_left_behind(result: dict) -> None:
+    for pid in result["child_pids"]:
+        assert not Path(f"/proc/{pid}").exists() or _recycled(pid), f"pid {pid} lives"
+        assert not list(Path("/dev/shm").glob(f"kvstore-arena-{pid}-*")), f"arena of {pid}"
+
+
+def _recycled(pid: int) -> bool:
+    """A recycled pid is someone else's process: ours all ran `python -m kvstore...`."""
+    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    return b"kvstore" not in cmdline
+
+
+def test_chaos_kills_and_restarts_processes_and_never_serves_wrong_bytes():
+    result = run_bench("chaos", "--minutes", MINUTES, "--seed", "1")
+    for field in ("operations", "loads", "hits", "wrong_results", "kills", "recovery_s_p50",
+                  "recovery_s_p99", "lost_blocks", "minutes", "seed"):  # fmt: skip
+        assert field in result, field
+    assert result["wrong_results"] == 0, result["wrong_examples"]
+    assert sum(result["kills"].values()) > 0 and result["recovery_failures"] == 0
+    assert result["operations"] > 0 and result["hits"] > 0
+    assert 0 < result["recovery_s_p50"] <= result["recovery_s_p99"]
+    assert result["lost_blocks"] == 0, result["lost_examples"]
+    assert result["seed"] == 1 and result["minutes"] == float(MINUTES)
+    assert_nothing_left_behind(result)
+
+
+def test_a_worker_that_expects_one_wrong_byte_makes_chaos_report_a_wrong_result():
+    result = run_bench("chaos", "--minutes", "0.15", "--corrupt-worker", "worker-2.1")
+    assert result["wrong_results"] == 1
+    assert result["wrong_examples"][0]["worker"] == "worker-2.1"
+    assert_nothing_left_behind(result)
+
+
+def test_soak_reports_first_last_and_slope_of_every_resource_per_role():
+    result = run_bench("soak", "--minutes", MINUTES, "--sample-s", "2")
+    assert result["operations"] > 0 and result["errors"] == 0
+    assert result["wrong_results"] == 0 and result["lost_blocks"] == 0
+    assert result["samples"] >= 5
+    for role in ("metadata", "agent", "worker"):
+        summary = result["roles"][role]
+        for field in ("rss_mib_first", "rss_mib_last", "rss_slope_mib_per_hour",
+                      "rss_anon_slope_mib_per_hour", "threads_last", "threads_slope_per_hour",
+                      "fds_first", "fds_slope_per_hour"):  # fmt: skip
+            assert field in summary, (role, field)
+        assert summary["rss_mib_last"] > 0
+    assert "arena_slope_mib_per_hour" in result["shm"]
+    assert set(result["processes"]) >= {"metadata", "agent-1", "worker-3.1"}
+    assert_nothing_left_behind(result)
