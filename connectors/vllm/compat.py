@@ -49,6 +49,16 @@ def scheduled_requests(scheduler_output) -> Iterator[ScheduledRequest]:
         )  # fmt: skip
 
 
+def saves_outlive_steps() -> bool:
+    """Whether saves complete after their step (CUDA: on the copy stream), so finished
+    requests keep their blocks through vLLM's delayed free. On the CPU a save is committed
+    within its step, and delaying frees would only hold blocks (and fail reset_prefix_cache).
+    The scheduler and the workers must answer alike: both ask the platform."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cuda_alike()
+
+
 def paged_layer_view(kv_cache: torch.Tensor) -> torch.Tensor:
     """A layer's paged KV as [num_blocks, kv_heads, block_size, 2 * head_dim] (K then V
     along the last dim), the layout of vLLM's CPU attention backend."""

@@ -53,9 +53,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         return self.scheduler.build_meta(scheduler_output)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        # Saves are committed within the step that computed them: nothing holds the blocks.
-        self.scheduler.finished(request)
-        return False, None
+        # A request that had saves keeps its blocks until every worker committed them.
+        return self.scheduler.finished(request), None
 
     def take_events(self) -> Iterable[Any]:
         return ()
@@ -78,7 +77,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.worker.finish_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, None
+        return self.worker.finished_saving(finished_req_ids) or None, None
+
+    def handle_preemptions(self, kv_connector_metadata) -> None:
+        self.worker.commit_all()  # a preempted request's blocks may be reused next
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_failed_block_ids() if self.worker else set()

@@ -24,6 +24,7 @@ class RequestState:
     saved_chunks: int = 0  # chunks [0, saved_chunks) need no save (loaded or saved)
     load_chunks: int = 0
     computed_at_load: int = 0
+    saves_scheduled: bool = False  # some worker may still be saving: delay the blocks' free
 
 
 class SchedulerSide:
@@ -35,6 +36,7 @@ class SchedulerSide:
         )
         self.requests: dict[str, RequestState] = {}
         self._pending_loads: dict[str, RequestState] = {}
+        self.delay_frees = compat.saves_outlive_steps()
         self.stats = {"lookups": 0, "hit_tokens": 0, "lookup_failures": 0}
 
     def _state(self, request) -> RequestState:
@@ -111,14 +113,18 @@ class SchedulerSide:
         if complete <= first or len(state.block_ids) < complete * per_chunk:
             return None
         state.saved_chunks = complete
+        state.saves_scheduled = True
         return SaveSpec(
             req_id, state.keys[first:complete], state.keys[first - 1] if first else b"",
             state.block_ids[first * per_chunk : complete * per_chunk],
         )  # fmt: skip
 
-    def finished(self, request) -> None:
-        self.requests.pop(request.request_id, None)
+    def finished(self, request) -> bool:
+        """Forget the request; True when its blocks must outlive it until the workers report
+        its saves committed (vLLM's delayed free, through get_finished)."""
+        state = self.requests.pop(request.request_id, None)
         self._pending_loads.pop(request.request_id, None)
+        return self.delay_frees and state is not None and state.saves_scheduled
 
 
 def _not_keyed_by_tokens_alone(request) -> bool:

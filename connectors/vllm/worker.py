@@ -2,9 +2,8 @@
 vLLM's paged KV cache. Loads run layer by layer on a background thread, so layer i+1 loads
 while layer i computes; each layer is copied out of the shared page into a private buffer and
 hashed in the same pass, and a chunk whose digest is not the checksum it was loaded with is a
-load error (recomputed), so a page reused under a stale view can never become KV. Saves copy
-each layer as its attention finishes and commit at the end of the step. Runs in each vLLM
-worker process.
+load error (recomputed), so a page reused under a stale view can never become KV. Saves are
+saves.py's. Runs in each vLLM worker process.
 """
 
 from __future__ import annotations
@@ -19,8 +18,9 @@ import xxhash
 from connectors.vllm import compat
 from connectors.vllm.agent import AgentConnection
 from connectors.vllm.config import ConnectorSettings, EngineKV
-from connectors.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
-from kvstore.client import LoadedBlocks, SaveReservation
+from connectors.vllm.metadata import KVStoreConnectorMetadata, LoadSpec
+from connectors.vllm.saves import SavePipeline
+from kvstore.client import LoadedBlocks
 from kvstore.errors import KVStoreError
 from kvstore.kvcopy.engine import ChunkCopier
 from kvstore.kvcopy.paged import check_paged_layer
@@ -71,15 +71,11 @@ class WorkerSide:
         self._loaded: list[tuple[LoadSpec, LoadedBlocks]] = []
         self._digests: list[list[xxhash.xxh3_64 | None]] = []  # per load, per chunk (None: unused)
         self._loader: ChunkCopier | None = None  # on the load thread
-        self._saver: ChunkCopier | None = None  # on the forward's thread
-        self._saves: list[tuple[SaveSpec, SaveReservation]] | None = None
-        self._save_digests: dict[int, list[xxhash.xxh3_64]] = {}  # per save id, per chunk
-        self._layers_saved = 0  # layers saved this step
-        self._saves_in_order = True  # so far in payload order: the running digests are valid
         self.failed_block_ids: set[int] = set()
         self.stats = {"loaded_blocks": 0, "loaded_bytes": 0, "load_s": 0.0, "saved_blocks": 0,
                       "saved_bytes": 0, "load_failures": 0, "save_failures": 0,
                       "verify_failures": 0}  # fmt: skip
+        self.saves = SavePipeline(settings, kv, self.agent, self.stats)
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Take vLLM's per-layer caches; ConfigError naming what the copy engine cannot copy
@@ -96,11 +92,12 @@ class WorkerSide:
                               self.kv.block_size)  # fmt: skip
         device = next(iter(self.kv_caches.values())).device
         self._loader = ChunkCopier(self.kv.layout, self.kv.block_size, device)
-        self._saver = ChunkCopier(self.kv.layout, self.kv.block_size, device)
+        self.saves.copier = ChunkCopier(self.kv.layout, self.kv.block_size, device)
 
     # ---- loads -----------------------------------------------------------------------------
     def start_load(self, meta: KVStoreConnectorMetadata) -> None:
         self._load = None
+        self.saves.expect(meta.saves)
         if not meta.loads:
             return
         # Layer i of a payload is the i-th registered KV cache, for loads and saves alike.
@@ -215,80 +212,22 @@ class WorkerSide:
 
     # ---- saves -----------------------------------------------------------------------------
     def save_layer(self, meta: KVStoreConnectorMetadata, layer_name: str, kv_layer) -> None:
-        if not meta.saves:
-            return
-        if self._saves is None:
-            self._saves = self._reserve(meta.saves)
-        layer = self._layer_index(layer_name)
-        if layer is None:
-            return
-        self._saves_in_order &= layer == self._layers_saved
-        self._layers_saved += 1
-        start, stop = self.kv.layout.layer_range(layer)
-        paged = compat.paged_layer_view(kv_layer)
-        self._saver.after_compute()  # CUDA: the layer's attention wrote it on the compute stream
-        for spec, reservation in self._saves:
-            digests = self._save_digests[reservation.save_id]
-            for chunk, payload in enumerate(reservation.payloads):
-                if payload is not None:
-                    blocks = self._chunk_blocks(spec.block_ids, chunk)
-                    digest = digests[chunk] if self._saves_in_order else None
-                    self._saver.save_layer(paged, blocks, payload[start:stop], digest)
-
-    def _layer_index(self, layer_name: str) -> int | None:
-        return self._layer_indexes.get(layer_name)
-
-    def _reserve(self, saves: list[SaveSpec]) -> list[tuple[SaveSpec, SaveReservation]]:
-        reserved = []
-        for spec in saves:
-            try:
-                if self.agent.client is None:
-                    break
-                reservation = self.agent.client.save(
-                    self.settings.tenant, [self.kv.rank_key(k) for k in spec.keys],
-                    self.kv.layout.payload_bytes,
-                    first_parent=self.kv.rank_key(spec.first_parent) or None,
-                    layout_hash=self.kv.layout.layout_hash,
-                )  # fmt: skip
-                reserved.append((spec, reservation))
-                self._save_digests[reservation.save_id] = [
-                    xxhash.xxh3_64() for _ in reservation.payloads
-                ]
-            except KVStoreError as exc:
-                logger.warning("kvstore save skipped (%s)", exc)
-                self.stats["save_failures"] += len(spec.keys)
-        return reserved
+        layer = self._layer_indexes.get(layer_name)
+        if meta.saves and layer is not None:
+            self.saves.save_layer(meta.saves, layer, compat.paged_layer_view(kv_layer))
 
     def finish_save(self) -> None:
-        """End of step: commit every reserved chunk (all its layers are written by now)."""
-        saves, self._saves = self._saves or [], None
-        digests, self._save_digests = self._save_digests, {}
-        complete = self._saves_in_order and self._layers_saved == self.kv.layout.num_layers
-        complete &= self._saver is not None and not self._saver.on_cuda  # CUDA: agent hashes
-        self._layers_saved, self._saves_in_order = 0, True
-        if self._saver is not None:
-            self._saver.synchronize()
-        for _, reservation in saves:
-            try:
-                checksums = self._checksums(reservation, digests.get(reservation.save_id), complete)
-                committed = self.agent.client.commit(reservation, checksums=checksums)
-            except KVStoreError as exc:
-                logger.warning("kvstore commit failed (%s)", exc)
-                self.stats["save_failures"] += len(reservation.reserved_keys())
-                continue
-            self.stats["saved_blocks"] += committed
-            self.stats["saved_bytes"] += committed * self.kv.layout.payload_bytes
-        self.agent.drop_if_broken()
+        """End of step: commit the chunks whose copies are done (on the CPU: all of them)."""
+        self.saves.end_step()
 
-    @staticmethod
-    def _checksums(reservation: SaveReservation, digests, complete: bool) -> list[int]:
-        """The payloads' xxh3, hashed as they were written (every layer, in order); else []
-        and the agent hashes them at commit."""
-        if not complete or not digests:
-            return []
-        return [d.intdigest() for d, view in zip(digests, reservation.payloads, strict=True)
-                if view is not None]  # fmt: skip
+    def finished_saving(self, finished_req_ids: set[str]) -> set[str]:
+        return self.saves.finished_saving(finished_req_ids)
+
+    def commit_all(self) -> None:
+        """Wait for every submitted save and commit it (preemption, shutdown)."""
+        self.saves.commit_ready(block=True)
 
     def close(self) -> None:
         self.finish_load()
+        self.commit_all()
         self.agent.drop()

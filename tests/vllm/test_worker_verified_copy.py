@@ -110,3 +110,27 @@ def test_a_page_rewritten_under_a_pinned_view_is_a_load_error_not_kv(tmp_path):
         assert reader.stats["verify_failures"] == 1 and reader.stats["loaded_blocks"] == 0
         writer.close()
         reader.close()
+
+
+def test_a_request_with_saves_is_reported_finished_once_they_are_committed(tmp_path):
+    """vLLM's delayed free (CUDA, where saves outlive their step): the scheduler keeps the
+    blocks of a request that had saves until every worker reports it through get_finished; a
+    report that never comes leaks them. The pipeline's bookkeeping is the same on the CPU."""
+    with running_agent(tmp_path, **AGENT) as agent:
+        worker = WorkerSide(ConnectorSettings(socket_path=str(agent.config.socket_path)), KV)
+        assert not worker.saves.delayed_frees, "on the CPU a save commits within its step"
+        worker.saves.delayed_frees = True
+        caches = paged(0.25)
+        worker.register(caches)
+        meta = KVStoreConnectorMetadata(
+            saves=[SaveSpec("saved", CHAIN, b"", [0, 1]), SaveSpec("unreached", CHAIN[:0], b"", [])]
+        )
+        worker.start_load(meta)
+        for name, tensor in caches.items():
+            worker.save_layer(meta, name, tensor)
+        assert worker.finished_saving({"other"}) == set(), "never delayed: never reported"
+        worker.finish_save()
+        assert worker.stats["saved_blocks"] == 1
+        assert worker.finished_saving({"saved", "unreached"}) == {"saved", "unreached"}
+        assert worker.finished_saving({"saved"}) == set(), "reported once"
+        worker.close()

@@ -1,0 +1,161 @@
+"""The worker half's saves: each layer's newly completed chunks are copied into reserved arena
+pages right after its attention runs (on CUDA, on the copy engine's stream after an event on
+the compute stream), hashed as they are written on the CPU, and committed once their copies
+are done: at the end of the step on the CPU; on CUDA when the step's event completes, off
+the forward's critical path, while vLLM's delayed free (request_finished → True, released
+through get_finished) keeps the source blocks alive. Runs in each vLLM worker process.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import xxhash
+
+from connectors.vllm import compat
+from connectors.vllm.agent import AgentConnection
+from connectors.vllm.config import ConnectorSettings, EngineKV
+from connectors.vllm.metadata import SaveSpec
+from kvstore.client import SaveReservation
+from kvstore.errors import KVStoreError
+from kvstore.kvcopy.engine import ChunkCopier
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _StepSaves:
+    """One step's reservations, and the running digest of each reserved chunk."""
+
+    reserved: list[tuple[SaveSpec, SaveReservation]]
+    digests: dict[int, list[xxhash.xxh3_64]] = field(default_factory=dict)  # per save id
+    layers: int = 0  # layers saved so far
+    in_order: bool = True  # layers arrived in payload order: the running digests are valid
+    done: torch.cuda.Event | None = None  # CUDA: recorded after the step's last copy
+
+
+class SavePipeline:
+    def __init__(
+        self, settings: ConnectorSettings, kv: EngineKV, agent: AgentConnection, stats: dict
+    ) -> None:
+        self.settings = settings
+        self.kv = kv
+        self.agent = agent
+        self.stats = stats
+        self.copier: ChunkCopier | None = None  # set by the worker once caches are registered
+        self.delayed_frees = compat.saves_outlive_steps()  # as the scheduler half decides
+        self._step: _StepSaves | None = None
+        self._submitted: list[_StepSaves] = []  # copies may still run; commit in order
+        self._uncommitted: dict[str, int] = {}  # req id -> submitted steps not yet committed
+        self._requests_with_saves: set[str] = set()
+        self._finished: set[str] = set()  # finished by vLLM, waiting for their commits
+
+    def expect(self, saves: list[SaveSpec]) -> None:
+        """The step's save specs, seen before its forward: each request named is reported by
+        finished_saving once finished, even if none of its layers reach save_layer (the
+        scheduler delays its blocks' free on that promise)."""
+        if self.delayed_frees:
+            self._requests_with_saves.update(spec.req_id for spec in saves)
+
+    def save_layer(self, saves: list[SaveSpec], layer: int, paged: torch.Tensor) -> None:
+        if self._step is None:
+            self._step = self._reserve(saves)
+        step = self._step
+        step.in_order &= layer == step.layers
+        step.layers += 1
+        start, stop = self.kv.layout.layer_range(layer)
+        self.copier.after_compute()  # CUDA: the layer's attention wrote it on the compute stream
+        for spec, reservation in step.reserved:
+            digests = step.digests[reservation.save_id]
+            for chunk, payload in enumerate(reservation.payloads):
+                if payload is not None:
+                    digest = digests[chunk] if step.in_order else None
+                    self.copier.save_layer(paged, self._blocks(spec, chunk),
+                                           payload[start:stop], digest)  # fmt: skip
+
+    def _blocks(self, spec: SaveSpec, chunk: int) -> list[int]:
+        per_chunk = self.kv.blocks_per_chunk
+        return spec.block_ids[chunk * per_chunk : (chunk + 1) * per_chunk]
+
+    def _reserve(self, saves: list[SaveSpec]) -> _StepSaves:
+        step = _StepSaves([])
+        for spec in saves:
+            try:
+                if self.agent.client is None:
+                    break
+                reservation = self.agent.client.save(
+                    self.settings.tenant, [self.kv.rank_key(k) for k in spec.keys],
+                    self.kv.layout.payload_bytes,
+                    first_parent=self.kv.rank_key(spec.first_parent) or None,
+                    layout_hash=self.kv.layout.layout_hash,
+                )  # fmt: skip
+            except KVStoreError as exc:
+                logger.warning("kvstore save skipped (%s)", exc)
+                self.stats["save_failures"] += len(spec.keys)
+                continue
+            step.reserved.append((spec, reservation))
+            step.digests[reservation.save_id] = [xxhash.xxh3_64() for _ in reservation.payloads]
+        return step
+
+    # ---- commits ---------------------------------------------------------------------------
+    def end_step(self) -> None:
+        """The step's copies are all submitted: commit what is done (everything, on the CPU)."""
+        step, self._step = self._step, None
+        if step is not None:
+            if self.copier is not None and self.copier.on_cuda:
+                step.done = torch.cuda.Event()
+                step.done.record(self.copier.stream)
+            for spec, _ in step.reserved:
+                self._uncommitted[spec.req_id] = self._uncommitted.get(spec.req_id, 0) + 1
+            self._submitted.append(step)
+        self.commit_ready(block=False)
+
+    def commit_ready(self, block: bool) -> None:
+        """Commit submitted steps whose copies completed, in order (all of them with
+        `block`: before a preempted request's blocks may be overwritten, or at shutdown)."""
+        while self._submitted:
+            step = self._submitted[0]
+            if step.done is not None and not block and not step.done.query():
+                return
+            if step.done is not None:
+                step.done.synchronize()
+            self._submitted.pop(0)
+            self._commit(step)
+        self.agent.drop_if_broken()
+
+    def _commit(self, step: _StepSaves) -> None:
+        complete = step.in_order and step.layers == self.kv.layout.num_layers
+        complete &= step.done is None  # CUDA: the hashers were not fed; the agent hashes
+        for spec, reservation in step.reserved:
+            self._uncommitted[spec.req_id] -= 1
+            try:
+                checksums = _checksums(reservation, step.digests[reservation.save_id], complete)
+                committed = self.agent.client.commit(reservation, checksums=checksums)
+            except (KVStoreError, AttributeError) as exc:  # AttributeError: agent gone
+                logger.warning("kvstore commit failed (%s)", exc)
+                self.stats["save_failures"] += len(reservation.reserved_keys())
+                continue
+            self.stats["saved_blocks"] += committed
+            self.stats["saved_bytes"] += committed * self.kv.layout.payload_bytes
+
+    def finished_saving(self, finished_req_ids: set[str]) -> set[str]:
+        """Requests vLLM finished whose saves are all committed: their blocks may be freed."""
+        self.commit_ready(block=False)
+        self._finished |= finished_req_ids & self._requests_with_saves
+        done = {r for r in self._finished if not self._uncommitted.get(r)}
+        self._finished -= done
+        self._requests_with_saves -= done
+        for req_id in done:
+            self._uncommitted.pop(req_id, None)
+        return done
+
+
+def _checksums(reservation: SaveReservation, digests, complete: bool) -> list[int]:
+    """The payloads' xxh3, hashed as they were written (every layer, in order); else []
+    and the agent hashes them at commit."""
+    if not complete:
+        return []
+    return [d.intdigest() for d, view in zip(digests, reservation.payloads, strict=True)
+            if view is not None]  # fmt: skip
