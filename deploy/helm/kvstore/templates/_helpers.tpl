@@ -159,14 +159,14 @@ Secrets are mounted files; the node id and the advertised address come from the 
     - --transfer-host
     - 0.0.0.0
     - --transfer-port
-    - {{ $v.node.transferPort | quote }}
+    - {{ $v.node.transferPort | int64 | quote }}
     - --advertise-host
     - $(POD_IP)
     {{- end }}
     - --node-metrics-listen
     - 0.0.0.0:{{ $v.node.metricsPort }}
     - --max-workers
-    - {{ $v.node.maxWorkers | quote }}
+    - {{ $v.node.maxWorkers | int64 | quote }}
     - --private-buffer-bytes
     - {{ $v.node.privateBufferBytes | quote }}
   env:
