@@ -178,7 +178,9 @@ def check_writable_dir(directory: Path, name: str) -> None:
 def check_socket_path(socket_path: Path) -> None:
     """What `kvstore.node.control.secure_socket_dir` and the bind would refuse."""
     if len(os.fsencode(socket_path)) > _MAX_SOCKET_PATH_BYTES:
-        raise ConfigError(f"socket_path {socket_path} is longer than {_MAX_SOCKET_PATH_BYTES} bytes")
+        raise ConfigError(
+            f"socket_path {socket_path} is longer than {_MAX_SOCKET_PATH_BYTES} bytes"
+        )
     directory = socket_path.parent
     try:
         info = directory.lstat()

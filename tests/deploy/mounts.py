@@ -10,7 +10,11 @@ import re
 from pathlib import Path
 
 TOKEN = "t0k3n-agent-" + "a" * 20
-FIELD_VALUES = {"spec.nodeName": "gpu-node-7", "metadata.name": "vllm-0", "status.podIP": "10.1.2.3"}
+FIELD_VALUES = {
+    "spec.nodeName": "gpu-node-7",
+    "metadata.name": "vllm-0",
+    "status.podIP": "10.1.2.3",
+}
 
 
 def _self_signed() -> tuple[bytes, bytes]:

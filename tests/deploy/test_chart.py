@@ -15,9 +15,16 @@ import yaml
 from kvstore.cli import main
 from tests.deploy.mounts import build_mounts, container_args, container_env
 from tests.deploy.tools import (
-    BAD_VALUES, CHART, CI_VALUES, helm_template, kvstore_containers, objects, pod_spec, render,
+    BAD_VALUES,
+    CHART,
+    CI_VALUES,
+    helm_template,
+    kvstore_containers,
+    objects,
+    pod_spec,
+    render,
     run_tool,
-)  # fmt: skip
+)
 
 KUBERNETES_VERSIONS = ["1.30.0", "1.31.0", "1.32.0", "1.33.0", "1.34.0", "1.35.0"]
 MONITORING = ("--api-versions", "monitoring.coreos.com/v1")
@@ -115,7 +122,7 @@ def test_every_kvstore_container_passes_check(values, monkeypatch, capsys):
 
 def test_secrets_are_files_never_args_or_env():
     for values in CI_VALUES:
-        for obj, container in containers_of(values):
+        for _, container in containers_of(values):
             for var in container.get("env", []):
                 assert "secretKeyRef" not in var.get("valueFrom", {}), var
             joined = " ".join(container["args"])
@@ -135,7 +142,9 @@ def test_agent_pods_follow_the_deployment_contract():
     assert args[args.index("--host-capacity-bytes") + 1] == "64Gi"
     assert args[args.index("--node-id") + 1] == "$(NODE_NAME)"
     assert args[args.index("--advertise-host") + 1] == "$(POD_IP)"
-    env = {v["name"]: v.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") for v in agent["env"]}
+    env = {
+        v["name"]: v.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") for v in agent["env"]
+    }
     assert env["NODE_NAME"] == "spec.nodeName" and env["POD_IP"] == "status.podIP"
     assert volumes["socket-dir"]["hostPath"]["path"] == "/run/kvstore"
     assert volumes["disk"]["hostPath"]["path"] == "/mnt/nvme/kvstore"
@@ -168,7 +177,9 @@ def test_sidecar_examples_share_only_the_socket_directory():
         worker = spec["containers"][0]
         volumes = {v["name"]: v for v in spec["volumes"]}
         assert "emptyDir" in volumes["socket-dir"]
-        shared = {m["name"] for m in agent["volumeMounts"]} & {m["name"] for m in worker["volumeMounts"]}
+        shared = {m["name"] for m in agent["volumeMounts"]} & {
+            m["name"] for m in worker["volumeMounts"]
+        }
         assert shared == {"socket-dir"}
         socket_path = agent["args"][agent["args"].index("--socket-path") + 1]
         flag = {"vllm": "--kv-transfer-config", "sglang": "--hicache-storage-backend-extra-config"}
@@ -184,7 +195,9 @@ def test_sidecar_examples_share_only_the_socket_directory():
                 "class_name": "KVStoreHiCacheStorage", "interface_v1": 1,
                 "socket_path": socket_path,
             }  # fmt: skip
-            assert worker["args"][worker["args"].index("--hicache-storage-backend") + 1] == "dynamic"
+            assert (
+                worker["args"][worker["args"].index("--hicache-storage-backend") + 1] == "dynamic"
+            )
 
 
 def test_network_policies_admit_only_agents_to_transfer_ports():
