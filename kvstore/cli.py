@@ -88,18 +88,30 @@ def _serve(args: argparse.Namespace) -> int:
         args, disk_dir=data_dir / "disk", socket_path=data_dir / "agent.sock",
         host_capacity_bytes=1 << 30,
     )  # fmt: skip
+    if args.check:
+        from kvstore.checks import check_embedded
+
+        return check_embedded(metadata, node)
     return run_embedded(metadata, node)
 
 
 def _node(args: argparse.Namespace) -> int:
     from kvstore.serve import run_node
 
+    if args.check:
+        from kvstore.checks import check_node
+
+        return check_node(_node_config(args))
     return run_node(_node_config(args))
 
 
 def _metadata(args: argparse.Namespace) -> int:
     from kvstore.serve import run_metadata
 
+    if args.check:
+        from kvstore.checks import check_metadata
+
+        return check_metadata(_metadata_config(args))
     return run_metadata(_metadata_config(args))
 
 
@@ -130,6 +142,13 @@ def _add_metadata_flags(parser: argparse.ArgumentParser, with_backend: bool) -> 
     parser.add_argument("--tls-client-ca", type=Path, help="require client certificates")
     parser.add_argument("--key-quota-per-tenant", type=int)
     parser.add_argument("--metrics-listen", help="host:port of the Prometheus endpoint")
+
+
+def _add_check_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--check", action="store_true",
+        help="validate every setting and file as a start would, start nothing; print ok or exit 2",
+    )  # fmt: skip
 
 
 def _bench_lookup(args: argparse.Namespace) -> dict:
@@ -224,14 +243,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_metadata_flags(serve, with_backend=False)
     _add_node_flags(serve, standalone=False)
+    _add_check_flag(serve)
     serve.set_defaults(handler=_serve)
 
     node = commands.add_parser("node", help="run a node agent (the sidecar of a host)")
     _add_node_flags(node, standalone=True)
+    _add_check_flag(node)
     node.set_defaults(handler=_node)
 
     metadata = commands.add_parser("metadata", help="run the metadata service alone")
     _add_metadata_flags(metadata, with_backend=True)
+    _add_check_flag(metadata)
     metadata.set_defaults(handler=_metadata)
 
     stats = commands.add_parser("stats", help="cluster stats from a metadata service")
