@@ -11,7 +11,14 @@ import pytest
 
 from kvstore.block import HEADER_BYTES
 from kvstore.errors import TransferError
-from tests.transfer.conftest import BIG_PAGE_BYTES, KEYS, SMALL_PAGE_BYTES, payload, stored_payload
+from tests.transfer.conftest import (
+    BIG_PAGE_BYTES,
+    KEYS,
+    SMALL_PAGE_BYTES,
+    TENANT,
+    payload,
+    stored_payload,
+)
 
 
 def block_bytes(pair, n: int) -> bytes:
@@ -79,8 +86,8 @@ def corrupting(bad_key):
 
     def wrap(open_block):
         @contextmanager
-        def serve(key):
-            with open_block(key) as view:
+        def serve(key, tenant):
+            with open_block(key, tenant) as view:
                 if view is None or key != bad_key:
                     yield view
                     return
@@ -114,7 +121,7 @@ def test_fetching_where_nothing_listens_raises_within_the_timeout(make_transfer_
 
     started = time.monotonic()
     with pytest.raises(TransferError):
-        client.fetch(address, KEYS[:2], [reader.reserve_page(k) for k in KEYS[:2]], 2.0)
+        client.fetch(address, TENANT, KEYS[:2], [reader.reserve_page(k) for k in KEYS[:2]], 2.0)
     assert time.monotonic() - started < 3.0
 
 
@@ -136,10 +143,10 @@ def test_a_stalled_holder_yields_what_arrived_within_the_timeout(make_pair):
 
     def stall_at_block_3(open_block):
         @contextmanager
-        def serve(key):
+        def serve(key, tenant):
             if key == KEYS[3]:
                 release.wait(10.0)
-            with open_block(key) as view:
+            with open_block(key, tenant) as view:
                 yield view
 
         return serve
@@ -172,4 +179,4 @@ def test_concurrent_fetches_from_several_threads_all_succeed(pair):
 
 
 def test_an_empty_batch_returns_an_empty_list(pair):
-    assert pair.client.fetch(pair.address, [], [], 1.0) == []
+    assert pair.client.fetch(pair.address, TENANT, [], [], 1.0) == []

@@ -27,6 +27,7 @@ from kvstore.transfer.ucx import UcxEngine
 from tests.transfer.conftest import (
     KEYS,
     SMALL_PAGE_BYTES,
+    TENANT,
     Pair,
     land,
     new_store,
@@ -64,7 +65,7 @@ pair = Pair(new_store(1 << 16, 4), new_store(1 << 16, 4), UcxEngine(), UcxEngine
 keys = pair.put(range(2))
 assert pair.land(keys, pair.fetch(keys)) == [True, True]
 try:
-    pair.client.fetch("127.0.0.1:1", KEYS[2:3], [pair.reader.reserve_page(KEYS[2])], 2.0)
+    pair.client.fetch("127.0.0.1:1", "default", KEYS[2:3], [pair.reader.reserve_page(KEYS[2])], 2.0)
 except TransferError:
     print("done", flush=True)
 pair.holder.close()
@@ -138,7 +139,8 @@ def test_an_address_nobody_listens_on_raises_at_once(make_ucx_pair, make_store):
 
     started = time.monotonic()
     with pytest.raises(TransferError, match="cannot reach"):
-        pair.client.fetch(f"127.0.0.1:{port}", KEYS[:1], [reader.reserve_page(KEYS[0])], 5.0)
+        page = reader.reserve_page(KEYS[0])
+        pair.client.fetch(f"127.0.0.1:{port}", TENANT, KEYS[:1], [page], 5.0)
 
     assert time.monotonic() - started < 2.0  # refused: no need to wait out the 5 s
 
@@ -149,7 +151,7 @@ def test_a_port_that_never_answers_raises_when_the_timeout_ends(make_ucx_pair, m
         started = time.monotonic()
         with pytest.raises(TransferError):
             address = f"127.0.0.1:{mute.getsockname()[1]}"
-            pair.client.fetch(address, KEYS[:1], [reader.reserve_page(KEYS[0])], 1.0)
+            pair.client.fetch(address, TENANT, KEYS[:1], [reader.reserve_page(KEYS[0])], 1.0)
         elapsed = time.monotonic() - started
 
     assert 0.9 < elapsed < 3.0
@@ -166,7 +168,7 @@ def test_a_holder_killed_mid_block_leaves_zeros_and_nothing_partial(make_store):
         pages = [reader.reserve_page(key) for key in KEYS[:3]]
         with ThreadPoolExecutor(1) as pool:
             started = time.monotonic()
-            fetching = pool.submit(client.fetch, address, KEYS[:3], pages, 20.0)
+            fetching = pool.submit(client.fetch, address, TENANT, KEYS[:3], pages, 20.0)
             wait_until_arriving(fetching, pages[2])  # block 2's header landed, the rest not yet
             holder.send_signal(signal.SIGKILL)
             received = fetching.result(timeout=25.0)
@@ -177,7 +179,7 @@ def test_a_holder_killed_mid_block_leaves_zeros_and_nothing_partial(make_store):
         assert land(reader, KEYS[:3], received) == [True, True, False]
         assert reader.lookup(KEYS[:3]) == 2 and reader.checksum_failures == 0
         with pytest.raises(TransferError):  # the pooled endpoint is dead and so is the port
-            client.fetch(address, KEYS[2:3], [reader.reserve_page(KEYS[2])], 2.0)
+            client.fetch(address, TENANT, KEYS[2:3], [reader.reserve_page(KEYS[2])], 2.0)
     finally:
         holder.kill()
         holder.wait()
@@ -199,11 +201,11 @@ def test_closing_the_client_mid_fetch_returns_what_arrived(make_ucx_pair):
 
     def stall_at_block_2(open_block):
         @contextmanager
-        def serve(key):
+        def serve(key, tenant):
             if key == KEYS[2]:
                 stalled.set()
                 release.wait(10.0)
-            with open_block(key) as view:
+            with open_block(key, tenant) as view:
                 yield view
 
         return serve
