@@ -10,7 +10,7 @@ from contextlib import contextmanager
 import pytest
 
 from kvstore.block import HEADER_BYTES
-from kvstore.errors import TransferError
+from kvstore.errors import ConfigError, TransferError
 from tests.transfer.conftest import (
     BIG_PAGE_BYTES,
     KEYS,
@@ -19,6 +19,14 @@ from tests.transfer.conftest import (
     payload,
     stored_payload,
 )
+
+
+def pins_drain(store, within_s: float = 2.0) -> bool:
+    """Whether the holder's pins reach 0 soon (a server may unpin just after the last send)."""
+    deadline = time.monotonic() + within_s
+    while store.pins_held() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return store.pins_held() == 0
 
 
 def block_bytes(pair, n: int) -> bytes:
@@ -180,3 +188,23 @@ def test_concurrent_fetches_from_several_threads_all_succeed(pair):
 
 def test_an_empty_batch_returns_an_empty_list(pair):
     assert pair.client.fetch(pair.address, TENANT, [], [], 1.0) == []
+
+
+def test_a_fetch_for_another_tenant_reads_exactly_as_absent(pair):
+    keys = pair.put(range(3))  # stored under TENANT
+
+    foreign = pair.fetch(keys + KEYS[3:4], tenant="someone-else")
+    pair.land(keys + KEYS[3:4], foreign)
+    own = pair.fetch(keys)
+
+    assert foreign == [0, 0, 0, 0]  # present-but-foreign and absent look the same
+    assert own == [SMALL_PAGE_BYTES] * 3
+    assert pins_drain(pair.holder)
+
+
+@pytest.mark.parametrize("tenant", ["", "x" * 65, "nul\0inside"], ids=["empty", "long", "nul"])
+def test_a_malformed_tenant_is_refused_before_any_io(pair, tenant):
+    page = pair.reader.reserve_page(KEYS[0])
+    with pytest.raises(ConfigError):
+        pair.client.fetch(pair.address, tenant, KEYS[:1], [page], 1.0)
+    assert pair.client.stats.connections_opened == 0
