@@ -244,3 +244,26 @@ def test_a_relay_that_rewrites_a_block_and_fixes_its_xxh3_is_refused_by_the_mac(
     assert secured.land(keys, received) == [True, False, False]
     assert secured.client.stats.macs_failed == 1
     assert secured.client.stats.transfers_broken == 1
+
+
+def test_a_proof_reflected_back_does_not_authenticate_the_server():
+    """Roles are in the proofs: a relay cannot echo the client's proof as the server's."""
+    server_nonce = auth.new_nonce()
+    hello, client_nonce = auth.client_hello(SECRET, server_nonce)
+    reflected = hello[auth.NONCE_BYTES :]
+
+    assert auth.accept_reply(SECRET, server_nonce, client_nonce, reflected) is None
+    proof, server_session = auth.accept_hello(SECRET, server_nonce, hello)
+    assert auth.accept_reply(SECRET, server_nonce, client_nonce, proof) == server_session
+    assert auth.accept_hello(WRONG_SECRET, server_nonce, hello) is None
+
+
+@pytest.mark.parametrize(
+    ("host", "secret", "warned"),
+    [("10.1.2.3", None, True), ("0.0.0.0", None, True), ("127.0.0.1", None, False),
+     ("::1", None, False), ("10.1.2.3", SECRET, False)],
+)  # fmt: skip
+def test_serving_beyond_loopback_without_a_secret_logs_a_warning(caplog, host, secret, warned):
+    with caplog.at_level("WARNING", logger="kvstore.transfer.auth"):
+        auth.warn_if_open("tcp", host, secret)
+    assert bool(caplog.records) == warned
