@@ -22,6 +22,7 @@ import numpy as np
 
 from kvstore.errors import ConfigError
 
+TENANT = "default"  # the tenant TieredStore.put stores blocks under
 UCX_ENV = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}
 
 
@@ -70,7 +71,7 @@ def node_agent(directory: Path, page_bytes: int, pages: int) -> Iterator[Path]:
         yield socket_path
 
 
-def _hold_blocks(engine_name: str, block_bytes: int, count: int, queue) -> None:
+def _hold_blocks(engine_name: str, block_bytes: int, count: int, secret, queue) -> None:
     """Child: a store of `count` random blocks served by `engine_name` until killed."""
     from kvstore.bench.transfer import _keys
     from kvstore.block import HEADER_BYTES
@@ -84,17 +85,22 @@ def _hold_blocks(engine_name: str, block_bytes: int, count: int, queue) -> None:
     payload = np.random.default_rng(1).integers(0, 256, block_bytes, dtype=np.uint8)
     for key in _keys(0, count):
         store.put(key, None, payload.tobytes())
-    engine = make_engine(engine_name)
+    engine = make_engine(engine_name, cluster_secret=secret)
     queue.put(engine.serve(store.open_block))
     time.sleep(3600)
 
 
 @contextmanager
-def block_holder(engine_name: str, block_bytes: int, count: int) -> Iterator[str]:
+def block_holder(
+    engine_name: str, block_bytes: int, count: int, secret: bytes | None = None
+) -> Iterator[str]:
+    """A holder process serving `count` blocks (with `secret`, to authenticated peers only);
+    yields its address. The secret reaches the child through a pipe, never its command line."""
     os.environ.update(UCX_ENV)
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
-    child = context.Process(target=_hold_blocks, args=(engine_name, block_bytes, count, queue))
+    args = (engine_name, block_bytes, count, secret, queue)
+    child = context.Process(target=_hold_blocks, args=args)
     child.start()
     try:
         yield queue.get(timeout=120)

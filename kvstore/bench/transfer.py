@@ -9,6 +9,7 @@ Runs in the benchmark process; every holder, agent and server is a separate chil
 from __future__ import annotations
 
 import multiprocessing
+import os
 import statistics
 import tempfile
 import time
@@ -88,12 +89,14 @@ def _memcpy_s(source: torch.Tensor, destination: torch.Tensor, batch: int) -> fl
 
 # ---- (b, c) between agents -------------------------------------------------------------------
 def remote_results(engine_name: str, block_bytes: int, batch: int, runs: int) -> dict[str, float]:
-    """Reader-side fetch of `batch` blocks from a holder process: received straight into arena
-    pages, checksummed, committed; then dropped for the next run."""
+    """Reader-side fetch of `batch` blocks from a holder process, authenticated with a cluster
+    secret as between real agents: received straight into arena pages with each block's MAC
+    verified, checksummed, committed; then dropped for the next run."""
     page_bytes = block_bytes + HEADER_BYTES
     keys = _keys(0, batch)
-    with peers.block_holder(engine_name, block_bytes, batch) as address:
-        engine = make_engine(engine_name)
+    secret = os.urandom(32)
+    with peers.block_holder(engine_name, block_bytes, batch, secret) as address:
+        engine = make_engine(engine_name, cluster_secret=secret)
         store = TieredStore(
             [TierSlot(HostTier(batch * page_bytes, page_bytes), make_policy("lru"))]
         )
@@ -108,8 +111,10 @@ def remote_results(engine_name: str, block_bytes: int, batch: int, runs: int) ->
 def _fetch_s(engine, store: TieredStore, address: str, keys: list[BlockKey]) -> float:
     pages = [store.reserve_page(key) for key in keys]
     started = time.perf_counter()
-    received = engine.fetch(address, keys, pages, timeout_s=120)
-    committed = sum(store.commit_received(k, n) for k, n in zip(keys, received, strict=True) if n)
+    received = engine.fetch(address, peers.TENANT, keys, pages, timeout_s=120)
+    committed = sum(
+        store.commit_received(k, n, peers.TENANT) for k, n in zip(keys, received, strict=True) if n
+    )
     elapsed = time.perf_counter() - started
     if committed != len(keys):
         raise AssertionError(f"only {committed} of {len(keys)} blocks arrived intact")

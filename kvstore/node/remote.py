@@ -55,7 +55,7 @@ class RemoteFetcher:
         deadline = time.monotonic() + timeout_s
         done = 0
         for address, run in _runs(plan):
-            arrived = self._fetch_run(address, keys[done : done + len(run)], deadline)
+            arrived = self._fetch_run(address, tenant, keys[done : done + len(run)], deadline)
             done += arrived
             if arrived < len(run):
                 break
@@ -78,7 +78,9 @@ class RemoteFetcher:
         tcp, ucx = result.addresses.get(node_id, ("", ""))
         return ucx if self.engine.name == "ucx" else tcp
 
-    def _fetch_run(self, address: str, keys: Sequence[BlockKey], deadline: float) -> int:
+    def _fetch_run(
+        self, address: str, tenant: str, keys: Sequence[BlockKey], deadline: float
+    ) -> int:
         pages = []
         for key in keys:
             try:
@@ -91,7 +93,8 @@ class RemoteFetcher:
         wanted = keys[: len(pages)]
         started = time.monotonic()
         try:
-            received = self.engine.fetch(address, wanted, pages, max(0.01, deadline - started))
+            timeout_s = max(0.01, deadline - started)
+            received = self.engine.fetch(address, tenant, wanted, pages, timeout_s)
         except TransferError as exc:
             logger.warning("fetch from %s failed: %s", address, exc)
             received = [0] * len(wanted)
@@ -100,12 +103,13 @@ class RemoteFetcher:
                 self.store.abort(key)
             raise
         self.stats.seconds += time.monotonic() - started
-        return self._commit(wanted, received)
+        return self._commit(tenant, wanted, received)
 
-    def _commit(self, keys: Sequence[BlockKey], received: list[int]) -> int:
-        """Verify and commit in order; at the first failure, free every later page."""
+    def _commit(self, tenant: str, keys: Sequence[BlockKey], received: list[int]) -> int:
+        """Verify (tenant included) and commit in order; at the first failure, free every
+        later page."""
         for index, (key, size) in enumerate(zip(keys, received, strict=True)):
-            if size and self.store.commit_received(key, size):
+            if size and self.store.commit_received(key, size, tenant):
                 self.stats.blocks += 1
                 self.stats.bytes += size
                 continue

@@ -1,8 +1,9 @@
 """The transfer-engine interface: how whole blocks move between node agents on different hosts.
 
 Runs inside the node agent. An engine serves this node's blocks to peers (`serve`) and pulls
-peers' blocks into local pages (`fetch`). Blocks travel as stored: 64-byte header + payload;
-the receiver verifies the checksum before the block becomes readable (never here).
+peers' blocks into local pages (`fetch`). Blocks travel as stored: 128-byte header + payload;
+the receiver verifies the checksum before the block becomes readable (never here). With a
+cluster secret, peers authenticate each other and every block carries a MAC (`auth.py`).
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import torch
 from kvstore.errors import ConfigError
 from kvstore.keys import BlockKey
 
-# Yields the whole stored block (header + payload) of a key, or None when absent. The view must
-# stay valid, and the block un-evicted, until the context exits; it is read outside store locks.
-OpenBlock = Callable[[BlockKey], AbstractContextManager[torch.Tensor | None]]
+# Yields the whole stored block (header + payload) of a key for a tenant, or None when absent or
+# another tenant's (the two must look alike). The view must stay valid, and the block
+# un-evicted, until the context exits; it is read outside store locks.
+OpenBlock = Callable[[BlockKey, str], AbstractContextManager[torch.Tensor | None]]
 
 
 @dataclass
@@ -30,6 +32,9 @@ class TransferStats:
     connections_opened: int = 0  # fetching side
     batches_served: int = 0
     transfers_broken: int = 0  # fetches that ended early (peer gone, timeout, protocol error)
+    connections_refused: int = 0  # serving side: over max_connections(_per_peer)
+    handshakes_failed: int = 0  # either side: the peer did not prove the cluster secret
+    macs_failed: int = 0  # fetching side: a block whose MAC did not verify (transfer broken)
 
 
 class TransferEngine(ABC):
@@ -44,15 +49,17 @@ class TransferEngine(ABC):
 
     @abstractmethod
     def fetch(
-        self, address: str, keys: Sequence[BlockKey], pages: Sequence[torch.Tensor],
-        timeout_s: float,
+        self, address: str, tenant: str, keys: Sequence[BlockKey],
+        pages: Sequence[torch.Tensor], timeout_s: float,
     ) -> list[int]:  # fmt: skip
-        """Pull the blocks of `keys` from the peer at `address`, block i into `pages[i]`.
+        """Pull `tenant`'s blocks of `keys` from the peer at `address`, block i into `pages[i]`.
 
         Returns, per key, the bytes received: 0 when the peer lacks the block, or when the
         transfer broke before that block completed (then every later entry is 0 too). Pages
-        reported 0 may hold partial bytes and must not be read. Raises TransferError only when
-        the peer cannot be reached at all within `timeout_s`.
+        reported 0 may hold partial bytes and must not be read; once fetch returns nothing
+        writes into any page any more, so the caller may free them all. A block another tenant
+        owns reads as 0, like an absent one. Raises TransferError only when the peer cannot be
+        reached (or, with a cluster secret, authenticated) at all within `timeout_s`.
         """
 
     @abstractmethod

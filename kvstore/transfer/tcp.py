@@ -1,71 +1,96 @@
 """The `tcp` transfer engine: blocks stream over plain sockets, straight from and into pages.
 
-Runs inside the node agent: a listener thread and one thread per peer connection serve local
-blocks; fetches reuse pooled connections per peer and `recv_into` arena pages (no extra copy).
+Runs inside the node agent: a listener thread and one thread per peer connection (capped in
+total and per peer host) serve local blocks; fetches reuse pooled connections per peer and
+`recv_into` arena pages (no extra copy). The wire format lives in `tcp_wire.py`.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import select
 import socket
-import struct
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
 from kvstore.errors import ConfigError, TransferError
 from kvstore.keys import KEY_BYTES, BlockKey
+from kvstore.transfer import auth
 from kvstore.transfer.base import OpenBlock, TransferEngine, TransferStats, register_engine
+from kvstore.transfer.tcp_wire import (
+    BATCH,
+    FRAME,
+    MAGIC,
+    VERSION,
+    Conn,
+    HandshakeError,
+    MacError,
+    ProtocolError,
+    client_handshake,
+    pack_request,
+    recv_frame,
+    recv_request,
+    recv_response_head,
+    remaining,
+    send_frame,
+    send_parts,
+    server_handshake,
+)
+
+__all__ = ["BATCH", "FRAME", "MAGIC", "VERSION", "ProtocolError", "TcpEngine", "TcpOptions"]
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"KVST"
-VERSION = 1
-# A request is BATCH (magic, version, reserved, key count) then the keys. The response is BATCH
-# echoing the count, then per key in order a FRAME (block length, 0 = absent) and the block.
-BATCH = struct.Struct("<4sHHI")
-FRAME = struct.Struct("<Q")
 _CLOSE_WAIT_S = 2.0  # close() waits this long for serving threads (one may be inside open_block)
-
-
-class ProtocolError(TransferError):
-    """The peer sent bytes that break the protocol; its connection is dropped."""
 
 
 @dataclass(frozen=True)
 class TcpOptions:
     """Settings of a TcpEngine; every field can be passed to make_engine("tcp", ...)."""
 
+    cluster_secret: bytes | None = field(default=None, repr=False)  # None: no authentication
     connect_timeout_s: float = 5.0
-    send_timeout_s: float = 30.0  # server: a peer that stops reading releases its pins by then
+    handshake_timeout_s: float = 5.0  # a peer that has not proved the secret by then is dropped
+    batch_deadline_s: float = 60.0  # server: a whole batch (request in, blocks out), pins too
     idle_timeout_s: float = 300.0  # server: an idle peer connection is closed after this
+    max_connections: int = 256  # server: accepted connections at once; extras closed at once
+    max_connections_per_peer: int = 32  # server: the same, per peer host
     pool_connections_per_peer: int = 4  # idle connections kept per peer; extras are closed
     socket_buffer_bytes: int = 0  # SO_SNDBUF/SO_RCVBUF; 0 keeps the kernel's autotuning
     max_batch_keys: int = 1 << 16
 
     def __post_init__(self) -> None:
-        for name in ("connect_timeout_s", "send_timeout_s", "idle_timeout_s", "max_batch_keys"):
+        auth.check_secret(self.cluster_secret)
+        for name in _POSITIVE:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"tcp engine: {name} must be positive, got {getattr(self, name)}")
         if self.pool_connections_per_peer < 0 or self.socket_buffer_bytes < 0:
             raise ConfigError("tcp engine: pool_connections_per_peer and socket_buffer_bytes >= 0")
 
 
+_POSITIVE = (
+    "connect_timeout_s", "handshake_timeout_s", "batch_deadline_s", "idle_timeout_s",
+    "max_connections", "max_connections_per_peer", "max_batch_keys",
+)  # fmt: skip
+
+
 @register_engine("tcp")
 class TcpEngine(TransferEngine):
     """Serves and fetches whole blocks over TCP. Thread-safe; connections are never shared."""
 
-    def __init__(self, **options: float) -> None:
+    def __init__(self, **options: object) -> None:
         self.options = _make_options(options)
         self.stats = TransferStats()  # updated under the engine's lock
         self._lock = threading.Lock()
-        self._pool: dict[str, list[socket.socket]] = {}
+        self._pool: dict[str, list[Conn]] = {}
         self._peers: dict[socket.socket, threading.Thread] = {}  # connections being served
+        self._hosts: collections.Counter[str] = collections.Counter()  # ... per peer host
         self._listener: socket.socket | None = None
         self._acceptor: threading.Thread | None = None
         self._closed = False
@@ -83,6 +108,7 @@ class TcpEngine(TransferEngine):
             self._acceptor.start()
         port = listener.getsockname()[1]
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        auth.warn_if_open("tcp", host, self.options.cluster_secret)
         logger.info("tcp engine serving at %s", address)
         return address
 
@@ -112,47 +138,77 @@ class TcpEngine(TransferEngine):
             except OSError:  # the peer already hung up
                 conn.close()
                 continue
-            thread = threading.Thread(
-                target=self._serve_peer, args=(conn, open_block), daemon=True,
-                name=f"kvstore-tcp-peer-{peer[1]}",
-            )  # fmt: skip
-            with self._lock:
-                if self._closed:
-                    conn.close()
-                    return
-                self._peers[conn] = thread
-                self.stats.connections_accepted += 1
-                thread.start()  # under the lock: close() only ever joins started threads
+            if not self._admit(conn, peer[0], open_block):
+                conn.close()
 
-    def _serve_peer(self, conn: socket.socket, open_block: OpenBlock) -> None:
-        """Answer the peer's batches until it hangs up, errs, idles out or close() runs."""
+    def _admit(self, conn: socket.socket, host: str, open_block: OpenBlock) -> bool:
+        """Start serving `conn` unless the engine is closed or a connection cap is reached."""
+        thread = threading.Thread(
+            target=self._serve_peer, args=(conn, host, open_block), daemon=True,
+            name=f"kvstore-tcp-peer-{host}",
+        )  # fmt: skip
+        with self._lock:
+            if self._closed:
+                return False
+            if (
+                len(self._peers) >= self.options.max_connections
+                or self._hosts[host] >= self.options.max_connections_per_peer
+            ):
+                self.stats.connections_refused += 1
+                logger.warning("refusing a tcp connection from %s: connection cap reached", host)
+                return False
+            self._peers[conn] = thread
+            self._hosts[host] += 1
+            self.stats.connections_accepted += 1
+            thread.start()  # under the lock: close() only ever joins started threads
+        return True
+
+    def _serve_peer(self, sock: socket.socket, host: str, open_block: OpenBlock) -> None:
+        """Authenticate the peer, then answer its batches until it hangs up, errs, idles out,
+        misses a batch deadline or close() runs."""
         try:
-            while True:
-                conn.settimeout(self.options.idle_timeout_s)
-                count = _recv_batch_head(conn, self.options.max_batch_keys)
-                raw = bytearray(count * KEY_BYTES)
-                conn.settimeout(self.options.send_timeout_s)
-                _recv_exact(conn, memoryview(raw))
-                conn.sendall(BATCH.pack(MAGIC, VERSION, 0, count))
-                for start in range(0, len(raw), KEY_BYTES):
-                    _send_block(conn, open_block, BlockKey(bytes(raw[start : start + KEY_BYTES])))
+            conn = self._authenticate(sock)
+            while _wait_readable(sock, self.options.idle_timeout_s):
+                deadline = time.monotonic() + self.options.batch_deadline_s
+                tenant, keys = recv_request(sock, self.options.max_batch_keys, deadline)
+                send_parts(sock, [BATCH.pack(MAGIC, VERSION, 0, len(keys))], deadline)
+                for key in keys:
+                    _send_block(conn, open_block, tenant, key, deadline)
                 with self._lock:
                     self.stats.batches_served += 1
+        except HandshakeError as exc:
+            with self._lock:
+                self.stats.handshakes_failed += 1
+            logger.warning("dropping tcp peer %s: %s", host, exc)
         except ProtocolError as exc:
-            logger.warning("dropping tcp peer: %s", exc)
+            logger.warning("dropping tcp peer %s: %s", host, exc)
         except OSError as exc:
             logger.debug("tcp peer connection ended: %s", exc)
         finally:
             with self._lock:
-                self._peers.pop(conn, None)
-            conn.close()
+                self._peers.pop(sock, None)
+                self._hosts[host] -= 1
+                if not self._hosts[host]:
+                    del self._hosts[host]
+            sock.close()
+
+    def _authenticate(self, sock: socket.socket) -> Conn:
+        secret = self.options.cluster_secret
+        if secret is None:
+            return Conn(sock)
+        deadline = time.monotonic() + self.options.handshake_timeout_s
+        try:
+            return Conn(sock, server_handshake(sock, secret, deadline))
+        except OSError as exc:  # silent, slow or gone before proving anything
+            raise HandshakeError(f"no valid handshake: {exc!r}") from None
 
     # ---- fetching ------------------------------------------------------------------------
     def fetch(
-        self, address: str, keys: Sequence[BlockKey], pages: Sequence[torch.Tensor],
-        timeout_s: float,
+        self, address: str, tenant: str, keys: Sequence[BlockKey],
+        pages: Sequence[torch.Tensor], timeout_s: float,
     ) -> list[int]:  # fmt: skip
         buffers = _page_buffers(keys, pages, self.options.max_batch_keys)
+        request = pack_request(tenant, keys)  # ConfigError for a bad tenant, before any I/O
         if self._closed:
             raise TransferError("tcp engine is closed")
         received = [0] * len(keys)
@@ -160,38 +216,39 @@ class TcpEngine(TransferEngine):
             return received
         deadline = time.monotonic() + timeout_s
         conn = self._pooled(address)
-        if conn is None or not self._exchange(conn, address, keys, buffers, received, deadline):
+        if conn is None or not self._exchange(conn, address, request, keys, buffers, received,
+                                              deadline):  # fmt: skip
             conn = self._dial(address, deadline)  # none pooled, or the peer had closed it
-            self._exchange(conn, address, keys, buffers, received, deadline, reused=False)
+            self._exchange(conn, address, request, keys, buffers, received, deadline, False)
         return received
 
     def _exchange(
-        self, conn: socket.socket, address: str, keys: Sequence[BlockKey],
+        self, conn: Conn, address: str, request: bytes, keys: Sequence[BlockKey],
         buffers: list[memoryview], received: list[int], deadline: float, reused: bool = True,
     ) -> bool:  # fmt: skip
         """One batch on `conn`, filling `received` in order; any error drops `conn`. False
         only when a `reused` connection turns out closed by the peer before it answered."""
         answered = False
         try:
-            conn.settimeout(_remaining(deadline))
-            conn.sendall(BATCH.pack(MAGIC, VERSION, 0, len(keys)) + b"".join(keys))
-            if _recv_batch_head(conn, len(keys), deadline) != len(keys):
+            send_parts(conn.sock, [request], deadline)
+            if recv_response_head(conn.sock, len(keys), deadline) != len(keys):
                 raise ProtocolError(f"peer answered a batch of {len(keys)} keys with fewer")
             answered = True
-            for index, buffer in enumerate(buffers):
-                received[index] = _recv_block(conn, buffer, deadline)
+            for index, (key, buffer) in enumerate(zip(keys, buffers, strict=True)):
+                received[index] = recv_frame(conn, key, buffer, deadline)
         except (OSError, TransferError) as exc:
-            conn.close()
+            conn.sock.close()
             if reused and not answered and isinstance(exc, ConnectionError):
                 return False
             logger.warning("tcp fetch of %d blocks from %s broke: %s", len(keys), address, exc)
             with self._lock:
                 self.stats.transfers_broken += 1
+                self.stats.macs_failed += isinstance(exc, MacError)
             return True
         self._release(address, conn)
         return True
 
-    def _pooled(self, address: str) -> socket.socket | None:
+    def _pooled(self, address: str) -> Conn | None:
         """An idle pooled connection to `address` that the peer has not closed, or None."""
         while True:
             with self._lock:
@@ -199,31 +256,43 @@ class TcpEngine(TransferEngine):
                 if not idle:
                     return None
                 conn = idle.pop()
-            if _is_quiet(conn):
+            if _is_quiet(conn.sock):
                 return conn
-            conn.close()  # readable while idle: the peer hung up (or sent garbage)
+            conn.sock.close()  # readable while idle: the peer hung up (or sent garbage)
 
-    def _release(self, address: str, conn: socket.socket) -> None:
+    def _release(self, address: str, conn: Conn) -> None:
         with self._lock:
             idle = self._pool.setdefault(address, [])
             if not self._closed and len(idle) < self.options.pool_connections_per_peer:
                 idle.append(conn)
                 return
-        conn.close()
+        conn.sock.close()
 
-    def _dial(self, address: str, deadline: float) -> socket.socket:
+    def _dial(self, address: str, deadline: float) -> Conn:
+        """A new connection to `address`, authenticated when the engine has a secret."""
         host, port = _split_address(address)
-        conn = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         try:
-            self._tune(conn)  # before connect, so the window scale can use the buffers
-            conn.settimeout(min(self.options.connect_timeout_s, _remaining(deadline)))
-            conn.connect((host, port))
-        except OSError as exc:
-            conn.close()
-            raise TransferError(f"cannot reach tcp peer {address}: {exc}") from exc
+            self._tune(sock)  # before connect, so the window scale can use the buffers
+            sock.settimeout(min(self.options.connect_timeout_s, remaining(deadline)))
+            sock.connect((host, port))
+            conn = self._prove(sock, deadline)
+        except (OSError, TransferError) as exc:
+            sock.close()
+            if isinstance(exc, HandshakeError):
+                with self._lock:
+                    self.stats.handshakes_failed += 1
+            raise TransferError(f"cannot reach tcp peer {address}: {exc!r}") from exc
         with self._lock:
             self.stats.connections_opened += 1
         return conn
+
+    def _prove(self, sock: socket.socket, deadline: float) -> Conn:
+        secret = self.options.cluster_secret
+        if secret is None:
+            return Conn(sock)
+        deadline = min(deadline, time.monotonic() + self.options.handshake_timeout_s)
+        return Conn(sock, client_handshake(sock, secret, deadline))
 
     def _tune(self, conn: socket.socket) -> None:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -244,7 +313,7 @@ class TcpEngine(TransferEngine):
         for conn in [listener, *peers] if listener else list(peers):
             _shutdown(conn)  # wakes the threads blocked on them; they close their own
         for conn in idle:
-            conn.close()
+            conn.sock.close()
         if listener is not None and self._acceptor is not None:
             deadline = time.monotonic() + _CLOSE_WAIT_S
             for thread in [self._acceptor, *peers.values()]:  # stop using the store's views
@@ -254,7 +323,7 @@ class TcpEngine(TransferEngine):
 
 
 # ---- wire helpers (module level: both sides use them, none touches engine state) -----------
-def _make_options(options: dict[str, float]) -> TcpOptions:
+def _make_options(options: dict[str, object]) -> TcpOptions:
     known = {field.name for field in fields(TcpOptions)}
     if unknown := sorted(set(options) - known):
         raise ConfigError(f"unknown tcp engine options {unknown}; known: {sorted(known)}")
@@ -276,75 +345,32 @@ def _page_buffers(
     return [memoryview(page.numpy()).cast("B") for page in pages]
 
 
-def _recv_batch_head(conn: socket.socket, max_keys: int, deadline: float | None = None) -> int:
-    """Read a request or response head; returns its key count."""
-    head = bytearray(BATCH.size)
-    _recv_exact(conn, memoryview(head), deadline)
-    magic, version, _, count = BATCH.unpack(head)
-    if magic != MAGIC or version != VERSION:
-        raise ProtocolError(f"not a kvstore tcp v{VERSION} peer (magic {magic!r}, v{version})")
-    if count > max_keys:
-        raise ProtocolError(f"batch of {count} keys exceeds the limit of {max_keys}")
-    return count
-
-
-def _recv_block(conn: socket.socket, buffer: memoryview, deadline: float) -> int:
-    """Receive one frame into `buffer`; returns its length (0: the peer lacks the block)."""
-    head = bytearray(FRAME.size)
-    _recv_exact(conn, memoryview(head), deadline)
-    (length,) = FRAME.unpack(head)
-    if length > len(buffer):
-        raise ProtocolError(f"peer sent a {length}-byte block for a {len(buffer)}-byte page")
-    _recv_exact(conn, buffer[:length], deadline)
-    return length
-
-
-def _send_block(conn: socket.socket, open_block: OpenBlock, key: BlockKey) -> None:
-    """Send one frame straight from the block's pinned view. A store that fails before any
-    byte is sent serves 'absent'; a failure once sending began drops the connection."""
+def _send_block(
+    conn: Conn, open_block: OpenBlock, tenant: str, key: BlockKey, deadline: float
+) -> None:  # fmt: skip
+    """Send one frame straight from the block's pinned view (unpinned however sending ends).
+    A store that fails before any byte is sent serves 'absent'; a failure once sending
+    began drops the connection."""
     sending = False
     try:
-        with open_block(key) as view:
+        with open_block(key, tenant) as view:
             if view is not None:
                 body = memoryview(view.cpu().numpy()).cast("B")
                 sending = True
-                _send_frame(conn, body)
+                send_frame(conn, key, body, deadline)
     except Exception:
         if sending:
             raise
         logger.exception("serving %r failed; sending it as absent", key)
     if not sending:
-        conn.sendall(FRAME.pack(0))
+        send_frame(conn, key, memoryview(b""), deadline)
 
 
-def _send_frame(conn: socket.socket, body: memoryview) -> None:
-    """Frame header and body in one sendmsg where possible (one packet for small blocks)."""
-    head = FRAME.pack(len(body))
-    sent = conn.sendmsg([head, body])
-    if sent < len(head):
-        conn.sendall(head[sent:])
-        sent = len(head)
-    conn.sendall(body[sent - len(head) :])
-
-
-def _recv_exact(conn: socket.socket, view: memoryview, deadline: float | None = None) -> None:
-    """Fill `view`; ConnectionError at EOF. With a deadline, every wait is bounded by the time
-    left (TimeoutError once it has passed); without, by the socket's own timeout."""
-    got = 0
-    while got < len(view):
-        if deadline is not None:
-            conn.settimeout(_remaining(deadline))
-        count = conn.recv_into(view[got:])
-        if count == 0:
-            raise ConnectionError(f"peer closed the connection ({got} of {len(view)} bytes read)")
-        got += count
-
-
-def _remaining(deadline: float) -> float:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError("fetch timed out")
-    return left
+def _wait_readable(sock: socket.socket, timeout_s: float) -> bool:
+    """Whether `sock` has bytes (or EOF) to read within `timeout_s`; False: it idled out."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(timeout_s * 1000))
 
 
 def _is_quiet(conn: socket.socket) -> bool:

@@ -3,6 +3,8 @@
 Runs inside the node agent. ucxx is asyncio-based and progresses one context per event loop, so
 the process holds one UCX context on one event-loop thread (`_Runtime`), shared by every
 UcxEngine and reference counted; the engines' synchronous calls are submitted to that loop.
+With a cluster secret, each endpoint starts with the handshake of `auth.py` over tag messages
+and every block is followed by its MAC tag.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,9 +26,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvstore.block import HEADER_BYTES
+from kvstore.block import HEADER_BYTES, MAX_TENANT_BYTES, encode_tenant
 from kvstore.errors import ConfigError, TransferError
 from kvstore.keys import KEY_BYTES, BlockKey
+from kvstore.transfer import auth
 from kvstore.transfer.base import OpenBlock, TransferEngine, TransferStats, register_engine
 
 logger = logging.getLogger(__name__)
@@ -48,6 +52,27 @@ _GRACE_S = 5.0  # the loop enforces fetch deadlines; this only guards against a 
 
 class _ProtocolError(Exception):
     """The peer broke the protocol; its endpoint is discarded."""
+
+
+class _MacError(_ProtocolError):
+    """A block's MAC did not verify."""
+
+
+class _HandshakeError(_ProtocolError):
+    """The peer did not prove that it knows the cluster secret."""
+
+
+@dataclass(eq=False)
+class _Link:
+    """An endpoint, its session (None without a cluster secret) and frames passed so far."""
+
+    endpoint: Any
+    session: auth.Session | None = None
+    frames: int = 0
+
+    def next_mac(self, key: BlockKey, length: int):
+        self.frames += 1
+        return None if self.session is None else self.session.block_mac(self.frames, key, length)
 
 
 class _Runtime:
@@ -159,10 +184,12 @@ atexit.register(_stop_at_exit)
 class _Batch:
     """One fetch in flight: block i goes into targets[i]; received[i] counts its bytes."""
 
+    tenant: str
     keys: Sequence[BlockKey]
     targets: list[np.ndarray]
     received: list[int] = field(init=False)
     answered: bool = False  # the peer sent at least one frame on this endpoint
+    receives: list[Any] = field(default_factory=list)  # UCX requests aimed at the pages
 
     def __post_init__(self) -> None:
         self.received = [0] * len(self.keys)
@@ -173,14 +200,18 @@ class UcxEngine(TransferEngine):
     """Blocks over UCX tag send/recv through ucxx; endpoints pooled per peer. Thread-safe.
 
     `tls` sets UCX_TLS and `net_devices` UCX_NET_DEVICES of the process's UCX context (None:
-    the environment's value, else UCX's default, which picks RDMA where present). ucxx's
-    listener binds every interface: `host` in serve() only names the address peers dial.
+    the environment's value, else UCX's default, which picks RDMA where present). ucxx 0.52's
+    Python listener takes no address and binds every interface: `host` in serve() only names
+    the address peers dial, so serve with a `cluster_secret` wherever other hosts can reach.
     """
 
     def __init__(
         self, tls: str | None = None, net_devices: str | None = None,
         send_timeout_s: float = 30.0, pool_connections_per_peer: int = 4,
+        cluster_secret: bytes | None = None, handshake_timeout_s: float = 5.0,
     ) -> None:  # fmt: skip
+        self.cluster_secret = auth.check_secret(cluster_secret)
+        self.handshake_timeout_s = handshake_timeout_s
         self.options = {
             name: value
             for name, value in (("TLS", tls), ("NET_DEVICES", net_devices))
@@ -195,8 +226,8 @@ class UcxEngine(TransferEngine):
         self._listener: Any = None
         self._open_block: OpenBlock | None = None
         # Touched on the loop thread only, like the stats.
-        self._idle: dict[tuple[str, int], list[Any]] = {}
-        self._busy: set[Any] = set()
+        self._idle: dict[tuple[str, int], list[_Link]] = {}
+        self._busy: set[Any] = set()  # endpoints
         self._peers: set[Any] = set()
 
     # ---- lifecycle -----------------------------------------------------------------------
@@ -218,7 +249,8 @@ class UcxEngine(TransferEngine):
             _release_runtime(self, runtime)
 
     async def _drop_endpoints(self) -> None:
-        _abort_all([*self._busy, *self._peers, *(e for i in self._idle.values() for e in i)])
+        idle = [link.endpoint for links in self._idle.values() for link in links]
+        _abort_all([*self._busy, *self._peers, *idle])
         self._idle.clear()
         if self._listener is not None:  # closed once its handlers are gone, or ucxx warns
             with contextlib.suppress(TimeoutError):
@@ -239,6 +271,7 @@ class UcxEngine(TransferEngine):
         runtime = self._runtime()
         port = runtime.call(self._listen(runtime, port), _START_TIMEOUT_S)
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        auth.warn_if_open("ucx", "0.0.0.0", self.cluster_secret)  # it binds every interface
         logger.info("ucx engine serving at %s", address)
         return address
 
@@ -251,20 +284,44 @@ class UcxEngine(TransferEngine):
         self._peers.add(endpoint)
         self.stats.connections_accepted += 1
         try:
+            link = await self._authenticate(endpoint)
             while True:
-                await self._serve_batch(endpoint, await _recv_batch(endpoint))
+                await self._serve_batch(link, *await _recv_batch(endpoint))
                 self.stats.batches_served += 1
+        except _HandshakeError as exc:
+            self.stats.handshakes_failed += 1
+            logger.warning("dropping ucx peer: %s", _forget(exc))
         except Exception as exc:  # a peer leaving shows up as a UCX error
             logger.debug("ucx peer done: %s", _forget(exc))
         finally:
             self._peers.discard(endpoint)
             endpoint.abort()
 
-    async def _serve_batch(self, endpoint: Any, keys: list[BlockKey]) -> None:
+    async def _authenticate(self, endpoint: Any) -> _Link:
+        """Nonce out, the client's proof in, ours out; nothing else before it succeeds."""
+        if self.cluster_secret is None:
+            return _Link(endpoint)
+        nonce = auth.new_nonce()
+        try:
+            async with asyncio.timeout(self.handshake_timeout_s):
+                await endpoint.send(_bytes(nonce))
+                hello = np.empty(auth.HELLO_BYTES, dtype=np.uint8)
+                await endpoint.recv(hello)
+        except Exception as exc:  # silent, slow, or a message of the wrong size
+            raise _HandshakeError(f"no valid handshake: {_forget(exc)}") from None
+        accepted = auth.accept_hello(self.cluster_secret, nonce, hello.tobytes())
+        if accepted is None:
+            raise _HandshakeError("peer did not prove the cluster secret")
+        proof, session = accepted
+        await asyncio.wait_for(endpoint.send(_bytes(proof)), self.handshake_timeout_s)
+        return _Link(endpoint, session)
+
+    async def _serve_batch(self, link: _Link, tenant: str, keys: list[BlockKey]) -> None:
         """Per key a frame (u64 length, 0 = absent), then the block straight from its pinned
-        view. The next block is opened while this one is sent; blocks close on reader threads."""
-        loop, readers = asyncio.get_running_loop(), self._rt.readers
-        opening = loop.run_in_executor(readers, _enter, self._open_block, keys[0])
+        view, then (with a secret) its MAC tag. The next block is opened while this one is
+        sent; blocks close on reader threads."""
+        endpoint, loop, readers = link.endpoint, asyncio.get_running_loop(), self._rt.readers
+        opening = loop.run_in_executor(readers, _enter, self._open_block, tenant, keys[0])
         closing = []
         try:
             for index in range(len(keys)):
@@ -272,10 +329,10 @@ class UcxEngine(TransferEngine):
                 opening = None
                 if index + 1 < len(keys):
                     opening = loop.run_in_executor(
-                        readers, _enter, self._open_block, keys[index + 1]
+                        readers, _enter, self._open_block, tenant, keys[index + 1]
                     )
                 try:
-                    await self._send_frame(endpoint, whole)
+                    await self._send_frame(link, keys[index], whole)
                 except BaseException:
                     endpoint.abort()  # UCX must stop reading the block before it is closed
                     raise
@@ -286,75 +343,113 @@ class UcxEngine(TransferEngine):
                 closing.append(_exit_when_open(opening, readers))
             await asyncio.gather(*closing)
 
-    async def _send_frame(self, endpoint: Any, whole: torch.Tensor | None) -> None:
-        if whole is None:
-            await asyncio.wait_for(endpoint.send(_u64(0)), self.send_timeout_s)
-            return
-        data = whole.reshape(-1).view(torch.uint8).cpu().numpy()
-        sends = asyncio.gather(endpoint.send(_u64(data.size)), endpoint.send(data))
+    async def _send_frame(self, link: _Link, key: BlockKey, whole: torch.Tensor | None) -> None:
+        endpoint = link.endpoint
+        data = None if whole is None else whole.reshape(-1).view(torch.uint8).cpu().numpy()
+        size = 0 if data is None else data.size
+        mac = link.next_mac(key, size)
+        messages = [endpoint.send(_u64(size))]
+        if data is not None:
+            messages.append(endpoint.send(data))
+        if mac is not None:
+            if data is not None:
+                mac.update(memoryview(data))
+            messages.append(endpoint.send(_bytes(mac.finalize())))
+        sends = asyncio.gather(*messages)
         await asyncio.wait_for(sends, self.send_timeout_s)  # a stalled peer releases its pins
 
     # ---- fetching ------------------------------------------------------------------------
     def fetch(
-        self, address: str, keys: Sequence[BlockKey], pages: Sequence[torch.Tensor],
-        timeout_s: float,
+        self, address: str, tenant: str, keys: Sequence[BlockKey],
+        pages: Sequence[torch.Tensor], timeout_s: float,
     ) -> list[int]:  # fmt: skip
-        batch = _Batch(keys, _page_arrays(keys, pages))
+        encode_tenant(tenant)  # ConfigError before any I/O
+        batch = _Batch(tenant, keys, _page_arrays(keys, pages))
         runtime = self._runtime()
         if not keys:
             return []
         future = runtime.submit(self._fetch(_split_address(address), batch, timeout_s))
         try:
-            return future.result(timeout_s + _GRACE_S)
+            return future.result(timeout_s + 2 * _GRACE_S)
         except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
             future.cancel()  # the loop is wedged or shutting down
-            logger.warning("ucx fetch from %s did not finish; pages untrusted", address)
+            _wait_dead(batch.receives, address)
             return [0] * len(keys)
 
     async def _fetch(self, peer: tuple[str, int], batch: _Batch, timeout_s: float) -> list[int]:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        endpoint, pooled = self._pooled(peer), True
-        if endpoint is None:
-            endpoint, pooled = await self._dial(peer, deadline), False
+        link, pooled = self._pooled(peer), True
+        if link is None:
+            link, pooled = await self._dial(peer, deadline), False
         while True:
-            self._busy.add(endpoint)
+            self._busy.add(link.endpoint)
             try:
-                await asyncio.wait_for(_exchange(endpoint, batch), deadline - loop.time())
+                await asyncio.wait_for(_exchange(link, batch), deadline - loop.time())
             except Exception as exc:
-                endpoint.abort()  # cancels receives still aimed at the pages
+                link.endpoint.abort()  # half-used: never pooled
                 stale = pooled and not batch.answered and not isinstance(exc, TimeoutError)
                 if stale and not self._closed:  # the peer had dropped it: redial once
-                    endpoint, pooled = await self._dial(peer, deadline), False
+                    link, pooled = await self._dial(peer, deadline), False
                     continue
                 self.stats.transfers_broken += 1
+                self.stats.macs_failed += isinstance(exc, _MacError)
                 logger.warning("ucx fetch from %s:%d broke: %s", *peer, _forget(exc))
                 return batch.received
             except BaseException:
-                endpoint.abort()
+                link.endpoint.abort()
                 raise
             finally:
-                self._busy.discard(endpoint)
-            self._pool(peer, endpoint)
+                self._busy.discard(link.endpoint)
+            self._pool(peer, link)
             return batch.received
 
-    def _pooled(self, peer: tuple[str, int]) -> Any:
+    def _pooled(self, peer: tuple[str, int]) -> _Link | None:
         idle = self._idle.get(peer, [])
         while idle:
-            endpoint = idle.pop()
-            if not endpoint.closed:
-                return endpoint
-            endpoint.abort()
+            link = idle.pop()
+            if not link.endpoint.closed:
+                return link
+            link.endpoint.abort()
         return None
 
-    def _pool(self, peer: tuple[str, int], endpoint: Any) -> None:
+    def _pool(self, peer: tuple[str, int], link: _Link) -> None:
         idle = self._idle.setdefault(peer, [])
         if len(idle) < self.pool_connections_per_peer and not self._closed:
-            idle.append(endpoint)
+            idle.append(link)
         else:
-            endpoint.abort()
+            link.endpoint.abort()
 
-    async def _dial(self, peer: tuple[str, int], deadline: float) -> Any:
+    async def _dial(self, peer: tuple[str, int], deadline: float) -> _Link:
+        """A new endpoint to `peer`, authenticated when the engine has a secret."""
+        endpoint = await self._connect(peer, deadline)
+        if self.cluster_secret is None:
+            return _Link(endpoint)
+        loop = asyncio.get_running_loop()
+        wait_s = min(max(deadline - loop.time(), 0.0), self.handshake_timeout_s)
+        try:
+            return _Link(endpoint, await asyncio.wait_for(self._prove(endpoint), wait_s))
+        except Exception as exc:
+            endpoint.abort()
+            self.stats.handshakes_failed += 1
+            detail = f"ucx peer {peer[0]}:{peer[1]} failed the handshake: {_forget(exc)}"
+            raise TransferError(detail) from None
+
+    async def _prove(self, endpoint: Any) -> auth.Session:
+        nonce = np.empty(auth.NONCE_BYTES, dtype=np.uint8)
+        await endpoint.recv(nonce)
+        hello, client_nonce = auth.client_hello(self.cluster_secret, nonce.tobytes())
+        await endpoint.send(_bytes(hello))
+        proof = np.empty(auth.PROOF_BYTES, dtype=np.uint8)
+        await endpoint.recv(proof)
+        session = auth.accept_reply(
+            self.cluster_secret, nonce.tobytes(), client_nonce, proof.tobytes()
+        )
+        if session is None:
+            raise _HandshakeError("peer did not prove the cluster secret")
+        return session
+
+    async def _connect(self, peer: tuple[str, int], deadline: float) -> Any:
         """ApplicationContext.create_endpoint, but failing as soon as UCX finds the peer
         unreachable rather than when the exchange of endpoint tags times out."""
         from ucxx._lib.libucxx import UCXEndpoint
@@ -398,10 +493,10 @@ def _abort_all(endpoints: list[Any]) -> None:
         endpoint.abort()  # pending sends and receives fail at once
 
 
-def _enter(open_block: OpenBlock, key: BlockKey) -> tuple[Any, torch.Tensor | None]:
+def _enter(open_block: OpenBlock, tenant: str, key: BlockKey) -> tuple[Any, torch.Tensor | None]:
     """On a reader thread: open `key`'s block. A store that fails serves it as absent."""
     try:
-        opened = open_block(key)
+        opened = open_block(key, tenant)
         return opened, opened.__enter__()
     except Exception:
         logger.exception("serving %r failed; sending it as absent", key)
@@ -426,45 +521,97 @@ def _u64(value: int) -> np.ndarray:
     return np.array([value], dtype=np.uint64)
 
 
-async def _recv_batch(endpoint: Any) -> list[BlockKey]:
-    """A request: a u64 key count, then the keys in one message."""
-    count = np.empty(1, dtype=np.uint64)
-    await endpoint.recv(count)
-    if not 0 < int(count[0]) <= MAX_BATCH_KEYS:
-        raise _ProtocolError(f"batch of {int(count[0])} keys")
-    raw = np.empty(int(count[0]) * KEY_BYTES, dtype=np.uint8)
+def _bytes(data: bytes) -> np.ndarray:
+    return np.frombuffer(bytearray(data), dtype=np.uint8)
+
+
+async def _recv_batch(endpoint: Any) -> tuple[str, list[BlockKey]]:
+    """A request: a u64 key count and u64 tenant length, then the tenant and keys in one
+    message."""
+    head = np.empty(2, dtype=np.uint64)
+    await endpoint.recv(head)
+    count, tenant_bytes = int(head[0]), int(head[1])
+    if not 0 < count <= MAX_BATCH_KEYS or not 0 < tenant_bytes <= MAX_TENANT_BYTES:
+        raise _ProtocolError(f"batch of {count} keys, tenant of {tenant_bytes} bytes")
+    raw = np.empty(tenant_bytes + count * KEY_BYTES, dtype=np.uint8)
     await endpoint.recv(raw)
     data = raw.tobytes()
-    return [BlockKey(data[i : i + KEY_BYTES]) for i in range(0, len(data), KEY_BYTES)]
+    tenant = auth.decode_tenant(data[:tenant_bytes])
+    if tenant is None:
+        raise _ProtocolError("request names no valid tenant")
+    keys = range(tenant_bytes, len(data), KEY_BYTES)
+    return tenant, [BlockKey(data[i : i + KEY_BYTES]) for i in keys]
 
 
-async def _exchange(endpoint: Any, batch: _Batch) -> None:
-    """Send the batch, then receive per key a length frame and the block into its page. The
-    next frame's receive is posted right behind each block's, so no wake-up separates them."""
-    await endpoint.send(_u64(len(batch.keys)))
-    await endpoint.send(np.frombuffer(bytearray(b"".join(batch.keys)), dtype=np.uint8))
+async def _exchange(link: _Link, batch: _Batch) -> None:
+    """Send the batch, then receive per key a length frame, the block into its page and (with
+    a secret) its tag. The next frame's receive is posted right behind each block's, so no
+    wake-up separates them. However this ends, no receive aimed at a page outlives it."""
+    endpoint, tenant = link.endpoint, encode_tenant(batch.tenant)
+    await endpoint.send(np.array([len(batch.keys), len(tenant)], dtype=np.uint64))
+    await endpoint.send(_bytes(tenant + b"".join(batch.keys)))
     frames = np.zeros(len(batch.keys), dtype=np.uint64)
-    pending = [asyncio.ensure_future(endpoint.recv(frames[0:1]))]
+    tag = np.zeros(auth.TAG_BYTES, dtype=np.uint8)
+    pending = [_post_recv(link, frames[0:1], batch)]
     try:
-        for index, target in enumerate(batch.targets):
+        for index, (key, target) in enumerate(zip(batch.keys, batch.targets, strict=True)):
             await pending.pop(0)
             batch.answered = True
             size_bytes = int(frames[index])
             if size_bytes and not HEADER_BYTES <= size_bytes <= target.size:
                 raise _ProtocolError(f"a {size_bytes}-byte block for a {target.size}-byte page")
-            if size_bytes:  # tasks start in order, so UCX matches the receives in this order
-                pending.append(asyncio.ensure_future(endpoint.recv(target[:size_bytes])))
-            if index + 1 < len(frames):
-                pending.append(asyncio.ensure_future(endpoint.recv(frames[index + 1 : index + 2])))
-            if size_bytes:
+            mac = link.next_mac(key, size_bytes)
+            body = [target[:size_bytes]] if size_bytes else []
+            for buffer in [*body, *([tag] if mac else []), frames[index + 1 : index + 2]]:
+                if buffer.size:  # posted in order, so UCX matches them in this order
+                    pending.append(_post_recv(link, buffer, batch))
+            for _ in range(len(body) + (mac is not None)):
                 await pending.pop(0)
-                batch.received[index] = size_bytes
+            if mac is not None:
+                mac.update(memoryview(target[:size_bytes]))
+                if not auth.tag_matches(mac, tag.tobytes()):
+                    raise _MacError(f"block {key!r} failed its MAC")
+            batch.received[index] = size_bytes
     finally:
-        for task in pending:
-            task.cancel()
-        for outcome in await asyncio.gather(*pending, return_exceptions=True):
-            if isinstance(outcome, BaseException):
-                _forget(outcome)
+        await _retire(link, batch, pending)
+
+
+def _post_recv(link: _Link, buffer: np.ndarray, batch: _Batch) -> asyncio.Future:
+    """Endpoint.recv, but keeping the UCX request: cancelling the asyncio side does not
+    cancel it, so a broken batch must see every request dead before its pages are freed."""
+    from ucxx._lib.arr import Array
+    from ucxx.types import Tag, TagMaskFull
+
+    endpoint = link.endpoint
+    endpoint._ep.raise_on_error()
+    request = endpoint._ep.tag_recv(Array(buffer), Tag(endpoint._tags["msg_recv"]), TagMaskFull)
+    batch.receives.append(request)
+    return asyncio.ensure_future(request.wait())
+
+
+async def _retire(link: _Link, batch: _Batch, pending: list[asyncio.Future]) -> None:
+    """Abort the endpoint if receives are still posted (UCX cancels them), wait until each
+    is completed, then collect their outcomes."""
+    if any(not request.completed for request in batch.receives):
+        link.endpoint.abort()
+        waited_s = 0.0
+        while any(not request.completed for request in batch.receives):
+            await asyncio.sleep(0.001)
+            waited_s += 0.001
+            if waited_s > _GRACE_S:
+                logger.warning("ucx receives still not cancelled after %.0f s", waited_s)
+                waited_s = 0.0
+    for outcome in await asyncio.gather(*pending, return_exceptions=True):
+        if isinstance(outcome, BaseException):
+            _forget(outcome)
+
+
+def _wait_dead(receives: list[Any], address: str) -> None:
+    """From the fetching thread, when the loop did not answer in time: block until no receive
+    can land in the pages any more (the loop's own `_retire` cancels them)."""
+    logger.warning("ucx fetch from %s did not finish in time; waiting for its receives", address)
+    while any(not request.completed for request in receives):
+        time.sleep(0.001)
 
 
 def _page_arrays(keys: Sequence[BlockKey], pages: Sequence[torch.Tensor]) -> list[np.ndarray]:

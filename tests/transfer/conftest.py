@@ -1,7 +1,8 @@
 """Two real stores joined by a transfer engine, once per engine; the contract suite runs on each.
 
 "holder" serves its blocks through one engine; "reader" fetches them into reserved pages through
-another and verifies them with commit_received, as the node agent does.
+another and verifies them with commit_received, as the node agent does. Every engine runs both
+without and with a cluster secret (authenticated peers, a MAC on every block).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from kvstore.transfer.base import OpenBlock, TransferEngine, make_engine
 ENGINES = ["tcp", "ucx"]
 SMALL_PAGE_BYTES = 64 << 10
 BIG_PAGE_BYTES = 4 << 20
+SECRET = b"transfer-test-cluster-secret-0001"
+TENANT = "default"  # the tenant TieredStore.put stores blocks under
 KEYS = chunk_keys(Namespace("sha256:transfer-test", "layout"), range(4 * 128), 4)  # 128 keys
 
 
@@ -55,10 +58,12 @@ class Pair:
             self.holder.put(KEYS[n], None, payload(n, size))
         return [KEYS[n] for n in numbers]
 
-    def fetch(self, keys: Sequence[BlockKey], timeout_s: float = 10.0, reader=None) -> list[int]:
+    def fetch(
+        self, keys: Sequence[BlockKey], timeout_s: float = 10.0, reader=None, tenant=TENANT
+    ) -> list[int]:  # fmt: skip
         reader = reader or self.reader
         pages = [reader.reserve_page(key) for key in keys]
-        return self.client.fetch(self.address, keys, pages, timeout_s)
+        return self.client.fetch(self.address, tenant, keys, pages, timeout_s)
 
     def land(self, keys: Sequence[BlockKey], received: Sequence[int], reader=None) -> list[bool]:
         return land(reader or self.reader, keys, received)
@@ -69,7 +74,7 @@ def land(reader: TieredStore, keys: Sequence[BlockKey], received: Sequence[int])
     landed = []
     for key, size in zip(keys, received, strict=True):
         if size:
-            landed.append(reader.commit_received(key, size))
+            landed.append(reader.commit_received(key, size, TENANT))
         else:
             reader.abort(key)
             landed.append(False)
@@ -81,12 +86,18 @@ def engine_name(request) -> str:
     return request.param
 
 
+@pytest.fixture(params=[None, SECRET], ids=["open", "secret"])
+def cluster_secret(request) -> bytes | None:
+    return request.param
+
+
 @pytest.fixture
-def make_transfer_engine(engine_name) -> Callable[..., TransferEngine]:
-    """Builds engines of the parametrised kind; all are closed at teardown."""
+def make_transfer_engine(engine_name, cluster_secret) -> Callable[..., TransferEngine]:
+    """Builds engines of the parametrised kind and secret; all are closed at teardown."""
     made: list[TransferEngine] = []
 
     def make(**options) -> TransferEngine:
+        options = {"cluster_secret": cluster_secret, **options}
         made.append(make_engine(engine_name, **options))
         return made[-1]
 

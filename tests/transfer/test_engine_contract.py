@@ -10,8 +10,23 @@ from contextlib import contextmanager
 import pytest
 
 from kvstore.block import HEADER_BYTES
-from kvstore.errors import TransferError
-from tests.transfer.conftest import BIG_PAGE_BYTES, KEYS, SMALL_PAGE_BYTES, payload, stored_payload
+from kvstore.errors import ConfigError, TransferError
+from tests.transfer.conftest import (
+    BIG_PAGE_BYTES,
+    KEYS,
+    SMALL_PAGE_BYTES,
+    TENANT,
+    payload,
+    stored_payload,
+)
+
+
+def pins_drain(store, within_s: float = 2.0) -> bool:
+    """Whether the holder's pins reach 0 soon (a server may unpin just after the last send)."""
+    deadline = time.monotonic() + within_s
+    while store.pins_held() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return store.pins_held() == 0
 
 
 def block_bytes(pair, n: int) -> bytes:
@@ -79,8 +94,8 @@ def corrupting(bad_key):
 
     def wrap(open_block):
         @contextmanager
-        def serve(key):
-            with open_block(key) as view:
+        def serve(key, tenant):
+            with open_block(key, tenant) as view:
                 if view is None or key != bad_key:
                     yield view
                     return
@@ -114,7 +129,7 @@ def test_fetching_where_nothing_listens_raises_within_the_timeout(make_transfer_
 
     started = time.monotonic()
     with pytest.raises(TransferError):
-        client.fetch(address, KEYS[:2], [reader.reserve_page(k) for k in KEYS[:2]], 2.0)
+        client.fetch(address, TENANT, KEYS[:2], [reader.reserve_page(k) for k in KEYS[:2]], 2.0)
     assert time.monotonic() - started < 3.0
 
 
@@ -136,10 +151,10 @@ def test_a_stalled_holder_yields_what_arrived_within_the_timeout(make_pair):
 
     def stall_at_block_3(open_block):
         @contextmanager
-        def serve(key):
+        def serve(key, tenant):
             if key == KEYS[3]:
                 release.wait(10.0)
-            with open_block(key) as view:
+            with open_block(key, tenant) as view:
                 yield view
 
         return serve
@@ -172,4 +187,24 @@ def test_concurrent_fetches_from_several_threads_all_succeed(pair):
 
 
 def test_an_empty_batch_returns_an_empty_list(pair):
-    assert pair.client.fetch(pair.address, [], [], 1.0) == []
+    assert pair.client.fetch(pair.address, TENANT, [], [], 1.0) == []
+
+
+def test_a_fetch_for_another_tenant_reads_exactly_as_absent(pair):
+    keys = pair.put(range(3))  # stored under TENANT
+
+    foreign = pair.fetch(keys + KEYS[3:4], tenant="someone-else")
+    pair.land(keys + KEYS[3:4], foreign)
+    own = pair.fetch(keys)
+
+    assert foreign == [0, 0, 0, 0]  # present-but-foreign and absent look the same
+    assert own == [SMALL_PAGE_BYTES] * 3
+    assert pins_drain(pair.holder)
+
+
+@pytest.mark.parametrize("tenant", ["", "x" * 65, "nul\0inside"], ids=["empty", "long", "nul"])
+def test_a_malformed_tenant_is_refused_before_any_io(pair, tenant):
+    page = pair.reader.reserve_page(KEYS[0])
+    with pytest.raises(ConfigError):
+        pair.client.fetch(pair.address, tenant, KEYS[:1], [page], 1.0)
+    assert pair.client.stats.connections_opened == 0

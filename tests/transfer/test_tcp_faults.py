@@ -22,6 +22,7 @@ from kvstore.transfer.tcp import BATCH, FRAME, MAGIC, VERSION, TcpEngine
 from tests.transfer.conftest import (
     KEYS,
     SMALL_PAGE_BYTES,
+    TENANT,
     Pair,
     land,
     new_store,
@@ -46,10 +47,10 @@ for n in range(64):
 numbers = {key: n for n, key in enumerate(KEYS)}
 
 @contextmanager
-def slow_open_block(key):
+def slow_open_block(key, tenant):
     print(numbers[key], flush=True)
     time.sleep(0.05)
-    with store.open_block(key) as view:
+    with store.open_block(key, tenant) as view:
         yield view
 
 print(TcpEngine().serve(slow_open_block), flush=True)
@@ -85,7 +86,7 @@ def test_a_holder_killed_mid_batch_leaves_only_whole_verified_blocks():
         pages = [reader.reserve_page(key) for key in KEYS[:64]]
         with ThreadPoolExecutor(1) as pool:
             started = time.monotonic()
-            fetching = pool.submit(client.fetch, address, KEYS[:64], pages, 20.0)
+            fetching = pool.submit(client.fetch, address, TENANT, KEYS[:64], pages, 20.0)
             wait_until_serving(holder, 5)  # blocks 0-4 are on their way
             holder.send_signal(signal.SIGKILL)
             received = fetching.result(timeout=25.0)
@@ -183,8 +184,8 @@ class FakePeer:
                 return
             self.accepted += 1
             with conn:
-                _, _, _, count = BATCH.unpack(conn.recv(BATCH.size, socket.MSG_WAITALL))
-                conn.recv(count * 16, socket.MSG_WAITALL)
+                _, _, tenant_bytes, count = BATCH.unpack(conn.recv(BATCH.size, socket.MSG_WAITALL))
+                conn.recv(tenant_bytes + count * 16, socket.MSG_WAITALL)
                 conn.sendall(BATCH.pack(MAGIC, VERSION, 0, count))
                 for claimed, sent in self.frames:
                     conn.sendall(FRAME.pack(claimed) + bytes(sent))
@@ -205,9 +206,9 @@ def test_a_lying_or_dying_peer_gives_zero_from_the_break_on(stores, frames):
     peer, client = FakePeer(frames), TcpEngine()
     pages = [stores[1].reserve_page(key) for key in KEYS[:3]]
     try:
-        assert client.fetch(peer.address, KEYS[:3], pages, 2.0) == [100, 0, 0]
+        assert client.fetch(peer.address, TENANT, KEYS[:3], pages, 2.0) == [100, 0, 0]
         assert client.stats.transfers_broken == 1
-        client.fetch(peer.address, KEYS[:3], pages, 2.0)
+        client.fetch(peer.address, TENANT, KEYS[:3], pages, 2.0)
         assert peer.accepted == 2  # the broken connection was never reused
     finally:
         peer.close()

@@ -14,6 +14,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 
+import numpy as np
 import pytest
 import torch
 
@@ -23,10 +24,13 @@ pytest.importorskip("ucxx")
 from kvstore.block import HEADER_BYTES
 from kvstore.errors import ConfigError, TransferError
 from kvstore.tiers.host import ARENA_PREFIX, SHM_DIR
+from kvstore.transfer import ucx
 from kvstore.transfer.ucx import UcxEngine
 from tests.transfer.conftest import (
     KEYS,
+    SECRET,
     SMALL_PAGE_BYTES,
+    TENANT,
     Pair,
     land,
     new_store,
@@ -64,7 +68,7 @@ pair = Pair(new_store(1 << 16, 4), new_store(1 << 16, 4), UcxEngine(), UcxEngine
 keys = pair.put(range(2))
 assert pair.land(keys, pair.fetch(keys)) == [True, True]
 try:
-    pair.client.fetch("127.0.0.1:1", KEYS[2:3], [pair.reader.reserve_page(KEYS[2])], 2.0)
+    pair.client.fetch("127.0.0.1:1", "default", KEYS[2:3], [pair.reader.reserve_page(KEYS[2])], 2.0)
 except TransferError:
     print("done", flush=True)
 pair.holder.close()
@@ -138,7 +142,8 @@ def test_an_address_nobody_listens_on_raises_at_once(make_ucx_pair, make_store):
 
     started = time.monotonic()
     with pytest.raises(TransferError, match="cannot reach"):
-        pair.client.fetch(f"127.0.0.1:{port}", KEYS[:1], [reader.reserve_page(KEYS[0])], 5.0)
+        page = reader.reserve_page(KEYS[0])
+        pair.client.fetch(f"127.0.0.1:{port}", TENANT, KEYS[:1], [page], 5.0)
 
     assert time.monotonic() - started < 2.0  # refused: no need to wait out the 5 s
 
@@ -149,7 +154,7 @@ def test_a_port_that_never_answers_raises_when_the_timeout_ends(make_ucx_pair, m
         started = time.monotonic()
         with pytest.raises(TransferError):
             address = f"127.0.0.1:{mute.getsockname()[1]}"
-            pair.client.fetch(address, KEYS[:1], [reader.reserve_page(KEYS[0])], 1.0)
+            pair.client.fetch(address, TENANT, KEYS[:1], [reader.reserve_page(KEYS[0])], 1.0)
         elapsed = time.monotonic() - started
 
     assert 0.9 < elapsed < 3.0
@@ -166,7 +171,7 @@ def test_a_holder_killed_mid_block_leaves_zeros_and_nothing_partial(make_store):
         pages = [reader.reserve_page(key) for key in KEYS[:3]]
         with ThreadPoolExecutor(1) as pool:
             started = time.monotonic()
-            fetching = pool.submit(client.fetch, address, KEYS[:3], pages, 20.0)
+            fetching = pool.submit(client.fetch, address, TENANT, KEYS[:3], pages, 20.0)
             wait_until_arriving(fetching, pages[2])  # block 2's header landed, the rest not yet
             holder.send_signal(signal.SIGKILL)
             received = fetching.result(timeout=25.0)
@@ -177,7 +182,7 @@ def test_a_holder_killed_mid_block_leaves_zeros_and_nothing_partial(make_store):
         assert land(reader, KEYS[:3], received) == [True, True, False]
         assert reader.lookup(KEYS[:3]) == 2 and reader.checksum_failures == 0
         with pytest.raises(TransferError):  # the pooled endpoint is dead and so is the port
-            client.fetch(address, KEYS[2:3], [reader.reserve_page(KEYS[2])], 2.0)
+            client.fetch(address, TENANT, KEYS[2:3], [reader.reserve_page(KEYS[2])], 2.0)
     finally:
         holder.kill()
         holder.wait()
@@ -199,11 +204,11 @@ def test_closing_the_client_mid_fetch_returns_what_arrived(make_ucx_pair):
 
     def stall_at_block_2(open_block):
         @contextmanager
-        def serve(key):
+        def serve(key, tenant):
             if key == KEYS[2]:
                 stalled.set()
                 release.wait(10.0)
-            with open_block(key) as view:
+            with open_block(key, tenant) as view:
                 yield view
 
         return serve
@@ -259,3 +264,172 @@ def test_a_process_that_never_closes_its_engines_exits_with_a_clean_stdout():
 
     assert done.returncode == 0, done.stderr
     assert done.stdout == "done\n"  # UCX's and UCXX's logs went to stderr
+
+
+def listening_addresses(port: int) -> set[str]:
+    """Local addresses of the sockets listening on `port`, from /proc/net/tcp{,6}."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as lines:
+            for line in list(lines)[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, _, hex_port = local.rpartition(":")
+                if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                    found.add(address)
+    return found
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="ucxx 0.52's Python create_listener/UCXListener.create take no address (the C++ "
+    "ListenerBuilder::host exists but is not bound), so the listener binds every interface",
+)
+def test_the_listener_binds_only_the_configured_host(make_ucx_pair):
+    pair = make_ucx_pair()
+    port = int(pair.address.rsplit(":", 1)[1])
+
+    assert listening_addresses(port) == {"0100007F"}  # 127.0.0.1, nothing else
+
+
+class SlowDataEngine(UcxEngine):
+    """Sends each frame's length at once and its block `delay_s` later: a fetch that times out
+    meanwhile has a receive posted into the page."""
+
+    delay_s = 1.0
+
+    async def _send_frame(self, link, key, whole):
+        if whole is None:
+            return await super()._send_frame(link, key, whole)
+        import asyncio
+
+        data = whole.reshape(-1).view(torch.uint8).cpu().numpy()
+        mac = link.next_mac(key, data.size)
+        await link.endpoint.send(np.array([data.size], dtype=np.uint64))
+        await asyncio.sleep(self.delay_s)
+        await link.endpoint.send(data)
+        if mac is not None:
+            mac.update(memoryview(data))
+            await link.endpoint.send(np.frombuffer(bytearray(mac.finalize()), dtype=np.uint8))
+
+
+@pytest.mark.parametrize("secret", [None, SECRET], ids=["open", "secret"])
+def test_a_timed_out_fetch_leaves_no_receive_that_can_land_in_its_pages(monkeypatch, secret):
+    batches = []
+
+    class RecordedBatch(ucx._Batch):
+        def __post_init__(self):
+            super().__post_init__()
+            batches.append(self)
+
+    monkeypatch.setattr(ucx, "_Batch", RecordedBatch)
+    holder, reader = new_store(1 << 20, 4), new_store(1 << 20, 4)
+    server = SlowDataEngine(**LOOPBACK, cluster_secret=secret)
+    client = UcxEngine(**LOOPBACK, cluster_secret=secret)
+    try:
+        pair = Pair(holder, reader, server, client)
+        keys = pair.put(range(2))
+        warm = torch.zeros(1 << 20, dtype=torch.uint8)  # dial (and handshake) first
+        server.delay_s = 0.0
+        assert client.fetch(pair.address, TENANT, keys[:1], [warm], 10.0) == [1 << 20]
+        server.delay_s = 1.0
+        page = torch.zeros(1 << 20, dtype=torch.uint8)
+
+        received = client.fetch(pair.address, TENANT, keys[1:], [page], 0.3)
+        page.fill_(0x55)  # the caller frees the page: it is someone else's now
+        time.sleep(1.5)  # the block is sent meanwhile
+
+        assert received == [0]
+        assert batches[-1].receives  # a receive into the page had been posted...
+        assert all(request.completed for request in batches[-1].receives)  # ...and is dead
+        assert int((page != 0x55).sum()) == 0
+    finally:
+        server.close()
+        client.close()
+        holder.close()
+        reader.close()
+
+
+@pytest.mark.parametrize(
+    "secret", [None, b"not-the-cluster-secret-at-all-00"], ids=["none", "wrong"]
+)
+def test_a_peer_without_the_secret_gets_nothing_for_present_or_absent_keys(make_ucx_pair, secret):
+    pair = make_ucx_pair(cluster_secret=SECRET, handshake_timeout_s=0.5)
+    pair.put([0])
+    intruder = UcxEngine(**LOOPBACK, cluster_secret=secret, handshake_timeout_s=0.5)
+    try:
+        outcomes = []
+        for key in KEYS[:2]:  # present, absent
+            page = pair.reader.reserve_page(key)
+            page.zero_()
+            try:
+                outcomes.append(intruder.fetch(pair.address, TENANT, [key], [page], 1.5))
+            except TransferError:
+                outcomes.append("refused")
+            assert int(page.count_nonzero()) == 0
+            pair.reader.abort(key)
+    finally:
+        intruder.close()
+
+    assert outcomes[0] == outcomes[1] and outcomes[0] in ("refused", [0])
+    deadline = time.monotonic() + 3.0
+    while pair.server.stats.handshakes_failed < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pair.server.stats.handshakes_failed == 2
+    assert pair.server.stats.batches_served == 0
+
+
+# A holder in its own process whose engine sends each frame's length at once and its block
+# DELAY_S later; it prints its address and waits to be killed.
+SLOW_HOLDER_SCRIPT = """
+import asyncio, time
+import numpy as np, torch
+from kvstore.block import HEADER_BYTES
+from kvstore.transfer.ucx import UcxEngine
+from tests.transfer.conftest import KEYS, new_store, payload
+
+class SlowData(UcxEngine):
+    async def _send_frame(self, link, key, whole):
+        if whole is None:
+            return await super()._send_frame(link, key, whole)
+        data = whole.reshape(-1).view(torch.uint8).cpu().numpy()
+        link.next_mac(key, data.size)
+        await link.endpoint.send(np.array([data.size], dtype=np.uint64))
+        await asyncio.sleep(1.0)
+        await link.endpoint.send(data)
+
+store = new_store(1 << 20, 2)
+store.put(KEYS[0], None, payload(0, (1 << 20) - HEADER_BYTES))
+print(SlowData(tls="tcp", net_devices="lo").serve(store.open_block), flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_fetch_whose_loop_is_wedged_returns_only_once_no_receive_can_land(monkeypatch):
+    """The fetching thread gives up on a wedged event loop, but UCX's progress thread still
+    completes receives: fetch must not return while one is posted into a page."""
+    monkeypatch.setattr(ucx, "_GRACE_S", 0.2)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", SLOW_HOLDER_SCRIPT], cwd=REPO_ROOT, stdout=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    client = UcxEngine(**LOOPBACK)
+    try:
+        address = holder.stdout.readline().strip()
+        page = torch.zeros(1 << 20, dtype=torch.uint8)
+        assert client.fetch(address, TENANT, KEYS[1:2], [page], 10.0) == [0]  # dial first
+        runtime = client._runtime()
+        wedge = threading.Timer(0.1, runtime.loop.call_soon_threadsafe, (time.sleep, 2.0))
+        wedge.start()  # the loop stalls once the length arrived and the page receive is posted
+
+        received = client.fetch(address, TENANT, KEYS[:1], [page], 0.3)
+        page.fill_(0x55)  # the caller frees the page
+        time.sleep(2.5)
+
+        assert received == [0]
+        assert int((page != 0x55).sum()) == 0  # nothing landed after fetch returned
+    finally:
+        holder.kill()
+        holder.wait()
+        for arena in SHM_DIR.glob(f"{ARENA_PREFIX}{holder.pid}-*"):
+            arena.unlink(missing_ok=True)
+        client.close()

@@ -1,0 +1,125 @@
+"""Peer authentication and block MACs shared by the transfer engines: a cluster-secret handshake
+(both sides prove the secret with HMAC-SHA256 over both nonces and their role) and, per block,
+a Poly1305 tag under a one-time key derived from the session key, the block's key and sequence.
+
+Runs inside the node agent, on whichever thread or event loop an engine serves or fetches on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import logging
+import os
+import struct
+from dataclasses import dataclass
+
+from cryptography.hazmat.primitives.poly1305 import Poly1305
+
+from kvstore.block import MAX_TENANT_BYTES, encode_tenant
+from kvstore.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+NONCE_BYTES = 32
+PROOF_BYTES = 32  # HMAC-SHA256
+HELLO_BYTES = NONCE_BYTES + PROOF_BYTES  # the client's nonce, then its proof
+TAG_BYTES = 16  # Poly1305
+MIN_SECRET_BYTES = 16
+_LABEL = b"kvstore-transfer-v1"
+_BLOCK = struct.Struct("<QQ")  # sequence number, block length
+
+
+def check_secret(secret: bytes | None) -> bytes | None:
+    """The cluster secret as given, or ConfigError saying what to change."""
+    if secret is not None and (not isinstance(secret, bytes) or len(secret) < MIN_SECRET_BYTES):
+        raise ConfigError(f"cluster_secret must be bytes of at least {MIN_SECRET_BYTES} bytes")
+    return secret
+
+
+def new_nonce() -> bytes:
+    return os.urandom(NONCE_BYTES)
+
+
+def _prove(secret: bytes, role: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
+    message = _LABEL + b"/" + role + server_nonce + client_nonce
+    return hmac.new(secret, message, hashlib.sha256).digest()
+
+
+def client_hello(secret: bytes, server_nonce: bytes) -> tuple[bytes, bytes]:
+    """What a client answers the server's nonce with (its nonce + proof), and its nonce."""
+    client_nonce = new_nonce()
+    return client_nonce + _prove(secret, b"client", server_nonce, client_nonce), client_nonce
+
+
+def accept_hello(secret: bytes, server_nonce: bytes, hello: bytes) -> tuple[bytes, Session] | None:
+    """Server side: the proof to send back and the session, or None if the client failed."""
+    client_nonce, proof = hello[:NONCE_BYTES], hello[NONCE_BYTES:]
+    if len(hello) != HELLO_BYTES or not hmac.compare_digest(
+        proof, _prove(secret, b"client", server_nonce, client_nonce)
+    ):
+        return None
+    session = Session.derive(secret, server_nonce, client_nonce)
+    return _prove(secret, b"server", server_nonce, client_nonce), session
+
+
+def accept_reply(
+    secret: bytes, server_nonce: bytes, client_nonce: bytes, proof: bytes
+) -> Session | None:
+    """Client side: the session, or None if the server failed to prove the secret."""
+    if not hmac.compare_digest(proof, _prove(secret, b"server", server_nonce, client_nonce)):
+        return None
+    return Session.derive(secret, server_nonce, client_nonce)
+
+
+@dataclass(frozen=True)
+class Session:
+    """A connection's key for block MACs. Both ends hold the same one; it never travels."""
+
+    key: bytes
+
+    @classmethod
+    def derive(cls, secret: bytes, server_nonce: bytes, client_nonce: bytes) -> Session:
+        return cls(_prove(secret, b"session", server_nonce, client_nonce))
+
+    def block_mac(self, sequence: int, key: bytes, length: int) -> Poly1305:
+        """A MAC for the `sequence`-th frame of the connection, for block `key` of `length`
+        bytes. Its one-time key binds all three, so a tag never verifies another frame."""
+        one_time = hmac.new(self.key, _BLOCK.pack(sequence, length) + key, hashlib.sha256)
+        return Poly1305(one_time.digest())
+
+
+def tag_matches(mac: Poly1305, tag: bytes | memoryview) -> bool:
+    return hmac.compare_digest(mac.finalize(), bytes(tag))
+
+
+def decode_tenant(raw: bytes) -> str | None:
+    """A tenant read off the wire, or None if it is not one `encode_tenant` accepts."""
+    if not 0 < len(raw) <= MAX_TENANT_BYTES:
+        return None
+    try:
+        tenant = raw.decode()
+        encode_tenant(tenant)
+    except (UnicodeDecodeError, ConfigError):
+        return None
+    return tenant
+
+
+def warn_if_open(engine: str, host: str, secret: bytes | None) -> None:
+    """Log once per serving engine that a non-loopback listener without a secret is open."""
+    if secret is not None or _is_loopback(host):
+        return
+    logger.warning(
+        "%s engine serves %s without a cluster_secret: any host that reaches it can read "
+        "every block; set a cluster secret", engine, host,
+    )  # fmt: skip
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

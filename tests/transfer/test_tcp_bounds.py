@@ -1,0 +1,141 @@
+"""The tcp engine's serving bounds, narrated: a peer that reads a batch slowly, or dribbles its
+request, is dropped when the batch deadline passes and every pin it held is released; the
+connection caps (in total and per peer host) refuse extras at once and count them."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from kvstore.block import HEADER_BYTES
+from kvstore.errors import ConfigError
+from kvstore.transfer.tcp import TcpEngine
+from kvstore.transfer.tcp_wire import pack_request
+from tests.transfer.conftest import KEYS, TENANT, new_store, payload
+
+PAGE_BYTES = 4 << 20
+
+
+@pytest.fixture
+def holder():
+    store = new_store(PAGE_BYTES, 4)
+    for n in range(4):
+        store.put(KEYS[n], None, payload(n, PAGE_BYTES - HEADER_BYTES))
+    yield store
+    store.close()
+
+
+def serving(store, **options) -> tuple[TcpEngine, tuple[str, int]]:
+    engine = TcpEngine(**options)
+    host, port = engine.serve(store.open_block).rsplit(":", 1)
+    return engine, (host, int(port))
+
+
+def connect(address: tuple[str, int], source: str = "127.0.0.1", rcvbuf: int = 0):
+    sock = socket.socket()
+    if rcvbuf:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)  # before connect: window
+    sock.bind((source, 0))
+    sock.connect(address)
+    sock.settimeout(3.0)
+    return sock
+
+
+def until(condition, within_s: float) -> float:
+    """Seconds until `condition()` held (fails the test past `within_s`)."""
+    started = time.monotonic()
+    while not condition():
+        assert time.monotonic() - started < within_s, "condition not met in time"
+        time.sleep(0.01)
+    return time.monotonic() - started
+
+
+def hung_up(sock: socket.socket) -> bool:
+    """Whether the server closed `sock` (reads drain to EOF or a reset)."""
+    try:
+        sock.settimeout(0.01)
+        while data := sock.recv(1 << 20):
+            del data
+        return True
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_a_slow_reader_is_dropped_at_the_batch_deadline_and_its_pins_released(holder):
+    server, address = serving(holder, batch_deadline_s=0.5, socket_buffer_bytes=64 << 10)
+    try:
+        sock = connect(address, rcvbuf=4096)
+        sock.sendall(pack_request(TENANT, KEYS[:4]))
+        until(lambda: holder.pins_held() > 0, within_s=2.0)  # serving block 0, we read nothing
+        started = time.monotonic()
+
+        until(lambda: holder.pins_held() == 0, within_s=2.0)
+        released_after_s = time.monotonic() - started
+        until(lambda: hung_up(sock), within_s=2.0)
+        sock.close()
+    finally:
+        server.close()
+
+    assert released_after_s < 1.0  # the deadline, not 4 blocks x 30 s of send timeouts
+    assert server.stats.batches_served == 0
+
+
+def test_a_dribbled_request_is_dropped_at_the_batch_deadline(holder):
+    server, address = serving(holder, batch_deadline_s=0.4)
+    request = pack_request(TENANT, KEYS[:2])
+    try:
+        sock = connect(address)
+        started = time.monotonic()
+        for byte in request[:-1]:  # never quite finishes the request
+            if hung_up(sock):
+                break
+            sock.send(bytes([byte]))
+            time.sleep(0.05)
+        until(lambda: hung_up(sock), within_s=2.0)
+        dropped_after_s = time.monotonic() - started
+        sock.close()
+    finally:
+        server.close()
+
+    assert dropped_after_s < 1.2
+    assert holder.pins_held() == 0
+
+
+def test_connection_caps_refuse_extras_at_once_and_count_them(holder):
+    server, address = serving(holder, max_connections=3, max_connections_per_peer=2)
+    try:
+        kept = [connect(address), connect(address)]
+        until(lambda: server.stats.connections_accepted == 2, within_s=2.0)
+        third_from_same_host = connect(address)
+        other_host = connect(address, source="127.0.0.2")
+        until(lambda: server.stats.connections_accepted == 3, within_s=2.0)
+        over_total = connect(address, source="127.0.0.3")
+        until(lambda: server.stats.connections_refused == 2, within_s=2.0)
+
+        assert hung_up(third_from_same_host) and hung_up(over_total)
+        assert not hung_up(kept[0]) and not hung_up(other_host)
+
+        kept.pop().close()  # a freed slot admits the next connection
+        until(lambda: len(server._peers) == 2, within_s=2.0)
+        again = connect(address)
+        until(lambda: server.stats.connections_accepted == 4, within_s=2.0)
+        assert not hung_up(again)
+        for sock in [*kept, third_from_same_host, other_host, over_total, again]:
+            sock.close()
+    finally:
+        server.close()
+    assert server.stats.connections_refused == 2
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"batch_deadline_s": 0}, {"max_connections": 0}, {"cluster_secret": b"short"}],
+    ids=["deadline", "cap", "short-secret"],
+)
+def test_bad_bounds_are_refused_with_a_config_error(options):
+    with pytest.raises(ConfigError):
+        TcpEngine(**options)
