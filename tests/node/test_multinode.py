@@ -21,7 +21,7 @@ PAYLOAD = 300_000
 @pytest.fixture
 def cluster(tmp_path, request):
     """Metadata service + node-1..3 using the transport of the test's parameter."""
-    transport = request.param
+    transport, _, secrets = request.param.partition("+")
     processes = []
     metadata, address = start_cli("metadata", "--backend", "memory", "--listen", "127.0.0.1:0")
     processes.append(metadata)
@@ -31,7 +31,7 @@ def cluster(tmp_path, request):
             node, path = start_node_process(
                 tmp_path, f"node-{index}", "--metadata-address", address,
                 "--transfer", transport, "--disk-dir", str(tmp_path / f"disk-{index}"),
-                "--disk-capacity-bytes", "64MiB",
+                "--disk-capacity-bytes", "64MiB", *_secret_flags(tmp_path, secrets, index),
             )  # fmt: skip
             processes.append(node)
             sockets[index] = path
@@ -41,6 +41,15 @@ def cluster(tmp_path, request):
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
                 process.wait(timeout=20)
+
+
+def _secret_flags(tmp_path, secrets: str, index: int) -> list[str]:
+    """With "secret": nodes 1 and 3 share a cluster secret, node 2 has another one."""
+    if not secrets:
+        return []
+    path = tmp_path / f"cluster-{index}.secret"
+    path.write_text("the-cluster-secret-0123456789" if index != 2 else "an-impostor-secret-0123456")
+    return ["--cluster-secret-file", str(path)]
 
 
 def write_prefix(socket_path, keys) -> list[torch.Tensor]:
@@ -131,3 +140,18 @@ def _holders_of(address, key) -> set[str]:
     with MetadataClient(address) as metadata:
         found = metadata.lookup("t", [key]).holders
         return {h.node_id for h in found[0]} if found else set()
+
+
+@pytest.mark.parametrize("cluster", ["tcp+secret", "ucx+secret"], indirect=True)
+def test_only_agents_that_share_the_cluster_secret_serve_each_other(cluster):
+    address, sockets, _ = cluster
+    written = write_prefix(sockets[1], KEYS)
+    assert wait_until(lambda: holders(address, KEYS) == [{"node-1"}] * 6, timeout_s=10)
+    with KVStoreClient(sockets[2], "impostor") as impostor:  # another secret: nothing
+        assert impostor.lookup("t", KEYS).remote == 6, "the metadata service knows the holder"
+        assert len(impostor.load("t", KEYS, timeout_s=3)) == 0
+    with KVStoreClient(sockets[3], "reader") as reader:  # the same secret: the prefix
+        loaded = reader.load("t", KEYS, timeout_s=10)
+        assert len(loaded) == 6
+        assert all(torch.equal(a, b) for a, b in zip(loaded.payloads, written, strict=True))
+        reader.release(loaded)
