@@ -60,13 +60,13 @@ def metadata_service(backend: str = "lmdb") -> Iterator[str]:
 
 
 @contextmanager
-def node_agent(directory: Path, page_bytes: int, pages: int) -> Iterator[Path]:
+def node_agent(directory: Path, page_bytes: int, pages: int, *flags: str) -> Iterator[Path]:
     """A node agent with an arena of `pages` pages and no metadata service; yields its socket."""
     socket_path = directory / "agent.sock"
     with cli_process(
         "node", "--socket-path", str(socket_path), "--transfer", "none",
         "--page-size-bytes", str(page_bytes), "--host-capacity-bytes", str(page_bytes * pages),
-        "--host-policy", "lru", ready="serving workers",
+        "--host-policy", "lru", *flags, ready="serving workers",
     ):  # fmt: skip
         yield socket_path
 

@@ -20,12 +20,12 @@ import torch
 
 from kvstore.bench import peers
 from kvstore.bench.timing import check_runs, gbps, machine_info
-from kvstore.block import HEADER_BYTES, payload_checksum
+from kvstore.block import HEADER_BYTES
 from kvstore.client import KVStoreClient
 from kvstore.eviction import make_policy
 from kvstore.keys import BlockKey
+from kvstore.kvcopy.verified import copy_and_checksum
 from kvstore.store import TieredStore, TierSlot
-from kvstore.tiers.base import copy_bytes
 from kvstore.tiers.host import HostTier
 from kvstore.transfer.base import make_engine
 
@@ -42,39 +42,52 @@ def _median_gbps(seconds: list[float], total_bytes: int) -> float:
 
 
 # ---- (a) shared memory: worker <-> local agent ------------------------------------------------
-def shm_results(block_bytes: int, batch: int, runs: int) -> dict[str, float]:
+def shm_results(block_bytes: int, batch: int, runs: int, access: str = "shared") -> dict:
+    """Save and load through a local agent: a shared worker writes and reads arena pages in
+    place (copy + checksum in one pass each way); a private one (another tenant's worker on a
+    shared host) goes through its own buffer, and the agent copies."""
     source = torch.randint(0, 256, (block_bytes,), dtype=torch.uint8)
     destination = torch.zeros_like(source)
-    with (
-        tempfile.TemporaryDirectory() as directory,
-        peers.node_agent(Path(directory), block_bytes + HEADER_BYTES, batch) as socket_path,
-        KVStoreClient(socket_path, "bench") as client,
-    ):
-        put_s, get_s = [], []
-        for run in range(runs + 1):
-            keys = _keys(run, batch)
-            started = time.perf_counter()
-            reservation = client.save("bench", keys, block_bytes)
-            checksums = []
-            for view in reservation.payloads:
-                copy_bytes(view, source)
-                checksums.append(payload_checksum(view))
-            client.commit(reservation, checksums=checksums)
-            put_s.append(time.perf_counter() - started)
-            started = time.perf_counter()
-            loaded = client.load("bench", keys)
-            for view in loaded.payloads:
-                copy_bytes(destination, view)
-            client.release(loaded)
-            get_s.append(time.perf_counter() - started)
-            assert len(loaded) == batch, f"loaded {len(loaded)} of {batch}"
-    memcpy_s = [_memcpy_s(source, destination, batch) for _ in range(runs)]
+    with tempfile.TemporaryDirectory() as directory:
+        flags = _private_flags(Path(directory), block_bytes * batch) if access == "private" else ()
+        with (
+            peers.node_agent(Path(directory), block_bytes + HEADER_BYTES, batch, *flags) as path,
+            KVStoreClient(path, "bench") as client,
+        ):
+            assert client.access == access, f"the agent granted {client.access}, not {access}"
+            samples = [_shm_round(client, _keys(run, batch), source, destination)
+                       for run in range(runs + 1)][1:]  # fmt: skip
     total = block_bytes * batch
-    return {
-        "shm_put_GBps": _median_gbps(put_s[1:], total),
-        "shm_get_GBps": _median_gbps(get_s[1:], total),
-        "memcpy_GBps": _median_gbps(memcpy_s, total),
+    prefix = "shm" if access == "shared" else "shm_private"
+    result = {
+        f"{prefix}_put_GBps": _median_gbps([put for put, _ in samples], total),
+        f"{prefix}_get_GBps": _median_gbps([get for _, get in samples], total),
     }
+    if access == "shared":
+        memcpy_s = [_memcpy_s(source, destination, batch) for _ in range(runs)]
+        result["memcpy_GBps"] = _median_gbps(memcpy_s, total)
+    return result
+
+
+def _private_flags(directory: Path, buffer_bytes: int) -> tuple[str, ...]:
+    table = directory / "workers.conf"
+    table.write_text(f"uid:{os.getuid()} bench private\n")
+    return ("--worker-credentials", str(table), "--private-buffer-bytes", str(buffer_bytes))
+
+
+def _shm_round(client, keys, source, destination) -> tuple[float, float]:
+    started = time.perf_counter()
+    reservation = client.save("bench", keys, source.numel())
+    checksums = [copy_and_checksum(view, source) for view in reservation.payloads]
+    client.commit(reservation, checksums=checksums)
+    put_s = time.perf_counter() - started
+    started = time.perf_counter()
+    loaded = client.load("bench", keys, verify=False)  # verified as copied, below
+    verified = all(loaded.copy_to(index, destination) for index in range(len(loaded)))
+    client.release(loaded)
+    get_s = time.perf_counter() - started
+    assert len(loaded) == len(keys) and verified, f"loaded {len(loaded)} of {len(keys)}"
+    return put_s, get_s
 
 
 def _memcpy_s(source: torch.Tensor, destination: torch.Tensor, batch: int) -> float:
@@ -163,12 +176,17 @@ def run_transfer(runs: int = 5, sizes_mib=(4, 16), batch: int = BATCH, ucx: bool
         block_bytes = size_mib * MIB
         measured = {}
         measured.update(shm_results(block_bytes, batch, runs))
+        measured.update(shm_results(block_bytes, batch, runs, access="private"))
         measured.update(remote_results("tcp", block_bytes, batch, runs))
         measured.update(socket_results(block_bytes, batch, runs))
         if ucx:
             measured.update(remote_results("ucx", block_bytes, batch, runs))
         measured.update(redis_results(block_bytes, batch, runs))
         measured["shm_get_vs_memcpy"] = measured["shm_get_GBps"] / measured["memcpy_GBps"]
+        measured["shm_put_vs_memcpy"] = measured["shm_put_GBps"] / measured["memcpy_GBps"]
+        measured["private_get_vs_shared"] = (
+            measured["shm_private_get_GBps"] / measured["shm_get_GBps"]
+        )
         measured["tcp_get_vs_socket"] = measured["tcp_get_GBps"] / measured["socket_GBps"]
         measured["tcp_get_vs_redis"] = measured["tcp_get_GBps"] / measured["redis_get_GBps"]
         result.update({f"{name}_{size_mib}MiB": value for name, value in measured.items()})
