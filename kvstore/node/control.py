@@ -148,7 +148,7 @@ class ControlServer:
         """Read the hello and authenticate; None (connection to close) if that fails."""
         request = None
         try:
-            request = self._recv(conn)
+            request = self._recv(conn, idle_timeout_s=self.limits.frame_timeout_s)
             if request is None:
                 return None
             if request.WhichOneof("call") != "hello":
@@ -189,8 +189,10 @@ class ControlServer:
                     self.refused["frames"] += 1
             logger.info("worker %s disconnected: %s", session.name or "?", exc)
 
-    def _recv(self, conn: socket.socket) -> pb.AgentRequest | None:
-        conn.settimeout(None)  # a worker may idle for as long as it likes between requests
+    def _recv(self, conn: socket.socket, idle_timeout_s: float | None = None):
+        """The next request. A worker may idle as long as it likes between requests; before
+        its hello, only `idle_timeout_s` (a silent connection holds no slot for long)."""
+        conn.settimeout(idle_timeout_s)
         return framing.recv_message(
             conn, pb.AgentRequest, self.limits.max_frame_bytes, self.limits.frame_timeout_s
         )

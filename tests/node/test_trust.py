@@ -299,3 +299,13 @@ def test_a_private_workers_load_is_verified_as_it_is_copied_out(two_tenants):
     assert len(loaded) == 2 and all(bool((p == 0x33).all()) for p in loaded.payloads)
     assert agent.store.pins_held() == 0, "a private worker never holds arena pins"
     alice.release(loaded)
+
+
+def test_a_connection_that_never_says_hello_holds_no_slot(tmp_path):
+    with running_agent(tmp_path, max_workers=1, control_frame_timeout_s=0.5) as agent:
+        silent = socket.socket(socket.AF_UNIX)
+        silent.connect(str(agent.config.socket_path))  # and says nothing
+        wait_until(lambda: agent.control.connections == 0, timeout_s=5)
+        with KVStoreClient(agent.config.socket_path) as client:  # the one slot is free again
+            assert client.lookup("t", KEYS).total == 0
+        silent.close()
