@@ -21,7 +21,7 @@ from kvstore.errors import ConfigError
 from kvstore.layout import DTYPES, KVLayout
 
 SUPPORTED_LAYOUTS = ("page_first", "page_first_direct")
-SLICE_BYTES = 1 << 20  # copy and hash about this much at a time: it stays in cache
+SLICE_BYTES = 256 << 10  # copy and hash about this much at a time: it stays in cache
 
 
 @dataclass(frozen=True)
