@@ -204,6 +204,12 @@ def _bench_gpu(args: argparse.Namespace) -> dict:
     return run_gpu(device=args.device, chunks=args.chunks, runs=args.runs, quick=args.quick)
 
 
+def _bench_sglang(args: argparse.Namespace) -> dict:
+    from kvstore.bench.sglang import run_sglang
+
+    return run_sglang(pages=args.pages, runs=args.runs, quick=args.quick)
+
+
 def _bench_vllm(args: argparse.Namespace) -> dict:
     from kvstore.bench.vllm import run_vllm
 
@@ -296,6 +302,12 @@ def build_parser() -> argparse.ArgumentParser:
     gpu.add_argument("--quick", action="store_true", help="a small model, for smoke tests")
     gpu.add_argument("--json", action="store_true")
     gpu.set_defaults(handler=_bench_gpu)
+    sglang = benches.add_parser("sglang", help="SGLang HiCache batch_set_v1/get_v1 vs memcpy")
+    sglang.add_argument("--pages", type=int, default=64, help="64-token Llama-3-8B pages")
+    sglang.add_argument("--runs", type=int, default=3, help="timed passes; medians reported")
+    sglang.add_argument("--quick", action="store_true", help="a small model, for smoke tests")
+    sglang.add_argument("--json", action="store_true")
+    sglang.set_defaults(handler=_bench_sglang)
     vllm = benches.add_parser("vllm", help="TTFT of a long prompt: cold vs 50 %% / 90 %% cached")
     vllm.add_argument("--runs", type=int, default=5, help="repetitions; medians are reported")
     vllm.add_argument("--prompt-tokens", type=int, default=4096)

@@ -1,0 +1,263 @@
+"""`KVStoreHiCacheStorage`: SGLang's HiCache L3 storage over the host's kvstore node agent.
+
+Built by SGLang's StorageBackendFactory in each scheduler process (one per TP rank); its
+methods run on the cache controller's prefetch and backup threads. Zero copy (interface_v1):
+host-pool pages are copied straight to and from the agent's shared arena, checksummed in the
+same pass. Agent failures are misses and Falses, never exceptions: the engine recomputes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+)
+
+from connectors.sglang import pages
+from connectors.sglang.config import BackendSettings
+from connectors.sglang.stats import BackendStats
+from connectors.vllm.fingerprint import model_fingerprint
+from kvstore import errors
+from kvstore.client import KVStoreClient
+from kvstore.codec import CODEC_IDS
+from kvstore.keys import KEY_BYTES, Namespace
+
+logger = logging.getLogger(__name__)
+_KEY_PERSON = b"kvstore-sglang1"
+_FAILURES = (errors.KVStoreError, OSError)
+
+
+class KVStoreHiCacheStorage(HiCacheStorage):
+    """One TP rank's view of kvstore. MHA ranks store their own shard (keys per rank); MLA
+    ranks share one copy, written by SGLang's storage writer (rank 0) and read by every rank.
+    Thread-safe: the client serialises calls; counters take a lock."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None) -> None:
+        extra = storage_config.extra_config or {}
+        if not extra.get("interface_v1"):
+            raise errors.ConfigError(
+                'the kvstore HiCache backend is zero-copy only: add "interface_v1": 1 to '
+                "--hicache-storage-backend-extra-config"
+            )
+        self.settings = BackendSettings.from_extra_config(extra)
+        self.storage_config = storage_config
+        self.stats = BackendStats()
+        self.mem_pool_host = None
+        self._format: pages.PageFormat | None = None
+        self._root = b""
+        self._client: KVStoreClient | None = None
+        self._client_lock = threading.Lock()
+        self._next_connect_s = 0.0
+        self._connect()  # best effort: a missing agent is a miss until it comes
+
+    # ---- setup -----------------------------------------------------------------------------
+    def register_mem_pool_host(self, mem_pool_host) -> None:
+        """Refuses (ConfigError) a pool whose layout or kind this backend cannot store."""
+        config = self.storage_config
+        self._format = pages.page_format(mem_pool_host, config.is_mla_model, self.settings.codec)
+        self.mem_pool_host = mem_pool_host
+        self.namespace = self._namespace(mem_pool_host)
+        self._root = self.namespace.root_key()
+        logger.info(
+            "kvstore HiCache backend: %s, %d-byte pages, tp %d/%d, writer %s",
+            self._format.layout_id, self._format.payload_bytes, config.tp_rank,
+            config.tp_size, config.is_storage_writer,
+        )  # fmt: skip
+
+    def _namespace(self, pool) -> Namespace:
+        """MHA: one namespace per TP rank (each holds its heads); MLA: one for all ranks
+        (and one per DCP shard). Pipeline stages hold different layers: they never share."""
+        config, settings = self.storage_config, self.settings
+        model = settings.model_path or config.model_name or ""
+        shards = (1, 0) if not config.is_mla_model else (config.dcp_size, config.dcp_rank)
+        tp_size, tp_rank = (config.tp_size, config.tp_rank) if not config.is_mla_model else shards
+        stage = f"pp{config.pp_rank}of{config.pp_size}-layers{pool.start_layer}:{pool.end_layer}"
+        return Namespace(
+            model_fingerprint=model_fingerprint(Path(model), settings.model_revision),
+            layout_id=f"{self._format.layout_id}|sglang-{stage}",
+            tp_size=tp_size, tp_rank=tp_rank, tenant=settings.tenant, salt=settings.salt,
+        )  # fmt: skip
+
+    def _store_key(self, key: str) -> bytes:
+        """The kvstore key of an SGLang page hash: the hash carries no model identity, so it
+        is keyed by the namespace root (model, layout, codec, rank, tenant, salt)."""
+        digest = hashlib.blake2b(key.encode(), digest_size=KEY_BYTES, key=self._root,
+                                 person=_KEY_PERSON)  # fmt: skip
+        return digest.digest()
+
+    # ---- the agent connection --------------------------------------------------------------
+    def _connect(self) -> KVStoreClient | None:
+        """The live client, reconnecting at most every reconnect_interval_s; None if down."""
+        with self._client_lock:
+            if self._client is not None and not self._client.broken:
+                return self._client
+            now = time.monotonic()
+            if now < self._next_connect_s:
+                return None
+            self._next_connect_s = now + self.settings.reconnect_interval_s
+            if self._client is not None:
+                self._drop(self._client)
+                self.stats.count(reconnects=1)
+            self._client = None
+            try:
+                self._client = KVStoreClient(
+                    self.settings.socket_path, worker=f"sglang-tp{self.storage_config.tp_rank}",
+                    timeout_s=self.settings.timeout_s,
+                    credential_file=self.settings.credential_file or None,
+                )  # fmt: skip
+            except _FAILURES as exc:
+                logger.warning(
+                    "kvstore agent unavailable at %s: %s", self.settings.socket_path, exc
+                )
+            return self._client
+
+    @staticmethod
+    def _drop(client: KVStoreClient) -> None:
+        try:
+            client.close()
+        except Exception:
+            logger.debug("closing a broken kvstore client failed", exc_info=True)
+
+    def _ready(self) -> KVStoreClient | None:
+        return self._connect() if self._format is not None else None
+
+    # ---- the hot path (interface_v1) -------------------------------------------------------
+    def batch_exists(
+        self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> int:
+        """How many leading keys this host or another node can serve; 0 when the agent is down."""
+        client = self._ready()
+        hits = 0
+        if client is not None and keys:
+            try:
+                hits = client.lookup(self.settings.tenant, [self._store_key(k) for k in keys]).total
+            except _FAILURES as exc:
+                logger.warning("kvstore lookup failed: %s", exc)
+        self.stats.count(exists_calls=1, hit_pages=hits, miss_pages=len(keys) - hits)
+        return hits
+
+    def batch_get_v1(
+        self, keys: list[str], host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:  # fmt: skip
+        """Load the leading keys into their host pages; a False ends the usable prefix."""
+        results = [False] * len(keys)
+        client = self._ready()
+        if client is None or not keys:
+            self.stats.count(get_failed_pages=len(keys))
+            return results
+        started = time.perf_counter()
+        starts = host_indices[:: self._format.page_tokens].tolist()
+        loaded = None
+        try:
+            loaded = client.load(self.settings.tenant, [self._store_key(k) for k in keys],
+                                 timeout_s=self.settings.load_timeout_s, verify=False)  # fmt: skip
+            for i in range(len(loaded)):
+                if not pages.load_page(self._format, loaded.payloads[i], loaded.checksums[i],
+                                       starts[i]):  # fmt: skip
+                    logger.warning("kvstore page %s changed while it was read: a miss", keys[i])
+                    break
+                results[i] = True
+        except _FAILURES as exc:
+            logger.warning("kvstore load failed: %s", exc)
+        finally:
+            if loaded is not None:
+                self._release(client, loaded)
+        got = results.index(False) if False in results else len(results)
+        results[got:] = [False] * (len(keys) - got)
+        self.stats.record_get(got, len(keys) - got, got * self._format.payload_bytes,
+                              time.perf_counter() - started)  # fmt: skip
+        return results
+
+    def _release(self, client: KVStoreClient, loaded) -> None:
+        try:
+            client.release(loaded)
+        except _FAILURES as exc:  # the agent frees a broken connection's pins itself
+            logger.warning("kvstore release failed: %s", exc)
+
+    def batch_set_v1(
+        self, keys: list[str], host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:  # fmt: skip
+        """Store host pages under their keys (a chain: each page's parent is the one before)."""
+        if not self.storage_config.is_storage_writer:
+            return [True] * len(keys)  # MLA: the writer rank stores the one shared copy
+        client = self._ready()
+        if client is None or not keys:
+            self.stats.count(set_failed_pages=len(keys))
+            return [False] * len(keys)
+        started = time.perf_counter()
+        results = self._save(client, keys, host_indices, extra_info)
+        stored = sum(results)
+        self.stats.record_set(stored, len(keys) - stored, stored * self._format.payload_bytes,
+                              time.perf_counter() - started)  # fmt: skip
+        return results
+
+    def _save(self, client, keys, host_indices, extra_info) -> list[bool]:
+        fmt, store_keys = self._format, [self._store_key(k) for k in keys]
+        prefix = extra_info.prefix_keys if extra_info is not None else None
+        parent = self._store_key(prefix[-1]) if prefix else None
+        starts = host_indices[:: fmt.page_tokens].tolist()
+        reservation = None
+        try:
+            reservation = client.save(
+                self.settings.tenant, store_keys, fmt.payload_bytes, first_parent=parent,
+                layout_hash=fmt.layout_hash, codec_id=CODEC_IDS[self.settings.codec],
+            )  # fmt: skip
+            written, checksums = [], []
+            for key, view, start in zip(store_keys, reservation.payloads, starts, strict=True):
+                if view is not None:
+                    checksums.append(pages.save_page(fmt, start, view))
+                    written.append(key)
+            if written:
+                client.commit(reservation, keys=written, checksums=checksums)
+            return [True] * len(keys)
+        except _FAILURES as exc:
+            logger.warning("kvstore save of %d pages failed: %s", len(keys), exc)
+            if reservation is not None:
+                self._abort(client, reservation)
+            return [False] * len(keys)
+
+    def _abort(self, client: KVStoreClient, reservation) -> None:
+        try:
+            client.abort(reservation)
+        except _FAILURES:  # a broken connection's reservations are freed by the agent
+            logger.debug("kvstore abort failed", exc_info=True)
+
+    # ---- the per-key interface SGLang still declares abstract ------------------------------
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None):
+        raise NotImplementedError("the kvstore backend is zero-copy only: use batch_get_v1")
+
+    def batch_get(self, keys, target_locations: Any = None, target_sizes: Any = None):
+        raise NotImplementedError("the kvstore backend is zero-copy only: use batch_get_v1")
+
+    def set(self, key, value: Any = None, target_location: Any = None, target_sizes: Any = None):
+        raise NotImplementedError("the kvstore backend is zero-copy only: use batch_set_v1")
+
+    def batch_set(self, keys, values: Any = None, target_locations: Any = None,
+                  target_sizes: Any = None):  # fmt: skip
+        raise NotImplementedError("the kvstore backend is zero-copy only: use batch_set_v1")
+
+    # ---- lifecycle and metrics -------------------------------------------------------------
+    def get_stats(self):
+        """SGLang's StorageMetrics of the calls since the last get_stats, plus running totals
+        of hits, misses and bytes (`totals`)."""
+        return self.stats.take()
+
+    def close(self) -> None:
+        with self._client_lock:
+            if self._client is not None:
+                self._drop(self._client)
+            self._client = None
