@@ -1,8 +1,9 @@
 """The gRPC servicer of the metadata service: checks, authorisation, metrics, error mapping.
 
-Runs in the metadata service process, on the gRPC server's handler threads. Every RPC is
-wrapped by `_unary`, which authenticates, times it, and maps kvstore errors to status codes
-through STATUS_FOR, the one table of that mapping.
+Runs in the metadata service process: unary RPCs on the gRPC asyncio server's handler threads,
+WatchEvents on its loop (watch.py), so streams never take the threads heartbeats need. Every
+unary RPC is wrapped by `_unary`, which authenticates, times it, and maps kvstore errors to
+status codes through STATUS_FOR, the one table of that mapping.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -21,6 +22,7 @@ from kvstore.metadata import wire
 from kvstore.metadata.auth import TenantScope, TokenAuth
 from kvstore.metadata.index import MetadataIndex
 from kvstore.metadata.metrics import MetadataMetrics
+from kvstore.metadata.watch import EventStreams
 from kvstore.v1 import metadata_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -47,7 +49,7 @@ def status_for(exc: Exception) -> grpc.StatusCode:
 
 @dataclass(frozen=True)
 class ServiceLimits:
-    max_batch: int = 4096  # keys per Lookup/Route, entries per Publish/Unpublish
+    max_batch: int = 4096  # keys per Lookup/Route, entries per Publish/Unpublish, candidates
     default_lease_ttl_ms: int = 10_000
     min_lease_ttl_ms: int = 500
     max_lease_ttl_ms: int = 600_000
@@ -94,11 +96,12 @@ def _wrap_unary(request_cls: type[Message], method: Callable) -> Callable:
 class MetadataServicer:
     def __init__(
         self, index: MetadataIndex, auth: TokenAuth, metrics: MetadataMetrics,
-        limits: ServiceLimits = ServiceLimits(),
+        streams: EventStreams, limits: ServiceLimits = ServiceLimits(),
     ) -> None:  # fmt: skip
         self.index = index
         self.auth = auth
         self.metrics = metrics
+        self.streams = streams
         self.limits = limits
 
     # ---- membership -----------------------------------------------------------------------
@@ -193,7 +196,10 @@ class MetadataServicer:
         if not requested:
             return sorted(live)
         if len(requested) > self.limits.max_batch:
-            raise errors.ConfigError(f"candidate_node_ids exceeds {self.limits.max_batch}")
+            raise errors.ConfigError(
+                f"candidate_node_ids has {len(requested)} entries; the limit is "
+                f"{self.limits.max_batch} per call"
+            )
         unknown = [n for n in requested if n not in live]
         if unknown:
             raise errors.NotFoundError(f"unknown or expired candidate nodes: {unknown[:5]}")
@@ -221,7 +227,8 @@ class MetadataServicer:
         return response
 
     # ---- events ---------------------------------------------------------------------------
-    def WatchEvents(self, payload: bytes, context: grpc.ServicerContext):
+    async def WatchEvents(self, payload: bytes, context: grpc.aio.ServicerContext):
+        """Runs on the loop: authorisation and the slot check are cheap and never block."""
         try:
             scope = self.auth.authorize(context)
             request = _parse(pb.WatchEventsRequest, payload)
@@ -229,36 +236,16 @@ class MetadataServicer:
                 self._tenant(request.tenant, scope)
             else:
                 scope.require_all_tenants("watch every tenant's events")
+            self.streams.acquire(scope.tenant)
         except errors.KVStoreError as exc:
             self.metrics.rpcs.labels("WatchEvents", status_for(exc).name).inc()
-            context.abort(status_for(exc), str(exc))
+            await context.abort(status_for(exc), str(exc))
         self.metrics.rpcs.labels("WatchEvents", "OK").inc()
-        yield from self._event_stream(request, context)
-
-    def _event_stream(self, request: pb.WatchEventsRequest, context) -> Iterator[pb.Event]:
-        next_seq = request.from_seq or self.index.events_since(0, 0).last_seq + 1
-        while context.is_active():
-            page = self.index.events_since(next_seq, self.limits.event_batch)
-            if page.gap:
-                resume_at = page.events[0].seq if page.events else page.last_seq + 1
-                yield pb.Event(seq=resume_at - 1, kind=pb.Event.KIND_GAP)
-            for event in page.events:
-                if not request.tenant or event.tenant == request.tenant:
-                    yield _event_to_proto(event)
-            if page.events:
-                next_seq = page.events[-1].seq + 1
-            elif page.gap:
-                next_seq = page.last_seq + 1
-            else:
-                self.index.wait_for_events(next_seq - 1, self.limits.watch_poll_s)
-
-
-def _event_to_proto(event) -> pb.Event:
-    kind = pb.Event.KIND_STORED if event.kind == "stored" else pb.Event.KIND_REMOVED
-    return pb.Event(
-        seq=event.seq, kind=kind, key=event.key, tier=wire.TIER_TO_PROTO[event.tier],
-        node_id=event.node_id, tenant=event.tenant,
-    )  # fmt: skip
+        try:
+            async for event in self.streams.stream(request):
+                yield event
+        finally:
+            self.streams.release(scope.tenant)
 
 
 _UNARY_METHODS = (
