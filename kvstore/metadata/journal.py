@@ -82,8 +82,8 @@ class Journal:
                 yield JournalWriter(txn, self._dbs)
         except (lmdb.MapFullError, lmdb.TxnFullError) as exc:
             raise CapacityError(
-                f"the metadata journal {self.path} is full: its LMDB map is "
-                f"{self.map_size_bytes} bytes ({self.map_size_bytes / (1 << 30):.3g} GiB); "
+                f"the metadata journal {self.path} is full: its LMDB map size in use is "
+                f"{self.map_size_bytes} bytes ({self.map_size_bytes / (1 << 20):.4g} MiB); "
                 f"raise {MAP_SIZE_SETTING} and restart ({type(exc).__name__})"
             ) from exc
         except lmdb.DiskError as exc:
