@@ -64,6 +64,7 @@ class MetadataIndex(ABC):
     """Who holds which (tenant, key) in which tier, under node leases. Thread-safe."""
 
     backend: str = ""
+    nonblocking_reads: bool = False  # lookup/live_nodes/stats do no I/O: safe on an event loop
 
     @abstractmethod
     def register_node(self, node: NodeRecord, lease_ttl_ms: int) -> NodeRecord:

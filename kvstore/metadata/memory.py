@@ -35,6 +35,7 @@ Held = tuple[str, bytes, str]  # (tenant, key, tier)
 
 class MemoryIndex(MetadataIndex):
     backend = "lmdb"
+    nonblocking_reads = True  # reads never touch the journal (the lock is held briefly)
 
     def __init__(
         self,

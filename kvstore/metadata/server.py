@@ -1,9 +1,9 @@
 """Builds and runs the metadata service: gRPC server, health service, lease reaper, metrics.
 
 Runs in the `kvstore metadata` / `kvstore serve` process. The gRPC server is a grpc.aio server
-on a loop thread of its own: unary handlers run in its `max_workers` thread pool, WatchEvents
-streams on the loop (they hold no thread). `start()` binds and returns; `stop()` shuts
-everything down (SIGTERM handling lives in the CLI).
+on a loop thread of its own: unary writes run in a pool of `max_workers` threads, in-memory
+reads and WatchEvents streams on the loop (a stream holds no thread). `start()` binds and
+returns; `stop()` shuts everything down (SIGTERM handling lives in the CLI).
 """
 
 from __future__ import annotations
@@ -101,8 +101,9 @@ class MetadataServer:
             self.index, config.max_watch_streams_per_tenant, limits.event_batch,
             limits.watch_poll_s,
         )  # fmt: skip
+        self._pool = futures.ThreadPoolExecutor(config.max_workers, thread_name_prefix="rpc")
         self.servicer = MetadataServicer(
-            self.index, TokenAuth(tokens), self.metrics, self.streams, limits
+            self.index, TokenAuth(tokens), self.metrics, self.streams, self._pool, limits
         )
         self.health = health.aio.HealthServicer()
         self._stopping = threading.Event()
@@ -138,8 +139,7 @@ class MetadataServer:
             ("grpc.max_send_message_length", self.config.max_message_bytes),
             ("grpc.so_reuseport", 0),
         ]
-        pool = futures.ThreadPoolExecutor(self.config.max_workers, thread_name_prefix="rpc")
-        server = grpc.aio.server(migration_thread_pool=pool, options=options)
+        server = grpc.aio.server(options=options)
         server.add_generic_rpc_handlers((rpc_handlers(self.servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         port = self._bind(server)
@@ -190,6 +190,7 @@ class MetadataServer:
         if self._loop is not None and self._server is not None:
             self._on_loop(self._shutdown(grace_s), timeout_s=grace_s + START_TIMEOUT_S)
         self.streams.stop()
+        self._pool.shutdown(wait=False, cancel_futures=True)
         self._close_loop()
         if self._metrics_http is not None:
             self._metrics_http.shutdown()

@@ -1,17 +1,20 @@
 """The gRPC servicer of the metadata service: checks, authorisation, metrics, error mapping.
 
-Runs in the metadata service process: unary RPCs on the gRPC asyncio server's handler threads,
-WatchEvents on its loop (watch.py), so streams never take the threads heartbeats need. Every
-unary RPC is wrapped by `_unary`, which authenticates, times it, and maps kvstore errors to
-status codes through STATUS_FOR, the one table of that mapping.
+Runs in the metadata service process, on the gRPC asyncio loop: writes (and every call to an
+index whose reads block, Redis) run in the `pool` of unary threads, non-blocking reads inline,
+WatchEvents on the loop itself (watch.py), so streams never take the threads heartbeats need.
+Every unary RPC is wrapped by `_unary`, which authenticates, times it, and maps kvstore errors
+to status codes through STATUS_FOR, the one table of that mapping.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import grpc
@@ -65,27 +68,33 @@ def _parse(request_cls: type[Message], payload: bytes) -> Message:
         raise errors.ConfigError(f"malformed {request_cls.__name__}: {exc}") from None
 
 
-def _unary(request_cls: type[Message]) -> Callable[[Callable], Callable]:
-    return functools.partial(_wrap_unary, request_cls)
+def _unary(request_cls: type[Message], read: bool = False) -> Callable[[Callable], Callable]:
+    """`read`: the method only reads the index; it runs inline on the loop when the index says
+    its reads never block (in memory: no I/O, a short lock), else in the unary pool."""
+    return functools.partial(_wrap_unary, request_cls, read)
 
 
-def _wrap_unary(request_cls: type[Message], method: Callable) -> Callable:
+def _wrap_unary(request_cls: type[Message], read: bool, method: Callable) -> Callable:
     name = method.__name__
 
     @functools.wraps(method)
-    def handler(self: MetadataServicer, payload: bytes, context: grpc.ServicerContext):
+    async def handler(self: MetadataServicer, payload: bytes, context: grpc.aio.ServicerContext):
         started = time.perf_counter()
         code = grpc.StatusCode.OK
         try:
             scope = self.auth.authorize(context)
-            return method(self, _parse(request_cls, payload), scope)
+            request = _parse(request_cls, payload)
+            if read and self.index.nonblocking_reads:
+                return method(self, request, scope)
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self.pool, method, self, request, scope)
         except errors.KVStoreError as exc:
             code = status_for(exc)
-            context.abort(code, str(exc))
+            await context.abort(code, str(exc))
         except Exception:
             code = grpc.StatusCode.INTERNAL
             logger.exception("%s failed", name)
-            context.abort(code, f"internal error in {name}; see the service log")
+            await context.abort(code, f"internal error in {name}; see the service log")
         finally:
             self.metrics.rpcs.labels(name, code.name).inc()
             self.metrics.latency.labels(name).observe(time.perf_counter() - started)
@@ -96,12 +105,13 @@ def _wrap_unary(request_cls: type[Message], method: Callable) -> Callable:
 class MetadataServicer:
     def __init__(
         self, index: MetadataIndex, auth: TokenAuth, metrics: MetadataMetrics,
-        streams: EventStreams, limits: ServiceLimits = ServiceLimits(),
+        streams: EventStreams, pool: Executor, limits: ServiceLimits = ServiceLimits(),
     ) -> None:  # fmt: skip
         self.index = index
         self.auth = auth
         self.metrics = metrics
         self.streams = streams
+        self.pool = pool
         self.limits = limits
 
     # ---- membership -----------------------------------------------------------------------
@@ -165,7 +175,7 @@ class MetadataServicer:
         return tenant
 
     # ---- queries --------------------------------------------------------------------------
-    @_unary(pb.LookupRequest)
+    @_unary(pb.LookupRequest, read=True)
     def Lookup(self, request: pb.LookupRequest, scope: TenantScope):
         tenant = self._tenant(request.tenant, scope)
         keys = wire.check_keys(request.keys, self.limits.max_batch)
@@ -175,7 +185,7 @@ class MetadataServicer:
         self.metrics.observe_lookup(len(keys), len(found), request.chunk_tokens)
         return response
 
-    @_unary(pb.RouteRequest)
+    @_unary(pb.RouteRequest, read=True)
     def Route(self, request: pb.RouteRequest, scope: TenantScope):
         tenant = self._tenant(request.tenant, scope)
         keys = wire.check_keys(request.keys, self.limits.max_batch)
@@ -205,7 +215,7 @@ class MetadataServicer:
             raise errors.NotFoundError(f"unknown or expired candidate nodes: {unknown[:5]}")
         return requested
 
-    @_unary(pb.StatsRequest)
+    @_unary(pb.StatsRequest, read=True)
     def Stats(self, request: pb.StatsRequest, scope: TenantScope):
         scope.require_all_tenants("read cluster stats")
         stats = self.index.stats()
