@@ -1,8 +1,9 @@
 """The index interface of the metadata service: nodes with leases, block holdings, events.
 
 Implemented by the embedded in-memory/LMDB index and the Redis index; run inside the metadata
-service process, called from many gRPC handler threads at once (implementations lock). Inputs
-arrive validated by the service; the index enforces leases and quotas.
+service process, called from many threads at once and, where `nonblocking_reads`, from the
+gRPC loop for reads (implementations lock). Inputs arrive validated by the service; the index
+enforces leases and quotas.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class MetadataIndex(ABC):
     """Who holds which (tenant, key) in which tier, under node leases. Thread-safe."""
 
     backend: str = ""
+    nonblocking_reads: bool = False  # lookup/live_nodes/stats do no I/O: safe on an event loop
 
     @abstractmethod
     def register_node(self, node: NodeRecord, lease_ttl_ms: int) -> NodeRecord:

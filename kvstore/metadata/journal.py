@@ -1,7 +1,8 @@
 """LMDB persistence of the embedded metadata index: nodes, holdings and counters.
 
-Runs inside the metadata service process; every mutation of the in-memory index is written
-through in one LMDB transaction, so a restart finds every published key and registered node.
+Runs inside the metadata service process; every mutation is committed here, in one LMDB
+transaction, before the in-memory index applies it, so a restart finds every acknowledged key and
+node. A full map or disk is a CapacityError naming the setting to raise, never a silent loss.
 """
 
 from __future__ import annotations
@@ -15,11 +16,14 @@ from pathlib import Path
 
 import lmdb
 
+from kvstore.errors import CapacityError, KVStoreError
 from kvstore.metadata.index import Holding, NodeRecord
 
 _SEP = b"\x00"
 _VALUE = struct.Struct("<QQ")  # size_bytes, checksum
-_MAP_SIZE = 8 << 30  # sparse: LMDB only uses what it writes
+DEFAULT_MAP_SIZE_BYTES = 8 << 30  # sparse: LMDB only uses what it writes
+MIN_MAP_SIZE_BYTES = 64 << 10
+MAP_SIZE_SETTING = "lmdb_map_size_bytes (KVSTORE_METADATA_LMDB_MAP_SIZE_BYTES)"
 
 
 def _holding_key(tenant: str, key: bytes, node_id: str, tier: str) -> bytes:
@@ -56,17 +60,38 @@ class JournalWriter:
 class Journal:
     """An LMDB environment under `data_dir` holding the index's durable state."""
 
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, map_size_bytes: int = DEFAULT_MAP_SIZE_BYTES) -> None:
         data_dir.mkdir(parents=True, exist_ok=True)
-        self._env = lmdb.open(str(data_dir / "metadata.lmdb"), map_size=_MAP_SIZE, max_dbs=4)
+        self.path = data_dir / "metadata.lmdb"
+        self.map_size_bytes = map_size_bytes
+        # writemap=False: with a writable map, a full disk is a SIGBUS that kills the service;
+        # without it, LMDB reports ENOSPC as DiskError, which becomes a CapacityError below.
+        self._env = lmdb.open(
+            str(self.path), map_size=map_size_bytes, max_dbs=4, writemap=False
+        )  # fmt: skip
         self._dbs = {
             name: self._env.open_db(name.encode()) for name in ("nodes", "holdings", "counters")
         }
 
     @contextmanager
     def write(self) -> Iterator[JournalWriter]:
-        with self._env.begin(write=True) as txn:
-            yield JournalWriter(txn, self._dbs)
+        """One transaction: committed when the block exits, aborted if it raises. CapacityError
+        when the map or the disk is full (nothing of the transaction is kept)."""
+        try:
+            with self._env.begin(write=True) as txn:
+                yield JournalWriter(txn, self._dbs)
+        except (lmdb.MapFullError, lmdb.TxnFullError) as exc:
+            raise CapacityError(
+                f"the metadata journal {self.path} is full: its LMDB map size in use is "
+                f"{self.map_size_bytes} bytes ({self.map_size_bytes / (1 << 20):.4g} MiB); "
+                f"raise {MAP_SIZE_SETTING} and restart ({type(exc).__name__})"
+            ) from exc
+        except lmdb.DiskError as exc:
+            raise CapacityError(
+                f"the disk under the metadata journal {self.path} is full: free space there"
+            ) from exc
+        except lmdb.Error as exc:
+            raise KVStoreError(f"the metadata journal {self.path} failed: {exc}") from exc
 
     def nodes(self) -> list[NodeRecord]:
         with self._env.begin(db=self._dbs["nodes"]) as txn:

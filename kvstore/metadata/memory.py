@@ -1,19 +1,21 @@
 """The embedded metadata index: dictionaries in memory, written through to LMDB when given a
 data directory. Runs inside the metadata service process (`kvstore serve` / `kvstore metadata`).
-One lock guards everything; a condition wakes event watchers.
+One lock guards everything; a condition wakes event watchers. Every mutation is committed to the
+journal first and applied to memory only once that succeeded; stats are kept as counters.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from kvstore.errors import LeaseError, NotFoundError, QuotaExceededError
+from kvstore.errors import CapacityError, LeaseError, NotFoundError, QuotaExceededError
 from kvstore.metadata.index import (
     BlockEntry,
     EventPage,
@@ -22,13 +24,18 @@ from kvstore.metadata.index import (
     MetadataIndex,
     NodeRecord,
 )
-from kvstore.metadata.journal import Journal
+from kvstore.metadata.journal import DEFAULT_MAP_SIZE_BYTES, Journal, JournalWriter
+from kvstore.metadata.ring import EventRing
+
+logger = logging.getLogger(__name__)
 
 Slot = tuple[str, str]  # (node_id, tier)
+Held = tuple[str, bytes, str]  # (tenant, key, tier)
 
 
 class MemoryIndex(MetadataIndex):
     backend = "lmdb"
+    nonblocking_reads = True  # reads never touch the journal (the lock is held briefly)
 
     def __init__(
         self,
@@ -36,6 +43,7 @@ class MemoryIndex(MetadataIndex):
         key_quota_per_tenant: int = 0,
         max_events: int = 100_000,
         clock: Callable[[], float] = time.time,
+        map_size_bytes: int = DEFAULT_MAP_SIZE_BYTES,
     ) -> None:
         self.backend = "lmdb" if data_dir else "memory"
         self._quota = key_quota_per_tenant
@@ -43,10 +51,12 @@ class MemoryIndex(MetadataIndex):
         self._cond = threading.Condition(threading.RLock())
         self._nodes: dict[str, NodeRecord] = {}
         self._holders: dict[tuple[str, bytes], dict[Slot, Holding]] = {}
-        self._by_node: dict[str, set[tuple[str, bytes, str]]] = {}
+        self._by_node: dict[str, set[Held]] = {}
         self._tenant_keys: Counter[str] = Counter()
-        self._events: deque[IndexEvent] = deque(maxlen=max_events)
-        self._journal = Journal(data_dir) if data_dir else None
+        self._tier_blocks: Counter[str] = Counter()
+        self._node_blocks: dict[str, Counter[str]] = {}
+        self._events = EventRing(max_events)
+        self._journal = Journal(data_dir, map_size_bytes) if data_dir else None
         self._last_seq = self._journal.counter("last_seq") if self._journal else 0
         first_lease = self._journal.counter("last_lease") + 1 if self._journal else 1
         self._lease_ids = itertools.count(first_lease)
@@ -61,6 +71,13 @@ class MemoryIndex(MetadataIndex):
             self._add_holding(tenant, key, holding)
         self.expire_leases()
 
+    def _commit(self, write: Callable[[JournalWriter], None]) -> None:
+        """Run `write` in one journal transaction (nothing without a journal). Callers change
+        memory only after this returns, so memory never holds what the journal lacks."""
+        if self._journal is not None:
+            with self._journal.write() as txn:
+                write(txn)
+
     # ---- nodes ----------------------------------------------------------------------------
     def register_node(self, node: NodeRecord, lease_ttl_ms: int) -> NodeRecord:
         with self._cond:
@@ -69,22 +86,27 @@ class MemoryIndex(MetadataIndex):
                 node, lease_id=lease_id, lease_ttl_ms=lease_ttl_ms,
                 expires_at=self._clock() + lease_ttl_ms / 1000,
             )  # fmt: skip
+
+            def write(txn: JournalWriter) -> None:
+                txn.put_node(record)
+                txn.put_counter("last_lease", lease_id)
+
+            self._commit(write)
             self._nodes[node.node_id] = record
             self._by_node.setdefault(node.node_id, set())
-            if self._journal:
-                with self._journal.write() as txn:
-                    txn.put_node(record)
-                    txn.put_counter("last_lease", lease_id)
             return record
 
     def heartbeat(self, node_id: str, lease_id: int) -> NodeRecord:
         with self._cond:
             node = self._live_node(node_id, lease_id)
             record = replace(node, expires_at=self._clock() + node.lease_ttl_ms / 1000)
+            try:
+                self._commit(lambda txn: txn.put_node(record))
+            except CapacityError as exc:
+                # A lease is soft state: a full journal must not expire every node and purge
+                # its holdings. Only a restart would see the older expiry (and re-register).
+                logger.warning("heartbeat of %s not journaled: %s", node_id, exc)
             self._nodes[node_id] = record
-            if self._journal:
-                with self._journal.write() as txn:
-                    txn.put_node(record)
             return record
 
     def _live_node(self, node_id: str, lease_id: int) -> NodeRecord:
@@ -118,12 +140,16 @@ class MemoryIndex(MetadataIndex):
 
     def _drop_node(self, node_id: str) -> int:
         held = list(self._by_node.get(node_id, ()))
-        self._remove_holdings(node_id, [(tenant, key, tier) for tenant, key, tier in held])
+
+        def write(txn: JournalWriter) -> None:
+            self._journal_removals(txn, node_id, held)
+            txn.delete_node(node_id)
+
+        self._commit(write)
+        self._forget_holdings(node_id, held)
         self._nodes.pop(node_id, None)
         self._by_node.pop(node_id, None)
-        if self._journal:
-            with self._journal.write() as txn:
-                txn.delete_node(node_id)
+        self._node_blocks.pop(node_id, None)
         return len(held)
 
     # ---- holdings -------------------------------------------------------------------------
@@ -133,21 +159,21 @@ class MemoryIndex(MetadataIndex):
         with self._cond:
             self._live_node(node_id, lease_id)
             fresh = {
-                (e.key, e.tier): e
+                (e.key, e.tier): Holding(node_id, e.tier, e.size_bytes, e.checksum)
                 for e in entries
                 if (node_id, e.tier) not in self._holders.get((tenant, e.key), {})
             }
             self._check_quota(tenant, {key for key, _ in fresh})
-            for entry in fresh.values():
-                holding = Holding(node_id, entry.tier, entry.size_bytes, entry.checksum)
-                self._add_holding(tenant, entry.key, holding)
-                self._emit("stored", tenant, entry.key, node_id, entry.tier)
-            if self._journal:
-                with self._journal.write() as txn:
-                    for entry in fresh.values():
-                        holding = Holding(node_id, entry.tier, entry.size_bytes, entry.checksum)
-                        txn.put_holding(tenant, entry.key, holding)
-                    txn.put_counter("last_seq", self._last_seq)
+
+            def write(txn: JournalWriter) -> None:
+                for (key, _), holding in fresh.items():
+                    txn.put_holding(tenant, key, holding)
+                txn.put_counter("last_seq", self._last_seq + len(fresh))
+
+            self._commit(write)
+            for (key, tier), holding in fresh.items():
+                self._add_holding(tenant, key, holding)
+                self._emit("stored", tenant, key, node_id, tier)
             return len(fresh)
 
     def _check_quota(self, tenant: str, keys: set[bytes]) -> None:
@@ -168,7 +194,9 @@ class MemoryIndex(MetadataIndex):
             held = self._by_node.get(node_id, set())
             wanted = dict.fromkeys((tenant, e.key, e.tier) for e in entries)  # dedupe, keep order
             gone = [slot for slot in wanted if slot in held]
-            self._remove_holdings(node_id, gone)
+            if gone:
+                self._commit(lambda txn: self._journal_removals(txn, node_id, gone))
+                self._forget_holdings(node_id, gone)
             return len(gone)
 
     def _add_holding(self, tenant: str, key: bytes, holding: Holding) -> None:
@@ -178,21 +206,30 @@ class MemoryIndex(MetadataIndex):
             self._tenant_keys[tenant] += 1
         holders[(holding.node_id, holding.tier)] = holding
         self._by_node.setdefault(holding.node_id, set()).add((tenant, key, holding.tier))
+        self._tier_blocks[holding.tier] += 1
+        self._node_blocks.setdefault(holding.node_id, Counter())[holding.tier] += 1
 
-    def _remove_holdings(self, node_id: str, held: list[tuple[str, bytes, str]]) -> None:
+    def _journal_removals(self, txn: JournalWriter, node_id: str, held: list[Held]) -> None:
+        for tenant, key, tier in held:
+            txn.delete_holding(tenant, key, node_id, tier)
+        if held:
+            txn.put_counter("last_seq", self._last_seq + len(held))
+
+    def _forget_holdings(self, node_id: str, held: list[Held]) -> None:
+        """Memory only: the journal already dropped them. Emits one removed event each."""
+        node_blocks = self._node_blocks.get(node_id, Counter())
         for tenant, key, tier in held:
             holders = self._holders.get((tenant, key), {})
             holders.pop((node_id, tier), None)
             if not holders:
                 self._holders.pop((tenant, key), None)
                 self._tenant_keys[tenant] -= 1
+                if not self._tenant_keys[tenant]:
+                    del self._tenant_keys[tenant]
             self._by_node.get(node_id, set()).discard((tenant, key, tier))
+            _decrement(self._tier_blocks, tier)
+            _decrement(node_blocks, tier)
             self._emit("removed", tenant, key, node_id, tier)
-        if self._journal and held:
-            with self._journal.write() as txn:
-                for tenant, key, tier in held:
-                    txn.delete_holding(tenant, key, node_id, tier)
-                txn.put_counter("last_seq", self._last_seq)
 
     def lookup(self, tenant: str, keys: Sequence[bytes]) -> list[list[Holding]]:
         with self._cond:
@@ -218,11 +255,9 @@ class MemoryIndex(MetadataIndex):
 
     def events_since(self, from_seq: int, max_events: int) -> EventPage:
         with self._cond:
-            oldest = self._events[0].seq if self._events else self._last_seq + 1
+            oldest = self._events.oldest_seq() or self._last_seq + 1
             gap = from_seq < oldest and from_seq <= self._last_seq
-            start = max(from_seq, oldest) - oldest
-            page = list(itertools.islice(self._events, start, start + max_events))
-            return EventPage(page, gap, self._last_seq)
+            return EventPage(self._events.since(from_seq, max_events), gap, self._last_seq)
 
     def wait_for_events(self, after_seq: int, timeout_s: float) -> bool:
         with self._cond:
@@ -230,16 +265,17 @@ class MemoryIndex(MetadataIndex):
 
     # ---- stats ----------------------------------------------------------------------------
     def stats(self) -> dict:
+        """From the counters kept by every change: O(nodes x tiers), not O(holdings)."""
         with self._cond:
-            per_node: dict[str, Counter[str]] = {n: Counter() for n in self._nodes}
-            for node_id, held in self._by_node.items():
-                per_node.setdefault(node_id, Counter()).update(tier for _, _, tier in held)
-            per_tier: Counter[str] = sum(per_node.values(), Counter())
+            per_node = {n: dict(self._node_blocks.get(n, {})) for n in self._nodes}
+            for node_id, counts in self._node_blocks.items():  # holdings of no known node
+                if counts and node_id not in per_node:
+                    per_node[node_id] = dict(counts)
             return {
-                "blocks": sum(per_tier.values()),
-                "blocks_per_tier": dict(per_tier),
-                "blocks_per_node": {n: dict(c) for n, c in per_node.items()},
-                "keys_per_tenant": {t: n for t, n in self._tenant_keys.items() if n},
+                "blocks": sum(self._tier_blocks.values()),
+                "blocks_per_tier": dict(self._tier_blocks),
+                "blocks_per_node": per_node,
+                "keys_per_tenant": dict(self._tenant_keys),
                 "last_event_seq": self._last_seq,
             }
 
@@ -248,3 +284,9 @@ class MemoryIndex(MetadataIndex):
             if self._journal:
                 self._journal.close()
                 self._journal = None
+
+
+def _decrement(counter: Counter[str], name: str) -> None:
+    counter[name] -= 1
+    if counter[name] <= 0:
+        del counter[name]

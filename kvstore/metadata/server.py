@@ -1,11 +1,14 @@
 """Builds and runs the metadata service: gRPC server, health service, lease reaper, metrics.
 
-Runs in the `kvstore metadata` / `kvstore serve` process. `MetadataServer.start()` binds and
+Runs in the `kvstore metadata` / `kvstore serve` process. The gRPC server is a grpc.aio server
+on a loop thread of its own: unary writes run in a pool of `max_workers` threads, in-memory
+reads and WatchEvents streams on the loop (a stream holds no thread). `start()` binds and
 returns; `stop()` shuts everything down (SIGTERM handling lives in the CLI).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from concurrent import futures
@@ -19,13 +22,17 @@ from prometheus_client import start_http_server
 from kvstore.errors import ConfigError
 from kvstore.metadata.auth import TokenAuth, load_tokens, server_credentials
 from kvstore.metadata.index import MetadataIndex
+from kvstore.metadata.journal import DEFAULT_MAP_SIZE_BYTES, MIN_MAP_SIZE_BYTES
 from kvstore.metadata.memory import MemoryIndex
 from kvstore.metadata.metrics import MetadataMetrics
 from kvstore.metadata.service import SERVICE_NAME, MetadataServicer, ServiceLimits, rpc_handlers
+from kvstore.metadata.watch import EventStreams
 
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("lmdb", "memory", "redis")
+START_TIMEOUT_S = 30.0
+MIN_MESSAGE_BYTES = 1 << 20  # a full Publish batch (4096 entries) is ~150 KiB
 
 
 @dataclass(frozen=True)
@@ -44,8 +51,10 @@ class MetadataConfig:
     key_quota_per_tenant: int = 0  # 0: unlimited
     max_events: int = 100_000
     metrics_listen: str = ""  # host:port of the Prometheus endpoint; empty: none
-    max_workers: int = 32
-    max_message_bytes: int = 16 << 20
+    max_workers: int = 32  # threads for unary RPCs; streams do not use them
+    max_message_bytes: int = 16 << 20  # received and sent; larger is RESOURCE_EXHAUSTED
+    max_watch_streams_per_tenant: int = 16  # per token scope ("*" tokens share one count)
+    lmdb_map_size_bytes: int = DEFAULT_MAP_SIZE_BYTES  # the journal's ceiling (sparse file)
     limits: ServiceLimits = field(default_factory=ServiceLimits)
 
     def __post_init__(self) -> None:
@@ -56,7 +65,13 @@ class MetadataConfig:
         if self.tls_client_ca and not self.tls_cert:
             raise ConfigError("tls_client_ca needs tls_cert and tls_key")
         if self.max_workers < 4:
-            raise ConfigError("max_workers must be at least 4 (event streams hold a thread each)")
+            raise ConfigError("max_workers must be at least 4 (threads for unary RPCs)")
+        if self.max_message_bytes < MIN_MESSAGE_BYTES:
+            raise ConfigError(f"max_message_bytes must be at least {MIN_MESSAGE_BYTES}")
+        if self.max_watch_streams_per_tenant < 1:
+            raise ConfigError("max_watch_streams_per_tenant must be at least 1")
+        if self.lmdb_map_size_bytes < MIN_MAP_SIZE_BYTES:
+            raise ConfigError(f"lmdb_map_size_bytes must be at least {MIN_MAP_SIZE_BYTES}")
 
 
 def open_index(config: MetadataConfig) -> MetadataIndex:
@@ -68,7 +83,10 @@ def open_index(config: MetadataConfig) -> MetadataIndex:
             key_quota_per_tenant=config.key_quota_per_tenant, max_events=config.max_events,
         )  # fmt: skip
     data_dir = config.data_dir if config.backend == "lmdb" else None
-    return MemoryIndex(data_dir, config.key_quota_per_tenant, config.max_events)
+    return MemoryIndex(
+        data_dir, config.key_quota_per_tenant, config.max_events,
+        map_size_bytes=config.lmdb_map_size_bytes,
+    )  # fmt: skip
 
 
 class MetadataServer:
@@ -78,40 +96,70 @@ class MetadataServer:
         self.metrics = MetadataMetrics()
         self.metrics.watch_index(self.index.stats, lambda: len(self.index.live_nodes()))
         tokens = load_tokens(config.token_file) if config.token_file else {}
-        self.servicer = MetadataServicer(self.index, TokenAuth(tokens), self.metrics, config.limits)
-        self.health = health.HealthServicer()
+        limits = config.limits
+        self.streams = EventStreams(
+            self.index, config.max_watch_streams_per_tenant, limits.event_batch,
+            limits.watch_poll_s,
+        )  # fmt: skip
+        self._pool = futures.ThreadPoolExecutor(config.max_workers, thread_name_prefix="rpc")
+        self.servicer = MetadataServicer(
+            self.index, TokenAuth(tokens), self.metrics, self.streams, self._pool, limits
+        )
+        self.health = health.aio.HealthServicer()
         self._stopping = threading.Event()
-        self._server: grpc.Server | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: threading.Thread | None = None
+        self._server: grpc.aio.Server | None = None
         self._metrics_http = None
         self.port = 0
         self.metrics_port = 0
 
     def start(self) -> int:
         """Bind, serve, start the lease reaper; returns the bound port."""
+        self._loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(
+            target=self._loop.run_forever, name="metadata-grpc", daemon=True
+        )
+        self._loop_thread.start()
+        try:
+            self.port = self._on_loop(self._serve())
+        except BaseException:
+            self._close_loop()
+            raise
+        threading.Thread(target=self._reap_leases, name="lease-reaper", daemon=True).start()
+        self._start_metrics()
+        return self.port
+
+    def _on_loop(self, coroutine, timeout_s: float = START_TIMEOUT_S):
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout_s)
+
+    async def _serve(self) -> int:
         options = [
             ("grpc.max_receive_message_length", self.config.max_message_bytes),
             ("grpc.max_send_message_length", self.config.max_message_bytes),
             ("grpc.so_reuseport", 0),
         ]
-        server = grpc.server(futures.ThreadPoolExecutor(self.config.max_workers), options=options)
+        server = grpc.aio.server(options=options)
         server.add_generic_rpc_handlers((rpc_handlers(self.servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        self.port = self._bind(server)
-        server.start()
+        port = self._bind(server)
+        await server.start()
         self._server = server
         for name in ("", SERVICE_NAME):
-            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        threading.Thread(target=self._reap_leases, name="lease-reaper", daemon=True).start()
-        self._start_metrics()
-        return self.port
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.streams.start(asyncio.get_running_loop())
+        return port
 
-    def _bind(self, server: grpc.Server) -> int:
+    def _bind(self, server: grpc.aio.Server) -> int:
         config = self.config
-        if config.tls_cert:
-            creds = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
-            port = server.add_secure_port(config.listen, creds)
-        else:
-            port = server.add_insecure_port(config.listen)
+        try:
+            if config.tls_cert:
+                creds = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
+                port = server.add_secure_port(config.listen, creds)
+            else:
+                port = server.add_insecure_port(config.listen)
+        except RuntimeError:
+            port = 0
         if port == 0:
             raise ConfigError(f"cannot listen on {config.listen!r} (in use or not an address)")
         return port
@@ -139,9 +187,24 @@ class MetadataServer:
 
     def stop(self, grace_s: float = 2.0) -> None:
         self._stopping.set()
-        self.health.enter_graceful_shutdown()
-        if self._server is not None:
-            self._server.stop(grace_s).wait()
+        if self._loop is not None and self._server is not None:
+            self._on_loop(self._shutdown(grace_s), timeout_s=grace_s + START_TIMEOUT_S)
+        self.streams.stop()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._close_loop()
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
         self.index.close()
+
+    async def _shutdown(self, grace_s: float) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self._server.stop(grace_s)
+        self._server = None
+
+    def _close_loop(self) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._loop_thread.join(timeout=START_TIMEOUT_S)
+            if not self._loop.is_running():
+                self._loop.close()
+            self._loop = None

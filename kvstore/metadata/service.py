@@ -1,16 +1,20 @@
 """The gRPC servicer of the metadata service: checks, authorisation, metrics, error mapping.
 
-Runs in the metadata service process, on the gRPC server's handler threads. Every RPC is
-wrapped by `_unary`, which authenticates, times it, and maps kvstore errors to status codes
-through STATUS_FOR, the one table of that mapping.
+Runs in the metadata service process, on the gRPC asyncio loop: writes (and every call to an
+index whose reads block, Redis) run in the `pool` of unary threads, non-blocking reads inline,
+WatchEvents on the loop itself (watch.py), so streams never take the threads heartbeats need.
+Every unary RPC is wrapped by `_unary`, which authenticates, times it, and maps kvstore errors
+to status codes through STATUS_FOR, the one table of that mapping.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import grpc
@@ -21,6 +25,7 @@ from kvstore.metadata import wire
 from kvstore.metadata.auth import TenantScope, TokenAuth
 from kvstore.metadata.index import MetadataIndex
 from kvstore.metadata.metrics import MetadataMetrics
+from kvstore.metadata.watch import EventStreams
 from kvstore.v1 import metadata_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -47,7 +52,7 @@ def status_for(exc: Exception) -> grpc.StatusCode:
 
 @dataclass(frozen=True)
 class ServiceLimits:
-    max_batch: int = 4096  # keys per Lookup/Route, entries per Publish/Unpublish
+    max_batch: int = 4096  # keys per Lookup/Route, entries per Publish/Unpublish, candidates
     default_lease_ttl_ms: int = 10_000
     min_lease_ttl_ms: int = 500
     max_lease_ttl_ms: int = 600_000
@@ -63,27 +68,33 @@ def _parse(request_cls: type[Message], payload: bytes) -> Message:
         raise errors.ConfigError(f"malformed {request_cls.__name__}: {exc}") from None
 
 
-def _unary(request_cls: type[Message]) -> Callable[[Callable], Callable]:
-    return functools.partial(_wrap_unary, request_cls)
+def _unary(request_cls: type[Message], read: bool = False) -> Callable[[Callable], Callable]:
+    """`read`: the method only reads the index; it runs inline on the loop when the index says
+    its reads never block (in memory: no I/O, a short lock), else in the unary pool."""
+    return functools.partial(_wrap_unary, request_cls, read)
 
 
-def _wrap_unary(request_cls: type[Message], method: Callable) -> Callable:
+def _wrap_unary(request_cls: type[Message], read: bool, method: Callable) -> Callable:
     name = method.__name__
 
     @functools.wraps(method)
-    def handler(self: MetadataServicer, payload: bytes, context: grpc.ServicerContext):
+    async def handler(self: MetadataServicer, payload: bytes, context: grpc.aio.ServicerContext):
         started = time.perf_counter()
         code = grpc.StatusCode.OK
         try:
             scope = self.auth.authorize(context)
-            return method(self, _parse(request_cls, payload), scope)
+            request = _parse(request_cls, payload)
+            if read and self.index.nonblocking_reads:
+                return method(self, request, scope)
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self.pool, method, self, request, scope)
         except errors.KVStoreError as exc:
             code = status_for(exc)
-            context.abort(code, str(exc))
+            await context.abort(code, str(exc))
         except Exception:
             code = grpc.StatusCode.INTERNAL
             logger.exception("%s failed", name)
-            context.abort(code, f"internal error in {name}; see the service log")
+            await context.abort(code, f"internal error in {name}; see the service log")
         finally:
             self.metrics.rpcs.labels(name, code.name).inc()
             self.metrics.latency.labels(name).observe(time.perf_counter() - started)
@@ -94,11 +105,13 @@ def _wrap_unary(request_cls: type[Message], method: Callable) -> Callable:
 class MetadataServicer:
     def __init__(
         self, index: MetadataIndex, auth: TokenAuth, metrics: MetadataMetrics,
-        limits: ServiceLimits = ServiceLimits(),
+        streams: EventStreams, pool: Executor, limits: ServiceLimits = ServiceLimits(),
     ) -> None:  # fmt: skip
         self.index = index
         self.auth = auth
         self.metrics = metrics
+        self.streams = streams
+        self.pool = pool
         self.limits = limits
 
     # ---- membership -----------------------------------------------------------------------
@@ -162,7 +175,7 @@ class MetadataServicer:
         return tenant
 
     # ---- queries --------------------------------------------------------------------------
-    @_unary(pb.LookupRequest)
+    @_unary(pb.LookupRequest, read=True)
     def Lookup(self, request: pb.LookupRequest, scope: TenantScope):
         tenant = self._tenant(request.tenant, scope)
         keys = wire.check_keys(request.keys, self.limits.max_batch)
@@ -172,7 +185,7 @@ class MetadataServicer:
         self.metrics.observe_lookup(len(keys), len(found), request.chunk_tokens)
         return response
 
-    @_unary(pb.RouteRequest)
+    @_unary(pb.RouteRequest, read=True)
     def Route(self, request: pb.RouteRequest, scope: TenantScope):
         tenant = self._tenant(request.tenant, scope)
         keys = wire.check_keys(request.keys, self.limits.max_batch)
@@ -193,13 +206,16 @@ class MetadataServicer:
         if not requested:
             return sorted(live)
         if len(requested) > self.limits.max_batch:
-            raise errors.ConfigError(f"candidate_node_ids exceeds {self.limits.max_batch}")
+            raise errors.ConfigError(
+                f"candidate_node_ids has {len(requested)} entries; the limit is "
+                f"{self.limits.max_batch} per call"
+            )
         unknown = [n for n in requested if n not in live]
         if unknown:
             raise errors.NotFoundError(f"unknown or expired candidate nodes: {unknown[:5]}")
         return requested
 
-    @_unary(pb.StatsRequest)
+    @_unary(pb.StatsRequest, read=True)
     def Stats(self, request: pb.StatsRequest, scope: TenantScope):
         scope.require_all_tenants("read cluster stats")
         stats = self.index.stats()
@@ -221,7 +237,8 @@ class MetadataServicer:
         return response
 
     # ---- events ---------------------------------------------------------------------------
-    def WatchEvents(self, payload: bytes, context: grpc.ServicerContext):
+    async def WatchEvents(self, payload: bytes, context: grpc.aio.ServicerContext):
+        """Runs on the loop: authorisation and the slot check are cheap and never block."""
         try:
             scope = self.auth.authorize(context)
             request = _parse(pb.WatchEventsRequest, payload)
@@ -229,36 +246,16 @@ class MetadataServicer:
                 self._tenant(request.tenant, scope)
             else:
                 scope.require_all_tenants("watch every tenant's events")
+            self.streams.acquire(scope.tenant)
         except errors.KVStoreError as exc:
             self.metrics.rpcs.labels("WatchEvents", status_for(exc).name).inc()
-            context.abort(status_for(exc), str(exc))
+            await context.abort(status_for(exc), str(exc))
         self.metrics.rpcs.labels("WatchEvents", "OK").inc()
-        yield from self._event_stream(request, context)
-
-    def _event_stream(self, request: pb.WatchEventsRequest, context) -> Iterator[pb.Event]:
-        next_seq = request.from_seq or self.index.events_since(0, 0).last_seq + 1
-        while context.is_active():
-            page = self.index.events_since(next_seq, self.limits.event_batch)
-            if page.gap:
-                resume_at = page.events[0].seq if page.events else page.last_seq + 1
-                yield pb.Event(seq=resume_at - 1, kind=pb.Event.KIND_GAP)
-            for event in page.events:
-                if not request.tenant or event.tenant == request.tenant:
-                    yield _event_to_proto(event)
-            if page.events:
-                next_seq = page.events[-1].seq + 1
-            elif page.gap:
-                next_seq = page.last_seq + 1
-            else:
-                self.index.wait_for_events(next_seq - 1, self.limits.watch_poll_s)
-
-
-def _event_to_proto(event) -> pb.Event:
-    kind = pb.Event.KIND_STORED if event.kind == "stored" else pb.Event.KIND_REMOVED
-    return pb.Event(
-        seq=event.seq, kind=kind, key=event.key, tier=wire.TIER_TO_PROTO[event.tier],
-        node_id=event.node_id, tenant=event.tenant,
-    )  # fmt: skip
+        try:
+            async for event in self.streams.stream(request):
+                yield event
+        finally:
+            self.streams.release(scope.tenant)
 
 
 _UNARY_METHODS = (

@@ -15,6 +15,7 @@ from kvstore.metadata.index import TIERS, BlockEntry, Holding, NodeRecord
 from kvstore.v1 import metadata_pb2 as pb
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$")
+MAX_ADDRESS_CHARS = 256  # stored per node and returned in every lookup that names it
 TIER_TO_PROTO = {"device": pb.TIER_DEVICE, "host": pb.TIER_HOST, "disk": pb.TIER_DISK}
 PROTO_TO_TIER = {value: name for name, value in TIER_TO_PROTO.items()}
 assert tuple(TIER_TO_PROTO) == TIERS
@@ -63,6 +64,12 @@ def entries_to_proto(entries: Sequence[BlockEntry]) -> list[pb.BlockEntry]:
 
 def node_from_proto(node: pb.NodeInfo) -> NodeRecord:
     check_name(node.node_id, "node.node_id")
+    for field in ("tcp_address", "ucx_address"):
+        if len(getattr(node, field)) > MAX_ADDRESS_CHARS:
+            raise ConfigError(
+                f"node.{field} has {len(getattr(node, field))} characters; "
+                f"the limit is {MAX_ADDRESS_CHARS}"
+            )
     for tier in node.tier_capacity_bytes:
         if tier not in TIERS:
             raise ConfigError(f"node.tier_capacity_bytes has unknown tier {tier!r}; use {TIERS}")

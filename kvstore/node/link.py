@@ -1,9 +1,10 @@
 """The node agent's link to the metadata service: registration, heartbeats, and publishing the
-store's events in batches, retrying with backoff while the service is down.
+store's events in batches, retrying with backoff (kvstore/retry.py) while the service is down.
 
 Runs in one background thread of the node agent. Local hits never wait for it: when the
 service is unreachable, events queue here and are published once it is back; after a lost
-lease or dropped events, the whole store is re-published.
+lease or dropped events, the whole store is re-published. A batch the service refuses for good
+(quota or journal full, permission, invalid) is dropped and counted in `dropped_blocks`.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
-from collections.abc import Sequence
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
 
 from kvstore.errors import (
     CapacityError,
@@ -31,6 +32,14 @@ from kvstore.store import TieredStore
 
 logger = logging.getLogger(__name__)
 DEFAULT_BACKOFF = Backoff(base_s=0.05, cap_s=2.0)
+MAX_INTERNAL_ATTEMPTS = 5  # an INTERNAL error may pass; after this many, the batch is dropped
+
+# Refusals no retry can turn into success, each with the cause it is counted under.
+_REFUSED: tuple[tuple[type[Exception], str], ...] = (
+    (PermissionDeniedError, "permission"),
+    (CapacityError, "capacity"),
+    (ConfigError, "invalid"),
+)
 
 
 class MetadataLink:
@@ -47,6 +56,9 @@ class MetadataLink:
         self.lease_id: int | None = None
         self.published = 0
         self.unpublished = 0
+        self.dropped_blocks = 0
+        self.dropped_by_cause: Counter[str] = Counter()
+        self._internal_failures = 0
         self._backlog: deque[BlockEvent] = deque()
         self._dropped_seen = 0
         self._stop = threading.Event()
@@ -117,7 +129,12 @@ class MetadataLink:
             entries = [BlockEntry(k, tier) for k, tier, t in inventory if t == tenant]
             for start in range(0, len(entries), self.batch_max):
                 batch = entries[start : start + self.batch_max]
-                self.published += self.client.publish(node_id, lease_id, tenant, batch)
+                self._deliver(
+                    lambda b=batch, t=tenant: self._count_published(
+                        self.client.publish(node_id, lease_id, t, b)
+                    ),
+                    len(batch), "publish",
+                )  # fmt: skip
         self.lease_id = lease_id
         self._next_heartbeat = time.monotonic() + self.lease_ttl_ms / 3000
         logger.info("registered node %s (lease %d), %d blocks published", node_id, lease_id,
@@ -136,14 +153,41 @@ class MetadataLink:
         self._backlog.extend(self.store.events.drain())
         while self._backlog:
             batch = self._next_batch()
-            try:
-                self._send(batch)
-            except (ConfigError, CapacityError, PermissionDeniedError) as exc:
-                # No retry can make this batch acceptable (bad tenant, quota, permissions).
-                logger.error("dropping %d %s events the service refuses: %s", len(batch),
-                             batch[0].kind, exc)  # fmt: skip
+            self._deliver(lambda b=batch: self._send(b), len(batch), str(batch[0].kind))
             for _ in batch:
                 self._backlog.popleft()
+
+    def _deliver(self, send: Callable[[], None], count: int, what: str) -> None:
+        """Send one batch. Returns when it was accepted or dropped; raises what a later retry
+        can fix: UnavailableError (the loop backs off), lease errors (it registers again),
+        and the first MAX_INTERNAL_ATTEMPTS - 1 INTERNAL errors of this batch."""
+        try:
+            send()
+            self._internal_failures = 0
+        except (LeaseError, NotFoundError, UnavailableError):
+            raise
+        except KVStoreError as exc:
+            cause = next((c for cls, c in _REFUSED if isinstance(exc, cls)), "internal")
+            if cause == "internal":
+                self._internal_failures += 1
+                if self._internal_failures < MAX_INTERNAL_ATTEMPTS:
+                    raise
+            self._internal_failures = 0
+            self._drop(count, what, cause, exc)
+
+    def _drop(self, count: int, what: str, cause: str, exc: Exception) -> None:
+        """Count a refused batch; log a cause the first time only (a full quota refuses every
+        batch after it, and a log line per batch would flood the agent's log)."""
+        self.dropped_blocks += count
+        self.dropped_by_cause[cause] += count
+        if self.dropped_by_cause[cause] == count:
+            logger.error("dropping %s batches the metadata service refuses (%s): %s; counted "
+                         "in dropped_blocks, logged once", what, cause, exc)  # fmt: skip
+        else:
+            logger.debug("dropped %d %s entries (%s): %s", count, what, cause, exc)
+
+    def _count_published(self, accepted: int) -> None:
+        self.published += accepted
 
     def _next_batch(self) -> list[BlockEvent]:
         """The longest run of leading backlog events with one kind and tenant (order kept)."""
@@ -161,7 +205,7 @@ class MetadataLink:
         entries = [BlockEntry(e.key, e.tier, e.size_bytes) for e in batch]
         node_id, tenant = self.node.node_id, batch[0].tenant
         if batch[0].kind is EventKind.STORED:
-            self.published += self.client.publish(node_id, self.lease_id, tenant, entries)
+            self._count_published(self.client.publish(node_id, self.lease_id, tenant, entries))
         else:
             self.unpublished += self.client.unpublish(node_id, self.lease_id, tenant, entries)
 

@@ -99,7 +99,26 @@ CASES = {
         "Lookup", lambda lease: b"\xff\xff\xff", CODE.INVALID_ARGUMENT, "malformed LookupRequest"),
     "oversized message": (
         "Lookup", lambda lease: pb.LookupRequest(tenant="t", keys=[KEY * 70_000] * 16),
-        CODE.RESOURCE_EXHAUSTED, ""),
+        CODE.RESOURCE_EXHAUSTED, "larger than max"),
+    "oversized unpublish": (
+        "Unpublish",
+        lambda lease: pb.UnpublishRequest(node_id="good-node", lease_id=lease, tenant="t",
+                                          entries=[pb.BlockEntry(key=KEY, tier=2)] * 4097),
+        CODE.INVALID_ARGUMENT, "limit is 4096"),
+    "oversized publish": (
+        "Publish", lambda lease: publish(lease, [pb.BlockEntry(key=KEY, tier=2)] * 4097),
+        CODE.INVALID_ARGUMENT, "limit is 4096"),
+    "oversized route keys": (
+        "Route", lambda lease: pb.RouteRequest(tenant="t", keys=[KEY] * 4097),
+        CODE.INVALID_ARGUMENT, "limit is 4096"),
+    "oversized route candidates": (
+        "Route",
+        lambda lease: pb.RouteRequest(tenant="t", keys=[KEY], candidate_node_ids=["a"] * 4097),
+        CODE.INVALID_ARGUMENT, "candidate_node_ids has 4097 entries; the limit is 4096"),
+    "long address": (
+        "RegisterNode",
+        lambda lease: pb.RegisterNodeRequest(node=pb.NodeInfo(node_id="x", tcp_address="h" * 300)),
+        CODE.INVALID_ARGUMENT, "node.tcp_address has 300 characters; the limit is 256"),
 }  # fmt: skip
 
 

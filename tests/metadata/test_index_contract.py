@@ -1,9 +1,12 @@
 """The MetadataIndex contract, run against every backend (memory, lmdb, redis)."""
 
+import random
+from collections import Counter
+
 import pytest
 
 from kvstore.errors import LeaseError, NotFoundError, QuotaExceededError
-from kvstore.metadata.index import BlockEntry, NodeRecord
+from kvstore.metadata.index import TIERS, BlockEntry, NodeRecord
 from tests.metadata.conftest import FakeClock, make_index
 
 KEYS = [bytes([i]) * 16 for i in range(32)]
@@ -185,3 +188,62 @@ def test_unpublishing_the_same_entry_twice_in_one_call_removes_it_once(index):
     assert index.unpublish("n1", lease, "t", entries(KEYS[:1]) * 2) == 1
     assert index.stats()["keys_per_tenant"] == {"t": 1}
     assert [e.kind for e in index.events_since(1, 100).events].count("removed") == 1
+
+
+def _recount(model: set) -> dict:
+    """Stats computed from scratch from a set of (node, tenant, key, tier) holdings."""
+    per_tier, per_node, tenant_keys = Counter(), {}, {}
+    for node, tenant, key, tier in model:
+        per_tier[tier] += 1
+        per_node.setdefault(node, Counter())[tier] += 1
+        tenant_keys.setdefault(tenant, set()).add(key)
+    return {
+        "blocks": len(model), "blocks_per_tier": dict(per_tier),
+        "blocks_per_node": {n: dict(c) for n, c in per_node.items()},
+        "keys_per_tenant": {t: len(k) for t, k in tenant_keys.items()},
+    }  # fmt: skip
+
+
+def _counted(stats: dict) -> dict:
+    return {
+        "blocks": stats["blocks"], "blocks_per_tier": stats["blocks_per_tier"],
+        "blocks_per_node": {n: c for n, c in stats["blocks_per_node"].items() if c},
+        "keys_per_tenant": stats["keys_per_tenant"],
+    }  # fmt: skip
+
+
+def test_stats_equal_a_full_recount_after_every_kind_of_change(backend, tmp_path, request):
+    """Stats are counters kept by each change (a scrape is O(1) in holdings): they must stay
+    equal to a recount through publishes, unpublishes, node expiry and a restart."""
+    clock, prefix = FakeClock(), "recount"
+    redis_url = request.getfixturevalue("redis_url") if backend == "redis" else None
+
+    def open_index():
+        if backend == "redis":
+            from kvstore.metadata.redis_index import RedisIndex
+
+            return RedisIndex(redis_url, prefix=f"{prefix}-{tmp_path.name}", clock=clock)
+        return make_index(backend, tmp_path, clock)
+
+    index, rng, model = open_index(), random.Random(7), set()
+    leases = {"n1": register(index, "n1", 60_000), "n2": register(index, "n2", 1_000)}
+    for _ in range(40):
+        node, tenant = rng.choice(["n1", "n2"]), rng.choice(["a", "b"])
+        batch = [BlockEntry(rng.choice(KEYS), rng.choice(TIERS)) for _ in range(rng.randint(1, 6))]
+        if rng.random() < 0.65:
+            index.publish(node, leases[node], tenant, batch)
+            model |= {(node, tenant, e.key, e.tier) for e in batch}
+        else:
+            index.unpublish(node, leases[node], tenant, batch + batch[:1])
+            model -= {(node, tenant, e.key, e.tier) for e in batch}
+        assert _counted(index.stats()) == _recount(model)
+    clock.advance(2)
+    index.heartbeat("n1", leases["n1"])
+    assert index.expire_leases() == ["n2"]
+    model = {h for h in model if h[0] != "n2"}
+    assert _counted(index.stats()) == _recount(model)
+    if backend != "memory":
+        index.close()
+        index = open_index()
+        assert _counted(index.stats()) == _recount(model), "after a restart"
+    index.close()
