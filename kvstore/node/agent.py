@@ -228,6 +228,8 @@ class NodeAgent:
             "refused": dict(self.control.refused) if self.control else {},
             "metadata_connected": bool(self.link and self.link.connected),
             "published_blocks": self.link.published if self.link else 0,
+            "dropped_blocks": self.link.dropped_blocks if self.link else 0,
+            "dropped_by_cause": dict(self.link.dropped_by_cause) if self.link else {},
         }
 
     def stats_json(self) -> str:

@@ -83,6 +83,29 @@ class AgentCollector(Collector):
             "kvstore_agent_metadata_connected", "1 while registered with the metadata service",
             value=1 if stats["metadata_connected"] else 0,
         )  # fmt: skip
+        yield from self._bounds(stats)
+
+    def _bounds(self, stats: dict):
+        """What the agent refused or holds at its bounds (see README: Workers and tenants)."""
+        refused = CounterMetricFamily(
+            "kvstore_agent_refused_connections", "Worker connections refused", labels=["reason"]
+        )
+        for reason, count in stats["refused"].items():
+            refused.add_metric([reason], count)
+        yield refused
+        yield GaugeMetricFamily(
+            "kvstore_agent_orphaned_pages",
+            "Pages still pinned for workers whose connection broke (until they exit)",
+            value=stats["orphaned_pages"],
+        )  # fmt: skip
+        dropped = CounterMetricFamily(
+            "kvstore_agent_publish_dropped_blocks",
+            "Blocks the metadata service refused to index (quota, full, permission)",
+            labels=["cause"],
+        )  # fmt: skip
+        for cause, count in stats["dropped_by_cause"].items():
+            dropped.add_metric([cause], count)
+        yield dropped
 
 
 def agent_registry(snapshot: Callable[[], dict]) -> CollectorRegistry:

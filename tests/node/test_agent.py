@@ -4,7 +4,10 @@ re-publishing, the metadata service going down and coming back, concurrent worke
 import multiprocessing
 import urllib.request
 
+import pytest
+
 from kvstore.client import KVStoreClient
+from kvstore.errors import CapacityError
 from kvstore.keys import Namespace, chunk_keys
 from kvstore.metadata.client import MetadataClient
 from tests.metadata.servers import client_for, running_server, wait_until
@@ -79,10 +82,12 @@ def test_local_hits_are_served_while_the_metadata_service_is_down(tmp_path):
 
 
 def test_agent_metrics(tmp_path):
-    with running_agent(tmp_path, metrics_listen="127.0.0.1:0") as agent:
+    with running_agent(tmp_path, metrics_listen="127.0.0.1:0", max_workers=1) as agent:
         with KVStoreClient(agent.config.socket_path) as client:
             save_chain(client, KEYS[:3])
             client.release(client.load("t", KEYS[:5]))
+            with pytest.raises(CapacityError):
+                KVStoreClient(agent.config.socket_path)  # over max_workers
         text = urllib.request.urlopen(f"http://127.0.0.1:{agent.metrics_port}/metrics").read()
         text = text.decode()
         for line in (
@@ -92,6 +97,8 @@ def test_agent_metrics(tmp_path):
             "kvstore_agent_saved_blocks_total 3.0",
             "kvstore_agent_pins 0.0",
             "kvstore_agent_checksum_failures_total 0.0",
+            'kvstore_agent_refused_connections_total{reason="workers"} 1.0',
+            "kvstore_agent_orphaned_pages 0.0",
         ):
             assert line in text, line
 

@@ -73,8 +73,8 @@ def _frame(message) -> bytes:
 def _still_serving(agent) -> None:
     with KVStoreClient(agent.config.socket_path) as client:
         assert client.lookup("t", [bytes(16)]).total == 0
-    wait_until(lambda: agent.control.connections == 0, timeout_s=5)
-    wait_until(lambda: not len(agent.control.orphans), timeout_s=5)  # their lease ran out
+    assert wait_until(lambda: agent.control.connections == 0, timeout_s=5)
+    assert wait_until(lambda: not len(agent.control.orphans), timeout_s=5)  # their lease ran out
     assert agent.store.pins_held() == 0 and not agent.store._pending
     assert not agent.control.sessions
 

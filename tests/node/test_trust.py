@@ -100,9 +100,9 @@ def test_pins_outlive_a_broken_connection_until_the_lease_runs_out(tmp_path):
         reader = KVStoreClient(agent.config.socket_path)
         loaded = reader.load("t", KEYS)
         reader._break()  # e.g. a timeout: this process may still be reading the views
-        wait_until(lambda: len(agent.control.orphans) == 1)
+        assert wait_until(lambda: len(agent.control.orphans) == 1)
         assert agent.store.pins_held() == len(KEYS) and len(loaded) == len(KEYS)
-        wait_until(lambda: agent.store.pins_held() == 0, timeout_s=5)
+        assert wait_until(lambda: agent.store.pins_held() == 0, timeout_s=5)
         reader.close()
 
 
@@ -117,7 +117,7 @@ def test_a_worker_process_that_died_frees_its_pins_at_once(tmp_path):
         worker.wait()
         started = time.monotonic()
         with KVStoreClient(socket_path) as probe:
-            wait_until(lambda: '"pins": 0' in probe.stats(), timeout_s=5)
+            assert wait_until(lambda: '"pins": 0' in probe.stats(), timeout_s=5)
         assert time.monotonic() - started < 3, "a dead worker's pins wait for no lease"
     finally:
         process.kill()
@@ -197,7 +197,7 @@ def test_a_frame_that_stalls_is_dropped_by_its_deadline(tmp_path):
         answer = b"".join(iter(lambda: conn.recv(4096), b""))  # until the agent closes
         assert b"incomplete by its deadline" in answer
         assert time.monotonic() - started < 3
-        wait_until(lambda: agent.control.connections == 0)
+        assert wait_until(lambda: agent.control.connections == 0)
         assert agent.control.refused["frames"] == 1
 
 
@@ -305,7 +305,8 @@ def test_a_connection_that_never_says_hello_holds_no_slot(tmp_path):
     with running_agent(tmp_path, max_workers=1, control_frame_timeout_s=0.5) as agent:
         silent = socket.socket(socket.AF_UNIX)
         silent.connect(str(agent.config.socket_path))  # and says nothing
-        wait_until(lambda: agent.control.connections == 0, timeout_s=5)
+        assert wait_until(lambda: agent.control.connections == 1)
+        assert wait_until(lambda: agent.control.connections == 0, timeout_s=5)
         with KVStoreClient(agent.config.socket_path) as client:  # the one slot is free again
             assert client.lookup("t", KEYS).total == 0
         silent.close()
