@@ -47,17 +47,22 @@ def overwrite_the_arena(socket_path) -> None:
             other.commit(reservation)
 
 
+def saved_chunk_and_reader(agent):
+    """A worker that saved one chunk (blocks 0-1), and a reader about to load it (blocks 2-3)."""
+    settings = ConnectorSettings(socket_path=str(agent.config.socket_path))
+    writer = WorkerSide(settings, KV)
+    saved = paged(0.5)
+    writer.register(saved)
+    save(writer, saved)
+    reader = WorkerSide(settings, KV)
+    target = paged(0.0)
+    reader.register(target)
+    return writer, saved, reader, target
+
+
 def test_a_broken_connection_mid_load_never_yields_wrong_kv(tmp_path):
     with running_agent(tmp_path, **AGENT) as agent:
-        settings = ConnectorSettings(socket_path=str(agent.config.socket_path))
-        writer = WorkerSide(settings, KV)
-        saved = paged(0.5)
-        writer.register(saved)
-        save(writer, saved)
-
-        reader = WorkerSide(settings, KV)
-        target = paged(0.0)
-        reader.register(target)
+        writer, saved, reader, target = saved_chunk_and_reader(agent)
         copy_layer = reader._copy_layer_in
 
         def copy_after_the_connection_broke(layer, tensor):
@@ -84,15 +89,7 @@ def test_a_broken_connection_mid_load_never_yields_wrong_kv(tmp_path):
 def test_a_page_rewritten_under_a_pinned_view_is_a_load_error_not_kv(tmp_path):
     """Verification happens on the private copy as it is made, not once at load time."""
     with running_agent(tmp_path, **AGENT) as agent:
-        settings = ConnectorSettings(socket_path=str(agent.config.socket_path))
-        writer = WorkerSide(settings, KV)
-        saved = paged(0.5)
-        writer.register(saved)
-        save(writer, saved)
-
-        reader = WorkerSide(settings, KV)
-        target = paged(0.0)
-        reader.register(target)
+        writer, _, reader, _ = saved_chunk_and_reader(agent)
         copy_layer = reader._copy_layer_in
 
         def copy_after_the_page_changed(layer, tensor):
