@@ -92,9 +92,10 @@ class SharedArena:
         self.pages = self.mapping.flat.view(num_pages, page_size_bytes)
 
     def open_fd(self) -> int:
-        """A new descriptor of the arena to hand a worker (a new open file description: the
-        owner's lock never travels with it). The caller closes it once sent."""
-        return os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+        """A new descriptor of the arena to hand a worker: a new open file description, so the
+        owner's lock never travels with it, opened through our own descriptor, so it works
+        even if another process unlinked the name. The caller closes it once sent."""
+        return os.open(f"/proc/self/fd/{self._fd}", os.O_RDWR | os.O_CLOEXEC)
 
     def close(self) -> None:
         """Unmap and unlink. Idempotent; views must not be used afterwards."""

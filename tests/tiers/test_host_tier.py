@@ -11,7 +11,14 @@ import torch
 
 from kvstore.errors import NotFoundError
 from kvstore.keys import BlockKey
-from kvstore.tiers.host import ARENA_PREFIX, SHM_DIR, HostTier, attach_arena, remove_stale_arenas
+from kvstore.tiers.host import (
+    ARENA_PREFIX,
+    SHM_DIR,
+    HostTier,
+    attach_arena,
+    map_fd,
+    remove_stale_arenas,
+)
 
 PAGE = 4096
 
@@ -70,3 +77,17 @@ def test_arenas_of_dead_owners_are_removed_and_live_ones_kept():
             assert (SHM_DIR / live.arena_name).exists()
         finally:
             stale.unlink(missing_ok=True)
+
+
+def test_workers_get_the_arena_even_after_its_name_was_unlinked():
+    """Another process (a foreign cleanup) unlinking the name does not cut off new workers."""
+    with HostTier(4 * PAGE, PAGE) as tier:
+        tier.pages[1, :8].fill_(9)
+        (SHM_DIR / tier.arena_name).unlink()
+        fd = tier.arena.open_fd()
+        try:
+            mapped = map_fd(fd, 4 * PAGE)
+        finally:
+            os.close(fd)
+        assert int(mapped.flat.view(4, PAGE)[1, :8].sum()) == 72
+        mapped.close()
