@@ -11,6 +11,7 @@ import ctypes
 import json
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -99,7 +100,8 @@ class Cluster:
                     "--disk-dir", str(spec.workdir / f"{member.name}-disk"),
                     "--disk-capacity-bytes", str(spec.disk_capacity_bytes),
                     "--metadata-address", self.metadata_address,
-                    "--transfer", "tcp", "--transfer-host", "127.0.0.1"]  # fmt: skip
+                    "--transfer", "tcp", "--transfer-host", "127.0.0.1",
+                    "--cluster-secret-file", str(self.secret_path)]  # fmt: skip
         remaining_s = max(1.0, spec.duration_s - (time.monotonic() - self.started))
         corrupt = ["--corrupt-expected"] if member.name == spec.corrupt_worker else []
         return [*base, "kvstore.bench.chaos_worker", "--name", member.name,
@@ -127,6 +129,8 @@ class Cluster:
 
     def start(self) -> None:
         """Metadata service, then every agent (in parallel), then every worker."""
+        self.secret_path.write_text(secrets.token_hex(32))  # transfers are authenticated
+        self.secret_path.chmod(0o600)
         self.spawn("metadata")
         self.wait_ready("metadata")
         agents = self.names("agent")
@@ -137,6 +141,10 @@ class Cluster:
         self.started = time.monotonic()  # the workers' run time counts from here
         for name in self.names("worker"):
             self.spawn(name)
+
+    @property
+    def secret_path(self):
+        return self.spec.workdir / "cluster.secret"
 
     def names(self, role: str) -> list[str]:
         return [name for name, member in self.members.items() if member.role == role]
