@@ -1,7 +1,7 @@
 """The `ucx` transfer engine: whole blocks over UCX tag messages (ucxx), for RDMA fabrics.
 
 Runs inside the node agent. ucxx is asyncio-based and progresses one context per event loop, so
-the process holds one UCX context on one event-loop thread (`_Runtime`), shared by every
+the process holds one UCX context on one event-loop thread (ucx_runtime.py), shared by every
 UcxEngine and reference counted; the engines' synchronous calls are submitted to that loop.
 With a cluster secret, each endpoint starts with the handshake of `auth.py` over tag messages
 and every block is followed by its MAC tag.
@@ -10,16 +10,14 @@ and every block is followed by its MAC tag.
 from __future__ import annotations
 
 import asyncio
-import atexit
 import concurrent.futures
 import contextlib
 import gc
 import logging
 import os
-import sys
 import threading
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,22 +29,16 @@ from kvstore.errors import ConfigError, TransferError
 from kvstore.keys import KEY_BYTES, BlockKey
 from kvstore.transfer import auth
 from kvstore.transfer.base import OpenBlock, TransferEngine, TransferStats, register_engine
+from kvstore.transfer.ucx_runtime import (
+    START_TIMEOUT_S,
+    Runtime,
+    acquire_runtime,
+    release_runtime,
+)
 
 logger = logging.getLogger(__name__)
 
-# UCX reads these when its libraries load (the first `import ucxx`, which must come after this
-# module's import); values already set win.
-if "ucxx" in sys.modules:
-    logger.warning("ucxx was imported before %s: UCX may print warnings on stdout", __name__)
-for _name, _value in {
-    "UCX_WARN_UNUSED_ENV_VARS": "n",  # else UCX lists every unused UCX_* variable
-    "UCX_LOG_FILE": "stderr",  # UCX and UCXX log to stdout by default
-    "UCXX_LOG_LEVEL": "FATAL",  # UCXX logs every peer that disconnects as an ERROR
-}.items():
-    os.environ.setdefault(_name, _value)
-
 MAX_BATCH_KEYS = 1 << 16
-_START_TIMEOUT_S = 30.0
 _GRACE_S = 5.0  # the loop enforces fetch deadlines; this only guards against a wedged loop
 
 
@@ -73,111 +65,6 @@ class _Link:
     def next_mac(self, key: BlockKey, length: int):
         self.frames += 1
         return None if self.session is None else self.session.block_mac(self.frames, key, length)
-
-
-class _Runtime:
-    """The process's UCX context, the event-loop thread that drives it, and the threads that
-    open blocks (a store may block; the loop must not)."""
-
-    def __init__(self, options: dict[str, str]) -> None:
-        self.options = options
-        self.users: set[UcxEngine] = set()  # strong references: a serving engine lives on
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="kvstore-ucx")
-        self.thread.daemon = True
-        self.readers = concurrent.futures.ThreadPoolExecutor(8, "kvstore-ucx-open")
-        self.context: Any = None
-        self._progress: Any = None
-
-    def start(self) -> None:
-        self.thread.start()
-        self.call(self._make_context(), _START_TIMEOUT_S)
-
-    async def _make_context(self) -> None:
-        # On the loop thread: ucxx binds its progress and notifier to the running loop. Python
-        # futures complete requests without spinning the loop (ucxx polls with sleep(0) else).
-        from ucxx._lib_async import ApplicationContext
-        from ucxx._lib_async.application_context import ProgressTasks
-
-        self.context = ApplicationContext(
-            self.options, progress_mode="thread", enable_python_future=True
-        )
-        # ucxx keeps progress threads in a module-wide dict that any dying context clears
-        # (stopping the threads in it): our own reference keeps ours running.
-        self._progress = ProgressTasks[self.loop]
-
-    def submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def call(self, coro: Coroutine[Any, Any, Any], timeout_s: float) -> Any:
-        return self.submit(coro).result(timeout_s)
-
-    def stop(self) -> None:
-        """Cancel leftover tasks, stop UCX's threads, then the loop. Endpoints must be closed."""
-        from ucxx._lib_async.application_context import ProgressTasks
-
-        self.call(_cancel_other_tasks(), _START_TIMEOUT_S)
-        context, self.context = self.context, None
-        context.worker.stop_request_notifier_thread()  # wakes the notifier now, not in 1 s
-        context.stop_notifier_thread()
-        context.worker.stop_progress_thread()
-        ProgressTasks.pop(self.loop, None)
-        self._progress = context = None
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join()
-        self.loop.close()
-        self.readers.shutdown(wait=False, cancel_futures=True)
-        gc.collect()  # the context dies now, while no other runtime's progress can be cleared
-
-
-async def _cancel_other_tasks() -> None:
-    tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-
-
-_runtime: _Runtime | None = None
-_runtime_lock = threading.Lock()
-
-
-def _acquire_runtime(engine: UcxEngine, options: dict[str, str]) -> _Runtime:
-    """The shared runtime, started on first use. UCX options are per process: all must agree."""
-    global _runtime
-    with _runtime_lock:
-        if _runtime is None:
-            runtime = _Runtime(options)
-            runtime.start()
-            _runtime = runtime
-        elif any(_runtime.options.get(name) != value for name, value in options.items()):
-            raise ConfigError(
-                f"UCX already runs in this process with {_runtime.options}; all ucx engines "
-                f"of a process must agree on tls and net_devices, not {options}"
-            )
-        _runtime.users.add(engine)
-        return _runtime
-
-
-def _release_runtime(engine: UcxEngine, runtime: _Runtime) -> None:
-    global _runtime
-    with _runtime_lock:
-        runtime.users.discard(engine)
-        if runtime.users or runtime is not _runtime:
-            return
-        _runtime = None
-        runtime.stop()
-
-
-def _stop_at_exit() -> None:
-    """Stop UCX while the interpreter is whole: UCX's threads call back into Python."""
-    global _runtime
-    with _runtime_lock:
-        runtime, _runtime = _runtime, None
-        if runtime is not None:
-            runtime.stop()
-
-
-atexit.register(_stop_at_exit)
 
 
 @dataclass
@@ -221,7 +108,7 @@ class UcxEngine(TransferEngine):
         self.pool_connections_per_peer = pool_connections_per_peer
         self.stats = TransferStats()  # updated on the loop thread only
         self._lock = threading.Lock()
-        self._rt: _Runtime | None = None
+        self._rt: Runtime | None = None
         self._closed = False
         self._listener: Any = None
         self._open_block: OpenBlock | None = None
@@ -231,12 +118,12 @@ class UcxEngine(TransferEngine):
         self._peers: set[Any] = set()
 
     # ---- lifecycle -----------------------------------------------------------------------
-    def _runtime(self) -> _Runtime:
+    def _runtime(self) -> Runtime:
         with self._lock:
             if self._closed:
                 raise TransferError("ucx engine is closed")
             if self._rt is None:
-                self._rt = _acquire_runtime(self, self.options)
+                self._rt = acquire_runtime(self, self.options)
             return self._rt
 
     def close(self) -> None:
@@ -245,8 +132,8 @@ class UcxEngine(TransferEngine):
                 return
             runtime, self._closed = self._rt, True  # in-flight coroutines still use _rt
         if runtime is not None and runtime.context is not None:  # not stopped at exit
-            runtime.call(self._drop_endpoints(), _START_TIMEOUT_S)
-            _release_runtime(self, runtime)
+            runtime.call(self._drop_endpoints(), START_TIMEOUT_S)
+            release_runtime(self, runtime)
 
     async def _drop_endpoints(self) -> None:
         idle = [link.endpoint for links in self._idle.values() for link in links]
@@ -269,13 +156,13 @@ class UcxEngine(TransferEngine):
                 raise ConfigError("ucx engine is closed or already serving")
             self._open_block = open_block
         runtime = self._runtime()
-        port = runtime.call(self._listen(runtime, port), _START_TIMEOUT_S)
+        port = runtime.call(self._listen(runtime, port), START_TIMEOUT_S)
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         auth.warn_if_open("ucx", "0.0.0.0", self.cluster_secret)  # it binds every interface
         logger.info("ucx engine serving at %s", address)
         return address
 
-    async def _listen(self, runtime: _Runtime, port: int) -> int:
+    async def _listen(self, runtime: Runtime, port: int) -> int:
         self._listener = runtime.context.create_listener(self._serve_peer, port=port)
         return self._listener.port
 
