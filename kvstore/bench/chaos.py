@@ -53,7 +53,7 @@ KILL_ROLES = ("agent", "holder", "metadata", "worker")
 WITNESS = "agent-1"  # never killed itself (its workers, peers and the service are)
 RECOVERY_TIMEOUT_S = 90.0
 SLIDE_S = 15.0  # the workers' prefix window moves on: fresh saves, remote fetches all along
-MAX_DISK_BYTES = 1 << 30
+MAX_DISK_BYTES = 8 << 30  # sparse LMDB maps; a 10-minute run can name 1.5 GiB of blocks
 
 
 class Tally:
