@@ -25,10 +25,10 @@ from sglang.srt.mem_cache.hicache_storage import (
 from connectors.sglang import pages
 from connectors.sglang.config import BackendSettings
 from connectors.sglang.stats import BackendStats
-from connectors.vllm.fingerprint import model_fingerprint
 from kvstore import errors
 from kvstore.client import KVStoreClient
 from kvstore.codec import CODEC_IDS
+from kvstore.fingerprint import model_fingerprint
 from kvstore.keys import KEY_BYTES, Namespace
 
 logger = logging.getLogger(__name__)

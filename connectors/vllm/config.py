@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from connectors.vllm import compat
-from connectors.vllm.fingerprint import model_fingerprint
 from kvstore.errors import ConfigError
+from kvstore.fingerprint import model_fingerprint
 from kvstore.keys import Namespace
 from kvstore.layout import KVLayout
 

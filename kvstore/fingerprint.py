@@ -1,5 +1,6 @@
 """The model fingerprint of a namespace: a hash of the model's config and weights, never of its
-name alone. Runs in both halves of the connector (scheduler and worker), once at start.
+name alone. Runs in every connector (vLLM's scheduler and workers, SGLang's backend), once at
+start.
 
 Hashing every weight byte of a large model would take minutes, so each safetensors file
 contributes its size, its header (tensor names, dtypes, shapes, offsets) and three 1 MiB
