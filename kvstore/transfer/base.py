@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from kvstore.errors import ConfigError
-from kvstore.keys import BlockKey
+from kvstore.keys import KEY_BYTES, BlockKey
 
 # Yields the whole stored block (header + payload) of a key for a tenant, or None when absent or
 # another tenant's (the two must look alike). The view must stay valid, and the block
@@ -89,3 +89,18 @@ def make_engine(name: str, **options: object) -> TransferEngine:
         return _ENGINES[name](**options)
     except KeyError:
         raise ConfigError(f"unknown transfer engine {name!r}; use 'tcp' or 'ucx'") from None
+
+
+def check_fetch_pages(
+    engine: str, keys: Sequence[BlockKey], pages: Sequence[torch.Tensor], max_batch_keys: int
+) -> None:
+    """ConfigError for a misused fetch (caught before any I/O): one page per key, a bounded
+    batch of well-formed keys, contiguous uint8 host pages."""
+    if len(keys) != len(pages):
+        raise ConfigError(f"fetch got {len(keys)} keys but {len(pages)} pages")
+    if len(keys) > max_batch_keys or any(len(key) != KEY_BYTES for key in keys):
+        raise ConfigError(f"fetch takes at most {max_batch_keys} keys of {KEY_BYTES} bytes")
+    if not all(
+        p.device.type == "cpu" and p.dtype == torch.uint8 and p.is_contiguous() for p in pages
+    ):
+        raise ConfigError(f"{engine} engine receives into contiguous uint8 host pages only")

@@ -20,9 +20,15 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from kvstore.errors import ConfigError, TransferError
-from kvstore.keys import KEY_BYTES, BlockKey
+from kvstore.keys import BlockKey
 from kvstore.transfer import auth
-from kvstore.transfer.base import OpenBlock, TransferEngine, TransferStats, register_engine
+from kvstore.transfer.base import (
+    OpenBlock,
+    TransferEngine,
+    TransferStats,
+    check_fetch_pages,
+    register_engine,
+)
 from kvstore.transfer.tcp_wire import (
     BATCH,
     FRAME,
@@ -334,14 +340,7 @@ def _page_buffers(
     keys: Sequence[BlockKey], pages: Sequence[torch.Tensor], max_batch_keys: int
 ) -> list[memoryview]:
     """Writable byte views of the pages; ConfigError for misuse (caught before any I/O)."""
-    if len(keys) != len(pages):
-        raise ConfigError(f"fetch got {len(keys)} keys but {len(pages)} pages")
-    if len(keys) > max_batch_keys or any(len(key) != KEY_BYTES for key in keys):
-        raise ConfigError(f"fetch takes at most {max_batch_keys} keys of {KEY_BYTES} bytes")
-    if not all(
-        p.device.type == "cpu" and p.dtype == torch.uint8 and p.is_contiguous() for p in pages
-    ):
-        raise ConfigError("tcp engine receives into contiguous uint8 host pages only")
+    check_fetch_pages("tcp", keys, pages, max_batch_keys)
     return [memoryview(page.numpy()).cast("B") for page in pages]
 
 

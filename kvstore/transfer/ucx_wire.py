@@ -21,6 +21,7 @@ from kvstore.block import HEADER_BYTES, MAX_TENANT_BYTES, encode_tenant
 from kvstore.errors import ConfigError
 from kvstore.keys import KEY_BYTES, BlockKey
 from kvstore.transfer import auth
+from kvstore.transfer.base import check_fetch_pages
 
 logger = logging.getLogger(__name__)
 _RETIRE_WARN_S = 5.0  # how often a batch whose receives will not die says so
@@ -177,14 +178,7 @@ def _wait_dead(receives: list[Any], address: str) -> None:
 
 def _page_arrays(keys: Sequence[BlockKey], pages: Sequence[torch.Tensor]) -> list[np.ndarray]:
     """Writable byte arrays over the pages; ConfigError for misuse (caught before any I/O)."""
-    if len(keys) != len(pages):
-        raise ConfigError(f"fetch got {len(keys)} keys but {len(pages)} pages")
-    if len(keys) > MAX_BATCH_KEYS or any(len(key) != KEY_BYTES for key in keys):
-        raise ConfigError(f"fetch takes at most {MAX_BATCH_KEYS} keys of {KEY_BYTES} bytes")
-    if not all(
-        p.device.type == "cpu" and p.dtype == torch.uint8 and p.is_contiguous() for p in pages
-    ):
-        raise ConfigError("ucx engine receives into contiguous uint8 host pages only")
+    check_fetch_pages("ucx", keys, pages, MAX_BATCH_KEYS)
     return [page.reshape(-1).numpy() for page in pages]
 
 

@@ -136,3 +136,11 @@ def make_pair(make_store, make_transfer_engine) -> Callable[..., Pair]:
 @pytest.fixture
 def pair(make_pair) -> Pair:
     return make_pair()
+
+
+@pytest.fixture
+def stores():
+    made = [new_store(SMALL_PAGE_BYTES, 16), new_store(SMALL_PAGE_BYTES, 16)]
+    yield made
+    for store in made:
+        store.close()

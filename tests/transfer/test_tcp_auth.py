@@ -17,17 +17,9 @@ from kvstore.errors import TransferError
 from kvstore.transfer import auth
 from kvstore.transfer.tcp import BATCH, FRAME, TcpEngine
 from kvstore.transfer.tcp_wire import pack_request
-from tests.transfer.conftest import KEYS, SECRET, SMALL_PAGE_BYTES, TENANT, Pair, new_store
+from tests.transfer.conftest import KEYS, SECRET, SMALL_PAGE_BYTES, TENANT, Pair
 
 WRONG_SECRET = b"not-the-cluster-secret-at-all-00"
-
-
-@pytest.fixture
-def stores():
-    made = [new_store(SMALL_PAGE_BYTES, 16), new_store(SMALL_PAGE_BYTES, 16)]
-    yield made
-    for store in made:
-        store.close()
 
 
 @pytest.fixture

@@ -59,14 +59,6 @@ time.sleep(120)
 
 
 @pytest.fixture
-def stores():
-    made = [new_store(SMALL_PAGE_BYTES, 16), new_store(SMALL_PAGE_BYTES, 16)]
-    yield made
-    for store in made:
-        store.close()
-
-
-@pytest.fixture
 def pair(stores):
     made = Pair(*stores, TcpEngine(), TcpEngine())
     yield made
