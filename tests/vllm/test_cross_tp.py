@@ -174,6 +174,10 @@ def test_a_head_group_size_that_does_not_divide_the_ranks_heads_is_refused(tmp_p
 
     with pytest.raises(ConfigError, match="head_group_size 2 must divide this rank's 1 kv heads"):
         engine(model_dir, 2, 0, head_group_size=2)
+    with pytest.raises(ConfigError, match="key_scheme 'lmcache' unknown"):
+        ConnectorSettings.from_extra_config({"key_scheme": "lmcache"})
+    with pytest.raises(ConfigError, match="head_group_size must be >= 0"):
+        ConnectorSettings.from_extra_config({"head_group_size": -1})
     pool = host_pool("page_first", 4, LAYERS, HEADS, HEAD_DIM, CHUNK, dtype=torch.float32)
     with pytest.raises(ConfigError, match="head_group_size 3 must divide"):
         backend_for(tmp_path / "none.sock", pool, head_group_size=3)
