@@ -50,6 +50,21 @@ def sglang_page_hashes(
     return hashes
 
 
+def sglang_chain_seed(extra_key: str | None, cache_salt: str | None) -> str | None:
+    """The `prior_hash` SGLang starts a request's chain with (`storage_namespace_seed`): None
+    for a plain request, else a hash of its extra key (e.g. a LoRA id) and cache salt."""
+    if extra_key is None and cache_salt is None:
+        return None
+    digest = hashlib.sha256(b"sglang-cache-namespace-v1")
+    for part in (extra_key, cache_salt):  # presence and length keep the parts apart
+        if part is None:
+            digest.update(b"\x00")
+            continue
+        encoded = part.encode()
+        digest.update(b"\x01" + len(encoded).to_bytes(8, "little") + encoded)
+    return digest.hexdigest()
+
+
 def group_block_key(root: bytes, page_key: bytes, group: int) -> BlockKey:
     """The kvstore key of head group `group`'s block of the page named `page_key` (a chain key:
     SGLang's hex page hash as ASCII, or a kvstore chunk key) in the namespace of `root`.

@@ -105,6 +105,15 @@ def test_page_hashes_are_sglangs_own():
     )
 
 
+def test_salted_chains_start_where_sglangs_do():
+    from sglang.srt.mem_cache.utils import storage_namespace_seed
+
+    from kvstore.keys_sglang import sglang_chain_seed
+
+    for extra, salt in ((None, None), (None, "s"), ("lora-1", None), ("a", "b"), ("", "")):
+        assert sglang_chain_seed(extra, salt) == storage_namespace_seed(extra, salt)
+
+
 def test_group_keys_name_what_a_block_holds_not_who_wrote_it():
     from kvstore.keys_sglang import head_groups
 

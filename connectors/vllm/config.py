@@ -106,7 +106,8 @@ class EngineKV:
 
     def chain_keys(self, token_ids: Sequence[int], prior_hash: str | None = None) -> list[bytes]:
         """One key per full chunk of a prompt: kvstore's chunk keys, or SGLang's page hashes
-        (as ASCII hex, as SGLang passes them; `prior_hash` seeds a salted chain)."""
+        (as ASCII hex, as SGLang passes them; `prior_hash`: keys_sglang.sglang_chain_seed of a
+        salted or LoRA request, as SGLang seeds it)."""
         chunk = self.layout.chunk_tokens
         if self.key_scheme == "sglang":
             return [h.encode() for h in sglang_page_hashes(token_ids, chunk, prior_hash)]
