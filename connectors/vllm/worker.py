@@ -22,7 +22,7 @@ from connectors.vllm.config import ConnectorSettings, EngineKV
 from connectors.vllm.metadata import KVStoreConnectorMetadata, LoadSpec
 from connectors.vllm.saves import SavePipeline
 from kvstore.client import LoadedBlocks
-from kvstore.errors import KVStoreError
+from kvstore.errors import ConfigError, KVStoreError
 from kvstore.kvcopy.engine import ChunkCopier
 from kvstore.kvcopy.paged import PagedLayer, check_paged_layer
 
@@ -88,7 +88,11 @@ class WorkerSide:
                 f"vLLM registered {len(self.kv_caches)} KV caches; the layout expects "
                 f"{self.kv.layout.num_layers} attention layers"
             )
+        rank_heads = self.kv.groups.count * self.kv.layout.num_kv_heads
         for name, cache in self.kv_caches.items():
+            if cache.dim() == 4 and cache.shape[1] != rank_heads:
+                raise ConfigError(f"KV cache {name!r} holds {cache.shape[1]} kv heads; this "
+                                  f"rank's head groups cover {rank_heads}")  # fmt: skip
             paged = compat.paged_layer_view(cache, self.kv.isa)
             for group in range(self.kv.groups.count):
                 check_paged_layer(name, self.kv.group_view(paged, group), self.kv.layout,
