@@ -12,7 +12,6 @@ from connectors.vllm.agent import AgentConnection
 from connectors.vllm.config import ConnectorSettings, EngineKV
 from connectors.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
 from kvstore.errors import KVStoreError
-from kvstore.keys import chunk_keys
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +44,8 @@ class SchedulerSide:
         state = self.requests.get(request.request_id)
         if state is None:
             tokens = request.prompt_token_ids or []
-            keys = chunk_keys(self.kv.namespace, tokens, self.kv.layout.chunk_tokens)
-            state = self.requests[request.request_id] = RequestState(keys=list(keys))
+            keys = self.kv.chain_keys(tokens)
+            state = self.requests[request.request_id] = RequestState(keys=keys)
         return state
 
     def matched_tokens(self, request, num_computed_tokens: int) -> int:
@@ -62,8 +61,9 @@ class SchedulerSide:
         if usable * chunk <= num_computed_tokens or self.agent.client is None:
             return 0
         try:
-            rank_keys = [self.kv.rank_key(key) for key in state.keys[:usable]]
-            hits = self.agent.client.lookup(self.settings.tenant, rank_keys).total
+            block_keys = self.kv.lookup_keys(state.keys[:usable])  # every rank's groups
+            hits = self.agent.client.lookup(self.settings.tenant, block_keys).total
+            hits //= self.kv.all_groups.count
         except KVStoreError as exc:
             logger.warning("kvstore lookup failed (%s); computing the prefix", exc)
             self.stats["lookup_failures"] += 1
