@@ -87,8 +87,9 @@ def engine_kv(vllm_config, settings: ConnectorSettings) -> EngineKV:
     layout = KVLayout(num_layers, kv_heads, head_dim, dtype, settings.chunk_tokens, settings.codec)
     model = vllm_config.model_config
     fingerprint = model_fingerprint(
-        Path(model.model), settings.model_revision or model.revision or ""
-    )
+        Path(model.model), settings.model_revision or model.revision or "",
+        compat.kv_affecting_settings(vllm_config),
+    )  # fmt: skip
     namespace = Namespace(
         model_fingerprint=fingerprint,
         layout_id=f"{layout.layout_id}|{compat.paged_layout_id(vllm_config)}",
