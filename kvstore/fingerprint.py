@@ -9,6 +9,7 @@ a Hugging Face cache (a symlink to blobs/<sha256>) is named by its blob, a hash 
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -42,9 +43,8 @@ def model_fingerprint(
     """'blake2b:<hex>' of the files of `model_dir` (or, for a hub name, the commit the local Hugging
     Face cache resolves it to), `revision` and `settings` (JSON-able; what changes KV)."""
     digest = hashlib.blake2b(digest_size=16, person=b"kvstore-model2")
-    digest.update(
-        json.dumps([revision, dict(settings or {})], sort_keys=True, default=str).encode()
-    )
+    canonical = json.dumps([revision, dict(settings or {})], sort_keys=True, default=_jsonable)
+    digest.update(canonical.encode())
     root = Path(model_dir)
     files = model_files(root) if root.is_dir() else []
     for name, file_digest in file_digests(files).items():
@@ -52,6 +52,15 @@ def model_fingerprint(
     if not files:
         digest.update(f"name={model_dir};commit={hub_commit(str(model_dir), revision)}".encode())
     return f"blake2b:{digest.hexdigest()}"
+
+
+def _jsonable(value: Any) -> Any:
+    """Settings values JSON cannot encode, as the same text in every process."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    if hasattr(value, "to_dict"):
+        return value.to_dict()
+    return str(value)
 
 
 def model_files(root: Path) -> list[Path]:

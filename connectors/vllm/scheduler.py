@@ -1,5 +1,6 @@
 """The scheduler half of the connector: how many prompt tokens the store can supply, and per
-step which chunks each worker loads and saves. Runs in vLLM's scheduler (engine core) process.
+step which chunks each worker loads and saves. Runs in vLLM's scheduler (engine core) process;
+lookups (and the pull of other hosts' chunks into this host) run on its lookup thread.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ class SchedulerSide:
         self._bypassing: set[str] = set()  # ids of live requests the store bypasses
         self.delay_frees = compat.saves_outlive_steps()
         self.request_keys = RequestKeys(kv.namespace, kv.layout.chunk_tokens)
-        self.stats = {"lookups": 0, "hit_tokens": 0, "lookup_failures": 0, "lookups_deferred": 0}
+        self.stats = {"lookups": 0, "hit_tokens": 0, "lookup_failures": 0, "lookups_deferred": 0,
+                      "prefetched_blocks": 0}  # fmt: skip
         self.lookups = LookupQueue(self._lookup)
         self.bypassed: dict[str, int] = {}  # reason -> requests (see RequestKeys.bypass_reason)
         self.samples = LatencySamples()
@@ -98,11 +100,27 @@ class SchedulerSide:
         client = self.agent.client
         if client is None:
             return LookupCounts(0, 0)  # no agent: nothing to load
+        rank_keys = [self.kv.rank_key(key) for key in chain_keys]
         try:
-            return client.lookup(self.settings.tenant, [self.kv.rank_key(k) for k in chain_keys])
+            counts = client.lookup(self.settings.tenant, rank_keys)
+            if counts.remote:
+                counts = self._prefetch(client, rank_keys[: counts.total], counts.local)
+            return counts
         except KVStoreError:
             self.agent.drop()
             raise
+
+    def _prefetch(self, client, rank_keys: list[bytes], local: int) -> LookupCounts:
+        """On the lookup thread: pull the chunks other hosts hold into this host's arena now,
+        while vLLM is told to ask again, so the forward pass loads local pages only (a remote
+        fetch never runs inside it). What arrived is the answer; a chunk evicted again before
+        the workers load it is a load error, recomputed."""
+        loaded = client.load(self.settings.tenant, rank_keys, verify=False,
+                             timeout_s=self.settings.load_timeout_s)  # fmt: skip
+        client.release(loaded)
+        got = len(loaded.payloads)
+        self.stats["prefetched_blocks"] += max(0, got - local)
+        return LookupCounts(min(local, got), max(0, got - local))
 
     def _count(self, answer) -> None:
         if answer.counts is None:

