@@ -147,3 +147,39 @@ def kv_shape(vllm_config) -> tuple[int, int, int, str]:
         model.get_num_layers(parallel), model.get_num_kv_heads(parallel), model.get_head_size(),
         dtype,
     )  # fmt: skip
+
+
+def kv_affecting_settings(vllm_config) -> dict:
+    """The engine settings beside the model's files that change the KV of a token prefix; they
+    enter the model fingerprint (kv cache dtype is already in the layout)."""
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    overrides = model.hf_overrides
+    if callable(overrides):  # a function rewrites the config: name it, it cannot be hashed
+        overrides = f"{overrides.__module__}.{overrides.__qualname__}"
+    return {
+        "dtype": str(model.dtype), "kv_cache_dtype": str(cache.cache_dtype),
+        "calculate_kv_scales": bool(getattr(cache, "calculate_kv_scales", False)),
+        "quantization": model.quantization, "quantization_config": model.quantization_config,
+        "hf_overrides": overrides, "hf_config_path": model.hf_config_path,
+        "model_weights": _weights_fingerprint(model.model_weights),
+        "code_revision": model.code_revision,
+        "disable_sliding_window": model.disable_sliding_window,
+        "model_class_overrides": model.model_class_overrides,
+    }  # fmt: skip
+
+
+def _weights_fingerprint(model_weights: str) -> str:
+    """vLLM loads the weights from `model_weights` instead of the model directory when set."""
+    from kvstore.fingerprint import model_fingerprint
+
+    return model_fingerprint(model_weights) if model_weights else ""
+
+
+def hit_sources(shares: dict[str, int]) -> dict:
+    """kvstore's 'local' / 'remote' token shares as vLLM's CacheHitSource counts. The agent's
+    lookup does not split its own host and disk tiers: local hits count as HOST (the agent
+    promotes a disk block to host memory before the worker copies it)."""
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    names = {"local": CacheHitSource.HOST, "remote": CacheHitSource.P2P}
+    return {names[where]: tokens for where, tokens in shares.items()}

@@ -152,8 +152,9 @@ def engine_kv(vllm_config, settings: ConnectorSettings) -> EngineKV:
                       settings.codec)  # fmt: skip
     isa = compat.attn_isa(vllm_config)
     fingerprint = model_fingerprint(
-        Path(model.model), settings.model_revision or model.revision or ""
-    )
+        Path(model.model), settings.model_revision or model.revision or "",
+        compat.kv_affecting_settings(vllm_config),
+    )  # fmt: skip
     namespace = shared_namespace(
         fingerprint, layout, total_heads, (0, num_layers), settings.tenant, settings.salt,
         _engine_layout(vllm_config, settings, isa),

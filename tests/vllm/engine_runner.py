@@ -2,6 +2,7 @@
 generates greedily for each prompt of a JSON file and prints one JSON line per prompt, then the
 connector's counters. `--pause` waits for a line on stdin before each prompt after the first;
 `--dump-kv FILE` saves the K/V vLLM holds for the first prompt's cached blocks at the end.
+A prompt is a list of token ids or {"prompt_token_ids": [...], "cache_salt": str, "lora": DIR}.
 
 python -m tests.vllm.engine_runner --model DIR --prompts FILE [--socket PATH] [--pause]
 """
@@ -37,17 +38,58 @@ def build_llm(args):
     return LLM(
         model=args.model, tokenizer=args.model, dtype=args.dtype, enforce_eager=True,
         gpu_memory_utilization=0.2, kv_cache_memory_bytes=64 << 20, block_size=args.block_size,
-        kv_transfer_config=transfer, seed=0,
+        kv_transfer_config=transfer, seed=0, disable_log_stats=not args.metrics,
+        **lora_options(args),
     )  # fmt: skip
 
 
-def connector_stats() -> dict:
+def lora_options(args) -> dict:
+    return {"enable_lora": True, "max_lora_rank": 8, "max_loras": 2} if args.lora else {}
+
+
+def prompt_and_lora(entry, loras: dict):
+    """vLLM's prompt dict and LoRARequest (or None) of one prompt of the file."""
+    from vllm.lora.request import LoRARequest
+
+    entry = {"prompt_token_ids": entry} if isinstance(entry, list) else dict(entry)
+    path = entry.pop("lora", None)
+    if path is None:
+        return entry, None
+    if path not in loras:
+        loras[path] = LoRARequest(Path(path).name, len(loras) + 1, path)
+    return entry, loras[path]
+
+
+def connector_stats(llm) -> dict:
+    """Both halves' counters (the engine core runs in this process)."""
     try:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-        return dict(get_kv_transfer_group().worker.stats)
+        worker = get_kv_transfer_group().worker
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler
     except Exception:  # no connector configured
         return {}
+    bypassed = {f"bypassed_{reason}": n for reason, n in scheduler.bypassed.items()}
+    return {**worker.stats, **scheduler.stats, **bypassed,
+            "longest_match_s": scheduler.longest_match_s}  # fmt: skip
+
+
+def vllm_metrics(llm) -> dict:
+    """vLLM's Prometheus metrics of this process that name kvstore or a cache-hit source:
+    counters by name (and source label), histograms as their sample counts."""
+    from vllm.v1.metrics.reader import Counter, Histogram
+
+    out: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        if "kvstore" not in metric.name and "by_source" not in metric.name:
+            continue
+        labels = {k: v for k, v in metric.labels.items() if k in ("source", "reason")}
+        name = metric.name + "".join(f"{{{k}={v}}}" for k, v in sorted(labels.items()))
+        if isinstance(metric, Counter):
+            out[name] = out.get(name, 0) + metric.value
+        elif isinstance(metric, Histogram):
+            out[f"{name}:count"] = out.get(f"{name}:count", 0) + metric.count
+    return out
 
 
 def dump_kv(llm, prompt: list[int], path: str) -> None:
@@ -88,24 +130,31 @@ def main() -> None:
     parser.add_argument("--key-scheme", default="vllm")
     parser.add_argument("--head-group-size", type=int, default=0)
     parser.add_argument("--dump-kv", default="")
+    parser.add_argument("--lora", action="store_true", help="enable LoRA (prompts may name one)")
+    parser.add_argument("--metrics", action="store_true", help="report vLLM's kvstore metrics")
     args = parser.parse_args()
 
     from vllm import SamplingParams
 
     llm = build_llm(args)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    for index, prompt in enumerate(json.loads(Path(args.prompts).read_text())):
+    loras: dict = {}
+    for index, entry in enumerate(json.loads(Path(args.prompts).read_text())):
+        prompt, lora = prompt_and_lora(entry, loras)
         if index and args.pause:
             print(MARK + json.dumps({"paused": index}), flush=True)
             sys.stdin.readline()
         llm.reset_prefix_cache()  # only the connector may supply a hit
-        output = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+        output = llm.generate(prompt, params, lora_request=lora, use_tqdm=False)[0]
         result = {"tokens": list(output.outputs[0].token_ids),
                   "num_cached_tokens": output.num_cached_tokens}  # fmt: skip
         print(MARK + json.dumps(result), flush=True)
     if args.dump_kv:
         dump_kv(llm, json.loads(Path(args.prompts).read_text())[0], args.dump_kv)
-    print(MARK + json.dumps({"connector": connector_stats()}), flush=True)
+    stats = connector_stats(llm)
+    if args.metrics:
+        stats["vllm_metrics"] = vllm_metrics(llm)
+    print(MARK + json.dumps({"connector": stats}), flush=True)
 
 
 if __name__ == "__main__":
