@@ -26,7 +26,7 @@ from kvstore.errors import ConfigError, TransferError
 from kvstore.keys import BlockKey
 from kvstore.transfer.base import OpenBlock, TransferEngine, TransferStats, register_engine
 from kvstore.transfer.gate import Gate, LinkOptions, dial, is_quiet, shutdown, wait_readable
-from kvstore.transfer.tcp_wire import Conn, HandshakeError
+from kvstore.transfer.tcp_wire import Conn, HandshakeError, ProtocolError
 from kvstore.transfer.ucx_runtime import (
     START_TIMEOUT_S,
     Runtime,
@@ -146,7 +146,10 @@ class UcxEngine(TransferEngine):
         deadline = time.monotonic() + self.options.handshake_timeout_s
         address, send_tag = recv_hello(conn, b"client", deadline)
         recv_tag = _new_tag()
-        link = runtime.call(self._link_to(conn, address, send_tag, recv_tag), START_TIMEOUT_S)
+        try:
+            link = runtime.call(self._link_to(conn, address, send_tag, recv_tag), START_TIMEOUT_S)
+        except Exception as exc:  # UCX refuses a malformed or unreachable worker address
+            raise ProtocolError(f"no UCX endpoint to the peer's address: {_forget(exc)}") from None
         serving = None
         try:
             send_hello(conn, b"server", runtime.address, recv_tag, deadline)

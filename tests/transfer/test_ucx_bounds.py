@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import struct
 import subprocess
 import sys
 
@@ -117,3 +118,20 @@ def test_an_accepted_peer_that_never_says_hello_is_dropped_at_the_handshake_dead
     silent.close()
     assert dropped_after_s < 1.0
     assert pair.server._gate.connections == 0
+
+
+@pytest.mark.parametrize(
+    "hello", [struct.pack("<QI", 7, 52) + bytes(52), struct.pack("<QI", 7, 1 << 30)],
+    ids=["garbage-address", "huge-address"],
+)  # fmt: skip
+def test_a_malformed_hello_drops_that_peer_and_the_service_keeps_serving(make_ucx_pair, hello):
+    pair = make_ucx_pair()
+    keys = pair.put([0])
+    host, port = pair.address.rsplit(":", 1)
+    peer = connect((host, int(port)))
+    peer.sendall(hello)
+
+    until(lambda: hung_up(peer), within_s=2.0)
+
+    peer.close()
+    assert pair.fetch(keys) == [SMALL_PAGE_BYTES]
