@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import os
 import threading
@@ -157,7 +158,8 @@ class UcxEngine(TransferEngine):
             serving.add_done_callback(lambda _: shutdown(conn.sock))
             wait_readable(conn.sock, None)  # EOF (the client sends nothing more) or shut down
         finally:
-            runtime.loop.call_soon_threadsafe(link.endpoint.abort)  # ends serving if still on
+            with contextlib.suppress(RuntimeError):  # the loop already stopped at exit
+                runtime.loop.call_soon_threadsafe(link.endpoint.abort)  # ends serving, if on
             if serving is not None:  # returns once every block it opened is closed
                 concurrent.futures.wait([serving], START_TIMEOUT_S)
 
@@ -312,7 +314,8 @@ class UcxEngine(TransferEngine):
 
     def _drop(self, link: _Link) -> None:
         link.control.close()
-        self._rt.loop.call_soon_threadsafe(link.endpoint.abort)
+        with contextlib.suppress(RuntimeError):  # the loop already stopped at exit
+            self._rt.loop.call_soon_threadsafe(link.endpoint.abort)
 
     def _dial(self, runtime: Runtime, address: str, deadline: float) -> _Link:
         """A new link to `address`: the gate's connection (authenticated when the engine has a
