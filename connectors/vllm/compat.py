@@ -13,6 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: F401 (r
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from kvstore.errors import ConfigError
@@ -26,24 +27,24 @@ class ScheduledRequest:
     """One request of a scheduler step, as the connector needs it."""
 
     req_id: str
-    block_ids: list[int] | None  # full block table (new or resumed) or None
-    new_block_ids: list[int]  # blocks appended this step
+    block_ids: list[list[int]] | None  # full block table per KV cache group, or None
+    new_block_ids: list[list[int]]  # blocks appended this step, per KV cache group
     num_computed_tokens: int
     num_scheduled_tokens: int
     prompt_token_ids: list[int] | None  # only for new requests
 
 
 def scheduled_requests(scheduler_output) -> Iterator[ScheduledRequest]:
-    """New and running requests of a step, with their block ids of KV cache group 0."""
+    """New and running requests of a step, with their block ids of every KV cache group."""
     for new in scheduler_output.scheduled_new_reqs:
         yield ScheduledRequest(
-            new.req_id, list(new.block_ids[0]), [], new.num_computed_tokens,
+            new.req_id, [list(ids) for ids in new.block_ids], [], new.num_computed_tokens,
             scheduler_output.num_scheduled_tokens.get(new.req_id, 0), new.prompt_token_ids,
         )  # fmt: skip
     cached = scheduler_output.scheduled_cached_reqs
     for index, req_id in enumerate(cached.req_ids):
         new_ids = cached.new_block_ids[index]
-        blocks = list(new_ids[0]) if new_ids else []
+        blocks = [list(ids) for ids in new_ids] if new_ids else []
         resumed = req_id in cached.resumed_req_ids
         yield ScheduledRequest(
             req_id, blocks if resumed else None, [] if resumed else blocks,
@@ -183,3 +184,67 @@ def hit_sources(shares: dict[str, int]) -> dict:
 
     names = {"local": CacheHitSource.HOST, "remote": CacheHitSource.P2P}
     return {names[where]: tokens for where, tokens in shares.items()}
+
+
+NULL_BLOCK_ID = 0  # vLLM's null block (the pool's first), a placeholder never read as KV
+
+
+@dataclass(frozen=True)
+class CacheGroups:
+    """vLLM's KV cache groups as the connector serves them: one per attention type the hybrid
+    KV cache manager keeps apart. `windows[g]` is group g's sliding window in tokens (None:
+    full attention); `of_layer` maps each layer's name to its group."""
+
+    windows: tuple[int | None, ...]
+    of_layer: dict[str, int]
+
+
+ONE_GROUP = CacheGroups((None,), {})  # no KV cache config: every layer in one full group
+
+
+def cache_groups(kv_cache_config, block_size: int) -> CacheGroups:
+    """The groups of vLLM's KV cache config (none given: one group of every layer).
+    ConfigError naming what the connector cannot store correctly: state-space (Mamba) layers,
+    whose state at a chunk boundary is not per-token KV; other attention kinds (MLA, chunked
+    local, sinks, ...); a group whose block size is not the engine's."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+
+    if kv_cache_config is None:
+        return ONE_GROUP
+    windows, of_layer = [], {}
+    for index, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        kind = type(spec).__name__
+        if isinstance(spec, MambaSpec):
+            raise ConfigError(
+                f"the kvstore connector does not support state-space (Mamba) layers (KV cache "
+                f"group {index}, {kind}, layers {group.layer_names[:3]}...): their state at a "
+                "chunk boundary is not stored; serve this model without the connector"
+            )
+        if type(spec) not in (FullAttentionSpec, SlidingWindowSpec):
+            raise ConfigError(
+                f"the kvstore connector does not support KV cache group {index} of kind {kind} "
+                f"(layers {group.layer_names[:3]}...): it stores full and sliding-window "
+                "attention layers only"
+            )
+        if spec.block_size != block_size:
+            raise ConfigError(f"KV cache group {index} has block size {spec.block_size}; the "
+                              f"connector copies blocks of {block_size}")  # fmt: skip
+        windows.append(spec.sliding_window if type(spec) is SlidingWindowSpec else None)
+        of_layer.update(dict.fromkeys(group.layer_names, index))
+    if not windows:
+        raise ConfigError("the kvstore connector needs attention layers; this model has none")
+    return CacheGroups(tuple(windows), of_layer)
+
+
+def layer_order(names) -> list[str]:
+    """Layer names in the model's layer order: the payload's layer i is the i-th, whichever
+    order vLLM registers them in (the hybrid manager registers them group by group)."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    return sorted(names, key=lambda name: (extract_layer_index(name), name))
+
+
+def live_blocks(block_ids) -> list[int]:
+    """The engine blocks of `block_ids` that hold KV (not vLLM's null placeholder)."""
+    return [block for block in block_ids if block != NULL_BLOCK_ID]

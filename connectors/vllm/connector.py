@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from connectors.vllm import compat
-from connectors.vllm.compat import KVConnectorBase_V1, KVConnectorRole
+from connectors.vllm.compat import KVConnectorBase_V1, KVConnectorRole, SupportsHMA
 from connectors.vllm.config import ConnectorSettings, engine_kv
 from connectors.vllm.metadata import KVStoreConnectorMetadata
 from connectors.vllm.scheduler import SchedulerSide
@@ -26,16 +26,17 @@ from connectors.vllm.worker import WorkerSide
 logger = logging.getLogger(__name__)
 
 
-class KVStoreConnector(KVConnectorBase_V1):
+class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.settings = ConnectorSettings.from_extra_config(extra)
         self.kv = engine_kv(vllm_config, self.settings)
-        self.scheduler = (
-            SchedulerSide(self.settings, self.kv) if role == KVConnectorRole.SCHEDULER else None
-        )
-        self.worker = WorkerSide(self.settings, self.kv) if role == KVConnectorRole.WORKER else None
+        # Refuses (ConfigError) what it cannot store correctly: Mamba state, MLA, ...
+        groups = compat.cache_groups(kv_cache_config, self.kv.block_size)
+        is_scheduler, is_worker = role == KVConnectorRole.SCHEDULER, role == KVConnectorRole.WORKER
+        self.scheduler = SchedulerSide(self.settings, self.kv, groups) if is_scheduler else None
+        self.worker = WorkerSide(self.settings, self.kv, groups) if is_worker else None
         self._deltas = DeltaCounters()  # this half's counters, reported to vLLM's stat loggers
         self._samples = self.scheduler.samples if self.scheduler else LatencySamples()
         self._load_wait_s: float | None = None  # this step's waits for layer loads
@@ -74,6 +75,10 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # A request that had saves keeps its blocks until every worker committed them.
+        return self.scheduler.finished(request), None
+
+    def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict | None]:
+        """The hybrid KV cache manager's request_finished (every group's blocks at once)."""
         return self.scheduler.finished(request), None
 
     def take_events(self) -> Iterable[Any]:

@@ -13,7 +13,7 @@ from connectors.vllm.compat import KVConnectorMetadata
 class LoadSpec:
     req_id: str
     keys: list[bytes]  # chunk keys 0..n-1 of the prompt's loadable prefix
-    block_ids: list[int]  # the request's block table (covers at least the chunks)
+    block_ids: list[list[int]]  # the request's block table per KV cache group
     skip_blocks: int  # leading engine blocks already computed locally: not overwritten
 
 
@@ -22,7 +22,7 @@ class SaveSpec:
     req_id: str
     keys: list[bytes]  # consecutive chunk keys, fully computed by the end of this step
     first_parent: bytes  # key of the chunk before keys[0] (b"" for the first chunk)
-    block_ids: list[int]  # engine blocks of those chunks, blocks_per_chunk per key
+    block_ids: list[list[int]]  # per KV cache group: those chunks' blocks, blocks_per_chunk each
 
 
 @dataclass

@@ -40,13 +40,18 @@ class _StepSaves:
 
 class SavePipeline:
     def __init__(
-        self, settings: ConnectorSettings, kv: EngineKV, agent: AgentConnection, stats: dict
-    ) -> None:
+        self, settings: ConnectorSettings, kv: EngineKV, agent: AgentConnection, stats: dict,
+        groups: compat.CacheGroups = compat.ONE_GROUP,
+    ) -> None:  # fmt: skip
         self.settings = settings
         self.kv = kv
         self.agent = agent
         self.stats = stats
         self.copier: ChunkCopier | None = None  # set by the worker once caches are registered
+        self.layer_groups: list[int] = []  # per payload layer: its KV cache group (the worker's)
+        # vLLM frees a sliding-window block once out of the window, and may reuse it next step:
+        # such saves complete within their step (on CUDA, the copy stream is waited for).
+        self._sync_each_step = any(window is not None for window in groups.windows)
         self.delayed_frees = compat.saves_outlive_steps()  # as the scheduler half decides
         self._step: _StepSaves | None = None
         self._submitted: list[_StepSaves] = []  # copies may still run; commit in order
@@ -76,12 +81,13 @@ class SavePipeline:
                     chunk, group = divmod(index, self.kv.groups.count)
                     digest = digests[index] if step.in_order else None
                     self.copier.save_layer(self.kv.group_view(paged, group),
-                                           self._blocks(spec, chunk), payload[start:stop],
+                                           self._blocks(spec, chunk, layer), payload[start:stop],
                                            digest)  # fmt: skip
 
-    def _blocks(self, spec: SaveSpec, chunk: int) -> list[int]:
+    def _blocks(self, spec: SaveSpec, chunk: int, layer: int) -> list[int]:
         per_chunk = self.kv.blocks_per_chunk
-        return spec.block_ids[chunk * per_chunk : (chunk + 1) * per_chunk]
+        ids = spec.block_ids[self.layer_groups[layer]]
+        return ids[chunk * per_chunk : (chunk + 1) * per_chunk]
 
     def _reserve(self, saves: list[SaveSpec]) -> _StepSaves:
         step = _StepSaves([])
@@ -115,7 +121,7 @@ class SavePipeline:
             for spec, _ in step.reserved:
                 self._uncommitted[spec.req_id] = self._uncommitted.get(spec.req_id, 0) + 1
             self._submitted.append(step)
-        self.commit_ready(block=False)
+        self.commit_ready(block=self._sync_each_step)
 
     def commit_ready(self, block: bool) -> None:
         """Commit submitted steps whose copies completed, in order (all of them with

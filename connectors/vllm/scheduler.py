@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class RequestState:
     keys: list[bytes]  # keys of every full chunk of the prompt
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
     saved_chunks: int = 0  # chunks [0, saved_chunks) need no save (loaded or saved)
     load_chunks: int = 0
     computed_at_load: int = 0
@@ -33,9 +33,15 @@ class RequestState:
 
 
 class SchedulerSide:
-    def __init__(self, settings: ConnectorSettings, kv: EngineKV) -> None:
+    def __init__(
+        self,
+        settings: ConnectorSettings,
+        kv: EngineKV,
+        groups: compat.CacheGroups = compat.ONE_GROUP,
+    ) -> None:
         self.settings = settings
         self.kv = kv
+        self.groups = groups
         self.agent = AgentConnection(
             settings.socket_path, "vllm-scheduler", settings.credential_file
         )
@@ -45,7 +51,7 @@ class SchedulerSide:
         self.delay_frees = compat.saves_outlive_steps()
         self.request_keys = RequestKeys(kv)
         self.stats = {"lookups": 0, "hit_tokens": 0, "lookup_failures": 0, "lookups_deferred": 0,
-                      "prefetched_blocks": 0}  # fmt: skip
+                      "prefetched_blocks": 0, "saves_out_of_window": 0}  # fmt: skip
         self.lookups = LookupQueue(self._lookup)
         self.bypassed: dict[str, int] = {}  # reason -> requests (see RequestKeys.bypass_reason)
         self.samples = LatencySamples()
@@ -62,7 +68,8 @@ class SchedulerSide:
                 self.bypassed[reason] = self.bypassed.get(reason, 0) + 1
                 return None
             keys = self.request_keys.keys(request)
-            state = self.requests[request.request_id] = RequestState(keys=keys)
+            state = RequestState(keys=keys, block_ids=[[] for _ in self.groups.windows])
+            self.requests[request.request_id] = state
         return state
 
     def matched_tokens(self, request, num_computed_tokens: int) -> int | None:
@@ -162,11 +169,12 @@ class SchedulerSide:
                 continue
             if scheduled.block_ids is not None:
                 state.block_ids = scheduled.block_ids
-            state.block_ids.extend(scheduled.new_block_ids)
+            for group, new_ids in enumerate(scheduled.new_block_ids):
+                state.block_ids[group].extend(new_ids)
             if scheduled.req_id in self._pending_loads:
                 meta.loads.append(self._load_spec(scheduled.req_id, state))
             done = scheduled.num_computed_tokens + scheduled.num_scheduled_tokens
-            save = self._save_spec(scheduled.req_id, state, done)
+            save = self._save_spec(scheduled.req_id, state, done, scheduled.num_computed_tokens)
             if save is not None:
                 meta.saves.append(save)
         self._pending_loads.clear()
@@ -174,21 +182,41 @@ class SchedulerSide:
 
     def _load_spec(self, req_id: str, state: RequestState) -> LoadSpec:
         return LoadSpec(
-            req_id, state.keys[: state.load_chunks], list(state.block_ids),
+            req_id, state.keys[: state.load_chunks], [list(ids) for ids in state.block_ids],
             state.computed_at_load // self.kv.block_size,
         )  # fmt: skip
 
-    def _save_spec(self, req_id: str, state: RequestState, done_tokens: int) -> SaveSpec | None:
+    def _save_spec(
+        self, req_id: str, state: RequestState, done_tokens: int, step_start_tokens: int
+    ) -> SaveSpec | None:
         complete = min(len(state.keys), done_tokens // self.kv.layout.chunk_tokens)
         first, per_chunk = state.saved_chunks, self.kv.blocks_per_chunk
-        if complete <= first or len(state.block_ids) < complete * per_chunk:
+        if complete <= first or any(len(ids) < complete * per_chunk for ids in state.block_ids):
+            return None
+        blocks = [ids[first * per_chunk : complete * per_chunk] for ids in state.block_ids]
+        if not self._in_window(first, step_start_tokens, blocks):
+            state.saved_chunks = len(state.keys)  # later chunks would have no stored parent
+            self.stats["saves_out_of_window"] += 1
             return None
         state.saved_chunks = complete
         state.saves_scheduled = True
         return SaveSpec(
             req_id, state.keys[first:complete], state.keys[first - 1] if first else b"",
-            state.block_ids[first * per_chunk : complete * per_chunk],
+            blocks,
         )  # fmt: skip
+
+    def _in_window(self, first_chunk: int, step_start_tokens: int, blocks) -> bool:
+        """Whether every sliding-window group still holds the chunks' blocks in this step's
+        forward: vLLM frees (and may hand to another request in the same step) the blocks
+        wholly before `computed - window + 1` when it schedules the step, replacing them with
+        its null block. A chunk of which some layer's KV is gone is never saved."""
+        first_token = first_chunk * self.kv.layout.chunk_tokens
+        for window, ids in zip(self.groups.windows, blocks, strict=True):
+            if compat.NULL_BLOCK_ID in ids:
+                return False
+            if window is not None and first_token < step_start_tokens - window + 1:
+                return False
+        return True
 
     def finished(self, request) -> bool:
         """Forget the request; True when its blocks must outlive it until the workers report

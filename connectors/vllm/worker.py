@@ -62,9 +62,16 @@ class LayerwiseLoad:
 
 
 class WorkerSide:
-    def __init__(self, settings: ConnectorSettings, kv: EngineKV) -> None:
+    def __init__(
+        self,
+        settings: ConnectorSettings,
+        kv: EngineKV,
+        groups: compat.CacheGroups = compat.ONE_GROUP,
+    ) -> None:
         self.settings = settings
         self.kv = kv
+        self.groups = groups
+        self._layer_groups: list[int] = []  # per payload layer: its KV cache group
         self.agent = AgentConnection(settings.socket_path, "vllm-worker", settings.credential_file)
         self.kv_caches: dict[str, torch.Tensor] = {}
         self._layer_indexes: dict[str, int] = {}
@@ -76,13 +83,19 @@ class WorkerSide:
         self.stats = {"loaded_blocks": 0, "loaded_bytes": 0, "load_s": 0.0, "saved_blocks": 0,
                       "saved_bytes": 0, "load_failures": 0, "save_failures": 0,
                       "verify_failures": 0}  # fmt: skip
-        self.saves = SavePipeline(settings, kv, self.agent, self.stats)
+        self.saves = SavePipeline(settings, kv, self.agent, self.stats, groups)
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Take vLLM's per-layer caches; ConfigError naming what the copy engine cannot copy
         (a shape, dtype or layout), never a silent wrong copy later."""
-        self.kv_caches = dict(kv_caches)
+        self.kv_caches = {name: kv_caches[name] for name in compat.layer_order(kv_caches)}
         self._layer_indexes = {name: index for index, name in enumerate(self.kv_caches)}
+        unknown = [name for name in self.kv_caches if self.groups.of_layer
+                   and name not in self.groups.of_layer]  # fmt: skip
+        if unknown:
+            raise ConfigError(f"KV caches {unknown[:3]} belong to no KV cache group vLLM named")
+        self._layer_groups = [self.groups.of_layer.get(name, 0) for name in self.kv_caches]
+        self.saves.layer_groups = self._layer_groups
         if len(self.kv_caches) != self.kv.layout.num_layers:
             raise ValueError(
                 f"vLLM registered {len(self.kv_caches)} KV caches; the layout expects "
@@ -134,11 +147,8 @@ class WorkerSide:
             logger.warning("kvstore load failed (%s); recomputing", exc)
         got = len(loaded) // self.kv.groups.count if loaded is not None else 0
         if got < len(spec.keys):
-            per_chunk = self.kv.blocks_per_chunk
-            missing = spec.block_ids[
-                max(got * per_chunk, spec.skip_blocks) : len(spec.keys) * per_chunk
-            ]
-            self.failed_block_ids.update(missing)
+            first = max(got * self.kv.blocks_per_chunk, spec.skip_blocks)
+            self._fail_blocks(spec, first, len(spec.keys) * self.kv.blocks_per_chunk)
             self.stats["load_failures"] += len(spec.keys) - got
         return loaded
 
@@ -154,16 +164,24 @@ class WorkerSide:
             for j in range(chunks * groups)
         ]
 
+    def _fail_blocks(self, spec: LoadSpec, first: int, stop: int | None = None) -> None:
+        """Engine blocks [first, stop) of every KV cache group are load errors (recomputed)."""
+        for ids in spec.block_ids:
+            self.failed_block_ids.update(compat.live_blocks(ids[first:stop]))
+
     def _copy_layer_in(self, layer: int, paged: PagedLayer) -> None:
         start, stop = self.kv.layout.layer_range(layer)
+        cache_group = self._layer_groups[layer]
         for (spec, loaded), digests in zip(self._loaded, self._digests, strict=True):
             for index, digest in enumerate(digests):
                 if digest is None:
                     continue
                 chunk, group = divmod(index, self.kv.groups.count)
-                blocks = self._chunk_blocks(spec.block_ids, chunk)
+                blocks = self._chunk_blocks(spec.block_ids[cache_group], chunk)
                 first = chunk * len(blocks)
-                keep = [i for i in range(len(blocks)) if first + i >= spec.skip_blocks]
+                # A sliding-window group's blocks before its window are vLLM's null block.
+                keep = [i for i in range(len(blocks)) if first + i >= spec.skip_blocks
+                        and blocks[i] != compat.NULL_BLOCK_ID]  # fmt: skip
                 payload = loaded.payloads[index][start:stop]
                 self._loader.load_layer(payload, digest, self.kv.group_view(paged, group),
                                         blocks, keep)  # fmt: skip
@@ -180,8 +198,7 @@ class WorkerSide:
                 continue
             if digest.intdigest() != loaded.checksums[index]:
                 chunk = index // groups
-                first = max(chunk * self.kv.blocks_per_chunk, spec.skip_blocks)
-                self.failed_block_ids.update(spec.block_ids[first:])
+                self._fail_blocks(spec, max(chunk * self.kv.blocks_per_chunk, spec.skip_blocks))
                 self.stats["verify_failures"] += len(digests) // groups - chunk
                 self.stats["load_failures"] += len(digests) // groups - chunk
                 logger.warning("chunk %d failed its checksum as copied; recomputing", chunk)
@@ -206,7 +223,7 @@ class WorkerSide:
             failed = self._load.error is not None
             if failed:
                 for spec, _ in self._loaded:
-                    self.failed_block_ids.update(spec.block_ids[spec.skip_blocks :])
+                    self._fail_blocks(spec, spec.skip_blocks)
         for (spec, loaded), digests in zip(self._loaded, self._digests, strict=True):
             if loaded is None:
                 continue

@@ -71,7 +71,8 @@ def connector_stats(llm) -> dict:
         return {}
     bypassed = {f"bypassed_{reason}": n for reason, n in scheduler.bypassed.items()}
     return {**worker.stats, **scheduler.stats, **bypassed,
-            "longest_match_s": scheduler.longest_match_s}  # fmt: skip
+            "longest_match_s": scheduler.longest_match_s,
+            "cache_group_windows": list(scheduler.groups.windows)}  # fmt: skip
 
 
 def vllm_metrics(llm) -> dict:

@@ -79,7 +79,9 @@ def worker(socket_path, kv: EngineKV, caches) -> WorkerSide:
 
 
 def save_prompt(side: WorkerSide, caches) -> None:
-    meta = KVStoreConnectorMetadata(saves=[SaveSpec("p", CHAIN, b"", list(range(NUM_BLOCKS // 2)))])
+    meta = KVStoreConnectorMetadata(
+        saves=[SaveSpec("p", CHAIN, b"", [list(range(NUM_BLOCKS // 2))])]
+    )
     side.start_load(meta)
     for name, tensor in caches.items():
         side.save_layer(meta, name, tensor)
@@ -87,7 +89,7 @@ def save_prompt(side: WorkerSide, caches) -> None:
 
 
 def load_prompt(side: WorkerSide, blocks: list[int]) -> None:
-    side.start_load(KVStoreConnectorMetadata(loads=[LoadSpec("p", CHAIN, blocks, 0)]))
+    side.start_load(KVStoreConnectorMetadata(loads=[LoadSpec("p", CHAIN, [blocks], 0)]))
     for name in side.kv_caches:
         side.wait_for_layer(name)
     side.finish_load()

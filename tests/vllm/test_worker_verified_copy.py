@@ -29,7 +29,7 @@ def paged(fill: float, num_blocks: int = 4) -> dict[str, torch.Tensor]:
 
 
 def save(worker: WorkerSide, caches: dict[str, torch.Tensor]) -> None:
-    meta = KVStoreConnectorMetadata(saves=[SaveSpec("r", CHAIN, b"", [0, 1])])
+    meta = KVStoreConnectorMetadata(saves=[SaveSpec("r", CHAIN, b"", [[0, 1]])])
     for name, tensor in caches.items():
         worker.save_layer(meta, name, tensor)
     worker.finish_save()
@@ -72,7 +72,7 @@ def test_a_broken_connection_mid_load_never_yields_wrong_kv(tmp_path):
             copy_layer(layer, tensor)
 
         reader._copy_layer_in = copy_after_the_connection_broke
-        reader.start_load(KVStoreConnectorMetadata(loads=[LoadSpec("r", CHAIN, [2, 3], 0)]))
+        reader.start_load(KVStoreConnectorMetadata(loads=[LoadSpec("r", CHAIN, [[2, 3]], 0)]))
         reader.finish_load()
 
         failed = reader.take_failed_block_ids()
@@ -101,7 +101,7 @@ def test_a_page_rewritten_under_a_pinned_view_is_a_load_error_not_kv(tmp_path):
             copy_layer(layer, tensor)
 
         reader._copy_layer_in = copy_after_the_page_changed
-        reader.start_load(KVStoreConnectorMetadata(loads=[LoadSpec("r", CHAIN, [2, 3], 0)]))
+        reader.start_load(KVStoreConnectorMetadata(loads=[LoadSpec("r", CHAIN, [[2, 3]], 0)]))
         reader.finish_load()
         assert reader.take_failed_block_ids() == {2, 3}
         assert reader.stats["verify_failures"] == 1 and reader.stats["loaded_blocks"] == 0
@@ -120,7 +120,10 @@ def test_a_request_with_saves_is_reported_finished_once_they_are_committed(tmp_p
         caches = paged(0.25)
         worker.register(caches)
         meta = KVStoreConnectorMetadata(
-            saves=[SaveSpec("saved", CHAIN, b"", [0, 1]), SaveSpec("unreached", CHAIN[:0], b"", [])]
+            saves=[
+                SaveSpec("saved", CHAIN, b"", [[0, 1]]),
+                SaveSpec("unreached", CHAIN[:0], b"", [[]]),
+            ]
         )
         worker.start_load(meta)
         for name, tensor in caches.items():
