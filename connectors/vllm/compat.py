@@ -239,10 +239,15 @@ def cache_groups(kv_cache_config, block_size: int) -> CacheGroups:
 
 def layer_order(names) -> list[str]:
     """Layer names in the model's layer order: the payload's layer i is the i-th, whichever
-    order vLLM registers them in (the hybrid manager registers them group by group)."""
+    order vLLM registers them in (the hybrid manager registers them group by group). Names
+    without vLLM's one layer index ("model.layers.3.self_attn.attn") keep their order."""
     from vllm.model_executor.models.utils import extract_layer_index
 
-    return sorted(names, key=lambda name: (extract_layer_index(name), name))
+    names = list(names)
+    try:
+        return sorted(names, key=extract_layer_index)  # stable: ties keep their order
+    except (AssertionError, ValueError):
+        return names
 
 
 def live_blocks(block_ids) -> list[int]:

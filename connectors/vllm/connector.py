@@ -31,9 +31,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.settings = ConnectorSettings.from_extra_config(extra)
-        self.kv = engine_kv(vllm_config, self.settings)
         # Refuses (ConfigError) what it cannot store correctly: Mamba state, MLA, ...
-        groups = compat.cache_groups(kv_cache_config, self.kv.block_size)
+        groups = compat.cache_groups(kv_cache_config, vllm_config.cache_config.block_size)
+        self.kv = engine_kv(vllm_config, self.settings)
         is_scheduler, is_worker = role == KVConnectorRole.SCHEDULER, role == KVConnectorRole.WORKER
         self.scheduler = SchedulerSide(self.settings, self.kv, groups) if is_scheduler else None
         self.worker = WorkerSide(self.settings, self.kv, groups) if is_worker else None

@@ -207,14 +207,16 @@ class SchedulerSide:
 
     def _in_window(self, first_chunk: int, step_start_tokens: int, blocks) -> bool:
         """Whether every sliding-window group still holds the chunks' blocks in this step's
-        forward: vLLM frees (and may hand to another request in the same step) the blocks
-        wholly before `computed - window + 1` when it schedules the step, replacing them with
-        its null block. A chunk of which some layer's KV is gone is never saved."""
-        first_token = first_chunk * self.kv.layout.chunk_tokens
+        forward: scheduling the step, vLLM frees (and may hand to another request in the same
+        step) the first (computed - window + 1) // block_size blocks (fewer with tokens in
+        flight or retained), replacing them with its null block. A chunk of which some
+        layer's KV is gone is never saved."""
+        first_block = first_chunk * self.kv.blocks_per_chunk
         for window, ids in zip(self.groups.windows, blocks, strict=True):
             if compat.NULL_BLOCK_ID in ids:
                 return False
-            if window is not None and first_token < step_start_tokens - window + 1:
+            freed = max(0, step_start_tokens - window + 1) // self.kv.block_size if window else 0
+            if first_block < freed:
                 return False
         return True
 

@@ -39,12 +39,18 @@ def build_llm(args):
         model=args.model, tokenizer=args.model, dtype=args.dtype, enforce_eager=True,
         gpu_memory_utilization=0.2, kv_cache_memory_bytes=64 << 20, block_size=args.block_size,
         kv_transfer_config=transfer, seed=0, disable_log_stats=not args.metrics,
-        **lora_options(args),
+        **lora_options(args), **batch_options(args),
     )  # fmt: skip
 
 
 def lora_options(args) -> dict:
     return {"enable_lora": True, "max_lora_rank": 8, "max_loras": 2} if args.lora else {}
+
+
+def batch_options(args) -> dict:
+    """A smaller prefill step (chunked prefill) when asked for."""
+    tokens = args.max_num_batched_tokens
+    return {"max_num_batched_tokens": tokens, "enable_chunked_prefill": True} if tokens else {}
 
 
 def prompt_and_lora(entry, loras: dict):
@@ -132,6 +138,7 @@ def main() -> None:
     parser.add_argument("--head-group-size", type=int, default=0)
     parser.add_argument("--dump-kv", default="")
     parser.add_argument("--lora", action="store_true", help="enable LoRA (prompts may name one)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=0)
     parser.add_argument("--metrics", action="store_true", help="report vLLM's kvstore metrics")
     args = parser.parse_args()
 

