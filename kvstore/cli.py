@@ -54,7 +54,7 @@ def _metadata_config(args: argparse.Namespace, backend: str | None = None):
 _METADATA_FLAGS = (
     "listen", "backend", "data_dir", "redis_url", "token_file", "tls_cert", "tls_key",
     "tls_client_ca", "key_quota_per_tenant", "metrics_listen", "max_watch_streams_per_tenant",
-    "lmdb_map_size_bytes",
+    "lmdb_map_size_bytes", "redis_wait_replicas", "redis_wait_timeout_ms",
 )  # fmt: skip
 
 
@@ -134,8 +134,14 @@ def _add_metadata_flags(parser: argparse.ArgumentParser, with_backend: bool) -> 
     parser.add_argument("--config", type=Path, help="TOML file; settings under [metadata]")
     parser.add_argument("--listen", help="gRPC host:port (default 127.0.0.1:50051)")
     if with_backend:
-        parser.add_argument("--backend", choices=["lmdb", "memory", "redis"])
-        parser.add_argument("--redis-url", help="redis://host:port/db for --backend redis")
+        parser.add_argument("--backend", choices=["lmdb", "memory", "redis", "redis-cluster"])
+        parser.add_argument(
+            "--redis-url", help="redis://host:port/db; redis-cluster: redis://h1:p1,h2:p2 (seeds)"
+        )
+        parser.add_argument(
+            "--redis-wait-replicas", type=int, help="WAIT for N replicas after each write (0)"
+        )
+        parser.add_argument("--redis-wait-timeout-ms", type=int, help="WAIT timeout (100)")
     parser.add_argument("--data-dir", type=Path, help="where LMDB keeps the index")
     parser.add_argument("--token-file", type=Path, help="'TOKEN TENANT' lines; enables auth")
     parser.add_argument("--tls-cert", type=Path)
