@@ -248,6 +248,19 @@ def _bench_soak(args: argparse.Namespace) -> dict:
     )  # fmt: skip
 
 
+def _bench_scale(args: argparse.Namespace) -> dict:
+    from kvstore.bench.scale import ScaleSpec, run_scale
+
+    seconds = args.seconds if args.seconds is not None else args.minutes * 60
+    options = {"trace": args.trace} if args.trace else {}
+    return run_scale(
+        ScaleSpec(
+            nodes=args.nodes, keys=args.keys, seconds=seconds, backend=args.backend,
+            agent_processes=args.agent_processes, max_rss_mib=args.max_rss_mib, **options,
+        )
+    )  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvstore.eviction import policy_names
 
@@ -338,6 +351,17 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--shared-shm", action="store_true", help=_SHARED_SHM_HELP)
     soak.add_argument("--json", action="store_true")
     soak.set_defaults(handler=_bench_soak)
+    scale = benches.add_parser("scale", help="one metadata service under a simulated cluster")
+    scale.add_argument("--nodes", type=int, default=100)
+    scale.add_argument("--keys", type=int, default=1_000_000, help="preloaded before the run")
+    scale.add_argument("--minutes", type=float, default=1.0, help="of trace-rate load")
+    scale.add_argument("--seconds", type=float, help="instead of --minutes")
+    scale.add_argument("--backend", choices=["memory", "lmdb"], default="memory")
+    scale.add_argument("--agent-processes", type=int, default=3, help="simulated agents' procs")
+    scale.add_argument("--max-rss-mib", type=int, default=6144, help="stop preloading here")
+    scale.add_argument("--trace", type=Path, help="Mooncake JSONL (default: ../shared/traces)")
+    scale.add_argument("--json", action="store_true")
+    scale.set_defaults(handler=_bench_scale)
     return parser
 
 
