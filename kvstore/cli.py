@@ -256,7 +256,8 @@ def _bench_scale(args: argparse.Namespace) -> dict:
     return run_scale(
         ScaleSpec(
             nodes=args.nodes, keys=args.keys, seconds=seconds, backend=args.backend,
-            agent_processes=args.agent_processes, max_rss_mib=args.max_rss_mib, **options,
+            agent_processes=args.agent_processes, max_rss_mib=args.max_rss_mib,
+            lease_ttl_ms=args.lease_ttl_ms, **options,
         )
     )  # fmt: skip
 
@@ -359,6 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("--backend", choices=["memory", "lmdb"], default="memory")
     scale.add_argument("--agent-processes", type=int, default=3, help="simulated agents' procs")
     scale.add_argument("--max-rss-mib", type=int, default=6144, help="stop preloading here")
+    scale.add_argument("--lease-ttl-ms", type=int, default=10_000, help="of every node")
     scale.add_argument("--trace", type=Path, help="Mooncake JSONL (default: ../shared/traces)")
     scale.add_argument("--json", action="store_true")
     scale.set_defaults(handler=_bench_scale)

@@ -16,18 +16,21 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvstore.bench.cluster import _die_with_parent, process_sample
 from kvstore.bench.scale_sim import AgentPlan, run_agent, run_observer
 from kvstore.errors import ConfigError
+from kvstore.metadata.client import MetadataClient
 
 logger = logging.getLogger(__name__)
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TRACE = (PROJECT_ROOT / "../shared/traces/mooncake/conversation_trace.jsonl").resolve()
 RSS_SAMPLE_S = 0.5
+STOP_GRACE_S = 10.0
 RESULT_TIMEOUT_S = 60.0
 LOOKUP_P99_LIMIT_US = 10_000  # a lookup slower than this costs more than recomputing a chunk
 EVENT_LAG_P99_LIMIT_MS = 1_000
@@ -42,7 +45,7 @@ class ScaleSpec:
     backend: str = "memory"
     agent_processes: int = 3
     threads_per_agent: int = 4
-    watchers: int = 8
+    watchers: int = 2  # WatchEvents streams, in the observer process (its CPU bounds them)
     probers: int = 2
     lease_ttl_ms: int = 10_000
     max_rss_mib: int = 6 * 1024  # preloading stops here (the machine is shared)
@@ -111,8 +114,17 @@ def run_scale(spec: ScaleSpec) -> dict:
             return _run(spec, rates, service, address, context, (halt, steady, stop), results)
         finally:
             stop.set()
-            service.terminate()
-            service.wait(timeout=30)
+            _stop_service(service)
+
+
+def _stop_service(service: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL: freeing millions of index entries can outlast the grace time."""
+    service.terminate()
+    try:
+        service.wait(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        service.kill()
+        service.wait()
 
 
 def _plans(spec: ScaleSpec, address: str, rates: dict) -> list[AgentPlan]:
@@ -135,7 +147,7 @@ def _run(spec, rates, service, address, context, events, results) -> dict:
               for plan in plans]  # fmt: skip
     for process in agents:
         process.start()
-    preload = _preload(spec, service.pid, halt, results, len(agents))
+    preload = _preload(spec, service.pid, address, halt, results, len(agents))
     loaded_mib = rss_mib(service.pid)
     observer = context.Process(
         target=run_observer, args=(address, spec.probers, spec.watchers, stop, results),
@@ -149,19 +161,20 @@ def _run(spec, rates, service, address, context, events, results) -> dict:
     reports = [_result(results) for _ in range(len(agents) + 1)]
     for process in [*agents, observer]:
         process.join(timeout=RESULT_TIMEOUT_S)
-    summary = _summarize(spec, rates, preload, reports, time.time() - steady_started)
+    summary = _summarize(spec, rates, preload, reports)
     summary.update(
         service_rss_base_mib=round(base_mib), service_rss_loaded_mib=round(loaded_mib),
         service_rss_peak_mib=round(max(peak_mib, loaded_mib)),
-        bytes_per_key=round((loaded_mib - base_mib) * (1 << 20) / max(preload["keys"], 1)),
+        bytes_per_key=_bytes_per_key(base_mib, loaded_mib, preload),
     )  # fmt: skip
     summary["broke_first"] = _broke_first(spec, summary, preload, steady_started)
     return summary
 
 
-def _preload(spec: ScaleSpec, pid: int, halt, results, agents: int) -> dict:
-    """Wait for every agent's preload; halt them at the RSS cap or the time bound."""
-    started, done, keys, stopped_by = time.monotonic(), 0, 0, ""
+def _preload(spec: ScaleSpec, pid: int, address: str, halt, results, agents: int) -> dict:
+    """Wait for every agent's preload; halt them at the RSS cap, the time bound or the first
+    lease lost (a node's holdings purged: preloading further measures nothing)."""
+    started, done, misses, stopped_by = time.monotonic(), 0, 0, ""
     while done < agents:
         if not stopped_by and rss_mib(pid) > spec.max_rss_mib:
             stopped_by = f"memory: service RSS passed {spec.max_rss_mib} MiB while preloading"
@@ -170,13 +183,26 @@ def _preload(spec: ScaleSpec, pid: int, halt, results, agents: int) -> dict:
         if stopped_by:
             halt.set()
         try:
-            kind, count, _ = results.get(timeout=RSS_SAMPLE_S)
+            kind, _, detail = results.get(timeout=RSS_SAMPLE_S)
         except queue.Empty:
             continue
-        assert kind == "preloaded"
-        done, keys = done + 1, keys + count
+        if kind == "lease_lost" and not stopped_by:
+            stopped_by = "heartbeats: a lease expired while preloading (the service fell behind)"
+        elif kind == "preloaded":
+            done, misses = done + 1, misses + detail
     elapsed_s = time.monotonic() - started
-    return {"keys": keys, "seconds": elapsed_s, "stopped_by": stopped_by, "at": time.time()}
+    # What the service holds (the holdings of nodes whose lease expired are gone).
+    with MetadataClient(address, timeout_s=RESULT_TIMEOUT_S) as client:
+        keys = client.stats().blocks
+    return {"keys": keys, "seconds": elapsed_s, "stopped_by": stopped_by, "misses": misses}
+
+
+def _bytes_per_key(base_mib: float, loaded_mib: float, preload: dict) -> int | None:
+    """Service RSS growth per key held; None once nodes expired while preloading (their
+    purged holdings leave freed memory in the RSS, so the ratio would mean nothing)."""
+    if preload["stopped_by"].startswith("heartbeats") or not preload["keys"]:
+        return None
+    return round((loaded_mib - base_mib) * (1 << 20) / preload["keys"])
 
 
 def _sample_rss_until(pid: int, deadline: float, stop) -> float:
@@ -188,10 +214,14 @@ def _sample_rss_until(pid: int, deadline: float, stop) -> float:
 
 
 def _result(results) -> tuple:
-    try:
-        return results.get(timeout=RESULT_TIMEOUT_S)
-    except queue.Empty:
-        raise ConfigError("a simulation process sent no result (see its log)") from None
+    """The next final report (late lease-lost notes from preloading are skipped)."""
+    while True:
+        try:
+            report = results.get(timeout=RESULT_TIMEOUT_S)
+        except queue.Empty:
+            raise ConfigError("a simulation process sent no result (see its log)") from None
+        if report[0] in ("agent", "observer"):
+            return report
 
 
 def _percentile(values: list[float], q: int) -> float:
@@ -200,10 +230,13 @@ def _percentile(values: list[float], q: int) -> float:
     return statistics.quantiles(values, n=100)[q - 1]
 
 
-def _summarize(spec, rates, preload, reports, seconds) -> dict:
+def _summarize(spec, rates, preload, reports) -> dict:
     agents = [r for r in reports if r[0] == "agent"]
     _, probe_us, probe_qps, lags_ms, tally = next(r for r in reports if r[0] == "observer")
+    errors_by_kind: Counter[str] = sum((Counter(r[1].pop("errors_by_kind")) for r in agents),
+                                       Counter())  # fmt: skip
     counts = {name: sum(r[1][name] for r in agents) for name in agents[0][1]}
+    seconds = max(r[1]["steady_s"] for r in agents)  # the agents' own trace-rate phase
     request_us = [v for r in agents for v in r[2]]
     target_keys_s = rates["new_keys_per_s"] * spec.nodes
     misses = [r[3] for r in agents if r[3] is not None]
@@ -227,26 +260,29 @@ def _summarize(spec, rates, preload, reports, seconds) -> dict:
         "event_gaps": tally["gaps"], "event_lag_p50_ms": round(_percentile(lags_ms, 50), 1),
         "event_lag_p99_ms": round(_percentile(lags_ms, 99), 1),
         "heartbeats": counts["heartbeats"], "heartbeat_misses": counts["heartbeat_misses"],
+        "heartbeat_misses_preloading": preload["misses"],
         "leases_lost": counts["leases_lost"], "errors": counts["errors"],
+        "errors_by_kind": dict(errors_by_kind),
         "first_heartbeat_miss_at": min(misses) if misses else None,
         "machine": {"cpu_count": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]},
     }  # fmt: skip
 
 
 def _broke_first(spec, summary: dict, preload: dict, steady_started: float) -> str:
-    """The first limit the run hit, in time order where known; "nothing" if none."""
+    """The first limit the run hit (preloading first, then the trace-rate phase); every limit
+    hit goes to summary["limits_hit"], in that order. "nothing" if none."""
     miss_at = summary.pop("first_heartbeat_miss_at")
-    if preload["stopped_by"]:
-        return preload["stopped_by"]
+    hit = [preload["stopped_by"]] if preload["stopped_by"] else []
     if miss_at is not None:
         phase = "preloading" if miss_at < steady_started else "under trace load"
-        return f"heartbeats: {summary['heartbeat_misses']} missed, the first while {phase}"
+        hit.append(f"heartbeats: {summary['heartbeat_misses']} missed, the first while {phase}")
     if summary["publish_rate_ratio"] < PUBLISH_RATE_FLOOR:
-        return (f"publish rate: {summary['publish_keys_per_s']} of "
-                f"{summary['target_publish_keys_per_s']} keys/s")  # fmt: skip
+        hit.append(f"publish rate: {summary['publish_keys_per_s']} of "
+                   f"{summary['target_publish_keys_per_s']} keys/s")  # fmt: skip
     if summary["event_gaps"] or summary["event_lag_p99_ms"] > EVENT_LAG_P99_LIMIT_MS:
-        return (f"event fan-out: lag p99 {summary['event_lag_p99_ms']} ms, "
-                f"{summary['event_gaps']} gaps")  # fmt: skip
+        hit.append(f"event fan-out: lag p99 {summary['event_lag_p99_ms']} ms, "
+                   f"{summary['event_gaps']} gaps")  # fmt: skip
     if summary["lookup_64_p99_us"] > LOOKUP_P99_LIMIT_US:
-        return f"lookups: p99 {summary['lookup_64_p99_us']} us"
-    return "nothing"
+        hit.append(f"lookups: p99 {summary['lookup_64_p99_us']} us")
+    summary["limits_hit"] = hit
+    return hit[0] if hit else "nothing"

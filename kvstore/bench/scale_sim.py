@@ -13,9 +13,11 @@ import random
 import struct
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from kvstore.bench.cluster import _die_with_parent
 from kvstore.errors import KVStoreError, LeaseError, NotFoundError
 from kvstore.metadata.client import MetadataClient
 from kvstore.metadata.index import BlockEntry, NodeRecord
@@ -27,6 +29,7 @@ MAX_BATCH = 4096  # the service's default max_batch
 TICK_S = 0.25
 REQUEST_KEYS = 24  # the trace's mean blocks per request
 PROBE_KEYS = 64
+HEARTBEAT_THREADS = 16
 SAMPLES = 20_000  # latency samples kept per process (reservoir)
 
 
@@ -62,7 +65,7 @@ class AgentPlan:
     lease_ttl_ms: int
     requests_per_s: float  # per node
     new_keys_per_s: float  # per node; as many are evicted
-    threads: int = 4
+    threads: int = 4  # for the trace-rate phase; preloading runs one batch at a time
 
 
 @dataclass
@@ -116,9 +119,11 @@ class Agent:
 
     def __init__(self, plan: AgentPlan, halt, steady, stop) -> None:
         self.plan, self.halt, self.steady, self.stop = plan, halt, steady, stop
+        self.results = None  # where a lease lost while preloading is reported
         self.client = MetadataClient(plan.address, timeout_s=30)
         self.nodes = [SimNode(index) for index in plan.nodes]
         self.counts = {name: 0 for name in COUNTERS}
+        self.errors: Counter[str] = Counter()  # by exception class
         self.lookup_us = Reservoir(seed=plan.nodes[0] if plan.nodes else 0)
         self.first_miss_s: float | None = None
         self._lock = threading.Lock()
@@ -127,17 +132,29 @@ class Agent:
         with self._lock:
             self.counts[name] += by
 
+    def failed(self, exc: KVStoreError) -> None:
+        self.count("errors")
+        with self._lock:
+            self.errors[type(exc).__name__] += 1
+
     def register(self, node: SimNode) -> None:
         record = NodeRecord(node.node_id, tcp_address=f"127.0.0.1:{node.index}")
         node.lease, _ = self.client.register_node(record, self.plan.lease_ttl_ms)
         node.last_ok_s = time.monotonic()
 
+    def _register_again(self, node: SimNode) -> None:
+        try:
+            self.register(node)
+        except KVStoreError as exc:  # the service is behind: the next round tries again
+            self.failed(exc)
+
     # ---- heartbeats ------------------------------------------------------------------------
     def heartbeat_loop(self) -> None:
+        """Every node every ttl/3, HEARTBEAT_THREADS at a time: real agents beat independently."""
         period_s, ttl_s = self.plan.lease_ttl_ms / 3000, self.plan.lease_ttl_ms / 1000
-        while not self.stop.wait(period_s):
-            for node in self.nodes:
-                self._heartbeat(node, ttl_s)
+        with ThreadPoolExecutor(HEARTBEAT_THREADS, thread_name_prefix="heartbeat") as pool:
+            while not self.stop.wait(period_s):
+                list(pool.map(lambda node: self._heartbeat(node, ttl_s), self.nodes))
 
     def _heartbeat(self, node: SimNode, ttl_s: float) -> None:
         self.count("heartbeats")
@@ -147,8 +164,10 @@ class Agent:
             node.last_ok_s = time.monotonic()
         except (LeaseError, NotFoundError):
             self.count("leases_lost")
+            if not self.steady.is_set() and self.results is not None:
+                self.results.put(("lease_lost", node.node_id, time.time()))
             late = True
-            self.register(node)
+            self._register_again(node)
         except KVStoreError:
             late = True
         if late:
@@ -167,8 +186,8 @@ class Agent:
         try:
             self.client.publish(node.node_id, node.lease, TENANT, _entries(keys))
             self.count(counter, len(keys))
-        except KVStoreError:
-            self.count("errors")
+        except KVStoreError as exc:
+            self.failed(exc)
 
     # ---- the trace-rate phase --------------------------------------------------------------
     def steady_loop(self, nodes: list[SimNode]) -> None:
@@ -177,6 +196,8 @@ class Agent:
             started = time.monotonic()
             elapsed, last = started - last, started
             for node in nodes:
+                if self.stop.is_set():  # a tick may outlast the run when the service lags
+                    break
                 self._step(node, elapsed, rng)
             self.stop.wait(max(0.0, TICK_S - (time.monotonic() - started)))
 
@@ -197,8 +218,8 @@ class Agent:
         started = time.perf_counter()
         try:
             self.client.lookup(TENANT, keys)
-        except KVStoreError:
-            self.count("errors")
+        except KVStoreError as exc:
+            self.failed(exc)
             return
         self.lookup_us.add((time.perf_counter() - started) * 1e6)
         self.count("request_lookups")
@@ -207,8 +228,8 @@ class Agent:
         try:
             self.client.unpublish(node.node_id, node.lease, TENANT, _entries(keys))
             self.count("evicted", len(keys))
-        except KVStoreError:
-            self.count("errors")
+        except KVStoreError as exc:
+            self.failed(exc)
 
 
 COUNTERS = (
@@ -226,29 +247,37 @@ def _threads(target, groups: list) -> list[threading.Thread]:
 
 def run_agent(plan: AgentPlan, halt, steady, stop, results) -> None:
     """Child process entry: register, preload (report), wait for steady, run, report."""
+    _die_with_parent()
     agent = Agent(plan, halt, steady, stop)
-    for node in agent.nodes:
-        agent.register(node)
+    agent.results = results
+    with ThreadPoolExecutor(HEARTBEAT_THREADS) as pool:
+        list(pool.map(agent.register, agent.nodes))
     threading.Thread(target=agent.heartbeat_loop, daemon=True).start()
+    agent.preload(agent.nodes)  # one batch in flight per process: the service's pace
+    results.put(("preloaded", agent.counts["preloaded"], agent.counts["heartbeat_misses"]))
     groups = [agent.nodes[i :: plan.threads] for i in range(plan.threads)]
-    started = time.monotonic()
-    for thread in _threads(agent.preload, groups):
-        thread.join()
-    results.put(("preloaded", agent.counts["preloaded"], time.monotonic() - started))
     steady.wait()
+    started = time.monotonic()
     for thread in _threads(agent.steady_loop, groups):
         thread.join()
+    agent.counts["steady_s"] = time.monotonic() - started
+    agent.counts["errors_by_kind"] = dict(agent.errors)
     results.put(("agent", dict(agent.counts), agent.lookup_us.values, agent.first_miss_s))
+    agent.client.close()
 
 
 def run_observer(address: str, probers: int, watchers: int, stop, results) -> None:
     """Child process entry: 64-key lookups closed-loop from `probers` threads on a probe node's
     keys, and `watchers` WatchEvents streams timing every stored event of the run."""
+    _die_with_parent()
     client = MetadataClient(address, timeout_s=30)
     probe = SimNode(1 << 30)
     lease, _ = client.register_node(NodeRecord(probe.node_id), 600_000)
     keys = probe.take_new(PROBE_KEYS, 0)
     client.publish(probe.node_id, lease, TENANT, _entries(keys))
+    alive = threading.Thread(target=_keep_alive, args=(client, probe.node_id, lease, stop))
+    alive.daemon = True
+    alive.start()
     lookups_us, lags_ms, tally = Reservoir(seed=1), Reservoir(seed=2), {"events": 0, "gaps": 0}
     started = time.monotonic()
     for _ in range(watchers):
@@ -264,6 +293,14 @@ def run_observer(address: str, probers: int, watchers: int, stop, results) -> No
     elapsed_s = time.monotonic() - started
     results.put(("observer", lookups_us.values, lookups_us.seen / elapsed_s, lags_ms.values,
                  tally))  # fmt: skip
+
+
+def _keep_alive(client: MetadataClient, node_id: str, lease: int, stop) -> None:
+    while not stop.wait(60):
+        try:
+            client.heartbeat(node_id, lease)
+        except KVStoreError:
+            logger.warning("the probe node's heartbeat failed")
 
 
 def _probe(client: MetadataClient, keys: list[bytes], samples: Reservoir, stop) -> None:

@@ -215,7 +215,10 @@ class RedisIndex(MetadataIndex):
         last_seq = int(last or 0)
         oldest = _seq(first[0][0]) if first else last_seq + 1
         events = [_event(event_id, fields) for event_id, fields in (page[0] if page else [])]
-        return EventPage(events, from_seq < oldest and from_seq <= last_seq, last_seq)
+        # Ahead of the index: a failover lost the newest events (replication is asynchronous),
+        # and their seqs will be issued again for other events. The reader must resync.
+        ahead = from_seq > last_seq + 1
+        return EventPage(events, ahead or (from_seq < oldest and from_seq <= last_seq), last_seq)
 
     def wait_for_events(self, after_seq: int, timeout_s: float) -> bool:
         """XREAD BLOCK on a pooled connection of its own, in slices of WAIT_CHUNK_S."""

@@ -162,6 +162,20 @@ def test_wait_costs_a_replica_round_trip_per_write(redis_cluster):
     assert p50_us[1] > 0 and p50_us[0] > 0
 
 
+def test_a_reader_ahead_of_the_index_is_told_of_a_gap(redis_cluster):
+    """After a failover lost the newest events, their seqs are issued again for new events: a
+    watcher that had read them must resync (KIND_GAP), not skip the new ones silently."""
+    from kvstore.metadata.redis_index import RedisIndex
+
+    index = RedisIndex(redis_cluster.url, prefix=f"ahead-{uuid.uuid4().hex[:6]}", cluster=True)
+    lease = index.register_node(NodeRecord("n1"), 60_000).lease_id
+    index.publish("n1", lease, "t", [BlockEntry(bytes([i]) * 16, "host") for i in range(3)])
+    assert not index.events_since(4, 10).gap, "the next seq to come is no gap"
+    page = index.events_since(9, 10)  # this reader saw seqs up to 8: lost in a failover
+    assert page.gap and page.events == [] and page.last_seq == 3
+    index.close()
+
+
 def test_the_index_slot_is_one_hash_tag_so_every_script_runs_on_one_master(redis_cluster):
     from kvstore.metadata.redis_index import RedisIndex
 
