@@ -215,6 +215,8 @@ class Agent:
 
     def _request_lookup(self, node: SimNode) -> None:
         keys = node.newest(REQUEST_KEYS)
+        if not keys:  # a node preloading never reached (the RSS cap) and that published nothing
+            return
         started = time.perf_counter()
         try:
             self.client.lookup(TENANT, keys)

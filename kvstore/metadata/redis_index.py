@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import redis
+from redis.commands.core import Script
 
 from kvstore.errors import (
     LeaseError,
@@ -75,7 +76,7 @@ class RedisIndex(MetadataIndex):
         self._max_events = max_events
         self._clock = clock
         self._durability = durability
-        self._scripts = {name: redis.commands.core.Script(None, body.encode())
+        self._scripts = {name: Script(None, body.encode())
                          for name, body in SCRIPTS.items()}  # fmt: skip
 
     def _run(self, name: str, args: Sequence[bytes | str | int | float]) -> list:
