@@ -67,10 +67,13 @@ def lookup_result(response: pb.LookupResponse) -> LookupResult:
     """Unflatten a LookupResponse's parallel arrays."""
     nodes = response.nodes
     addresses = {n.node_id: (n.tcp_address, n.ucx_address) for n in nodes}
-    flat = [
-        Holding(nodes[index].node_id, wire.PROTO_TO_TIER[tier])
-        for index, tier in zip(response.holder_nodes, response.holder_tiers, strict=True)
-    ]
+    made: dict[tuple[int, int], Holding] = {}  # one Holding per (node, tier): most repeat
+    flat = []
+    for pair in zip(response.holder_nodes, response.holder_tiers, strict=True):
+        holding = made.get(pair)
+        if holding is None:
+            holding = made[pair] = Holding(nodes[pair[0]].node_id, wire.PROTO_TO_TIER[pair[1]])
+        flat.append(holding)
     holders, start = [], 0
     for count in response.holder_counts:
         holders.append(flat[start : start + count])

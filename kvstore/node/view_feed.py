@@ -10,7 +10,13 @@ import logging
 import threading
 import time
 
-from kvstore.errors import ConfigError, KVStoreError, PermissionDeniedError, UnavailableError
+from kvstore.errors import (
+    CapacityError,
+    ConfigError,
+    KVStoreError,
+    PermissionDeniedError,
+    UnavailableError,
+)
 from kvstore.metadata import wire
 from kvstore.metadata.client import EventStream, MetadataClient
 from kvstore.node.identity import ALL_TENANTS
@@ -20,6 +26,7 @@ from kvstore.v1 import metadata_pb2 as pb
 
 logger = logging.getLogger(__name__)
 DEFAULT_BACKOFF = Backoff(base_s=0.05, cap_s=2.0)
+REFUSED_BACKOFF = Backoff(base_s=1.0, cap_s=60.0)  # each retry costs the service a snapshot
 _KINDS = {pb.Event.KIND_STORED: "stored", pb.Event.KIND_REMOVED: "removed"}
 
 
@@ -61,6 +68,13 @@ class ViewFeed:
             except (ConfigError, PermissionDeniedError) as exc:
                 self._disable(exc)
                 return
+            except CapacityError as exc:  # no stream slot: a view not followed is stale
+                logger.warning("view feed refused (%s); lookups ask the service meanwhile", exc)
+                self.view.reset()
+                self._need_snapshot = True
+                self.view.counters["refused"] += 1
+                self._stop.wait(REFUSED_BACKOFF.delay_s(attempt))
+                attempt += 1
             except KVStoreError as exc:  # unavailable, or a stream broken mid-way
                 if not isinstance(exc, UnavailableError):
                     logger.warning("view feed: %s; resuming", exc)

@@ -198,3 +198,23 @@ def test_on_a_backend_without_snapshots_lookups_ask_the_service(tmp_path):
             assert converges(a, KEYS, 2)
             assert wait_until(lambda: a.view_feed.disabled)
             assert not a.view.ready
+
+
+def test_an_agent_refused_a_stream_slot_asks_the_service_until_it_gets_one(tmp_path):
+    """A view that cannot follow the events would go stale: it stands down instead."""
+    limit = ("--max-watch-streams-per-tenant", "1")
+    with metadata_process("--backend", "memory", *limit) as (_, address):
+        other = MetadataClient(address)
+        taken = other.open_events()  # holds the `*` scope's one stream slot
+        try:
+            with agent_at(tmp_path, address) as a:
+                FakePeer(address, "node-b").publish(KEYS[:3])
+                assert wait_until(lambda: a.view.counters["refused"] >= 1)
+                assert remote_hits(a.config.socket_path, KEYS) == 3, "from the service"
+                assert not a.view.ready
+                taken.cancel()
+                assert wait_until(lambda: a.view.ready, timeout_s=30)
+                assert a.view.remote_prefix("t", KEYS) == 3
+        finally:
+            taken.cancel()
+            other.close()
