@@ -71,7 +71,8 @@ def _concurrent_run(address: str, num_keys: int, clients: int, duration_s: float
     ]
     for worker in workers:
         worker.start()
-    samples = [s for _ in workers for s in queue.get(timeout=duration_s + 120)]
+    wait_s = duration_s + 600  # 32 spawned clients take minutes to start on a loaded machine
+    samples = [s for _ in workers for s in queue.get(timeout=wait_s)]
     for worker in workers:
         worker.join()
     return _summary(samples, duration_s)

@@ -245,6 +245,7 @@ class NodeAgent:
                 "bytes": fetch.bytes if fetch else 0,
                 "seconds": fetch.seconds if fetch else 0.0,
                 "failures": fetch.failures if fetch else 0,
+                "failed_fetches": fetch.failed_fetches if fetch else 0,
             },
             "checksum_failures": self.store.checksum_failures,
             "evictions": dict(self.store.removals),

@@ -28,7 +28,8 @@ class FetchStats:
     blocks: int = 0
     bytes: int = 0
     seconds: float = 0.0
-    failures: int = 0
+    failures: int = 0  # blocks that arrived but failed verification
+    failed_fetches: int = 0  # batched fetches from one holder that delivered less than asked
 
 
 class RemoteFetcher:
@@ -64,8 +65,10 @@ class RemoteFetcher:
         for (node_id, address), run in _runs(plan):
             wanted = keys[done : done + len(run)]
             arrived, tried = self._fetch_run(address, tenant, wanted, deadline)
-            if arrived < tried and self.view is not None:
-                self.view.forget(tenant, wanted[arrived:tried], node_id)
+            if arrived < tried:
+                self.stats.failed_fetches += 1
+                if self.view is not None:
+                    self.view.forget(tenant, wanted[arrived:tried], node_id)
             done += arrived
             if arrived < len(run):
                 break

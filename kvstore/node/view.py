@@ -109,8 +109,10 @@ class ClusterView:
                 self._remove(tenant, key, bit)
 
     def forget(self, tenant: str, keys: Iterable[bytes], node_id: str) -> None:
-        """A fetch of `keys` from `node_id` failed: the view stops naming it as their holder."""
+        """A fetch of `keys` from `node_id` failed: the view stops naming it as their holder,
+        and forgets its address (a restarted node listens elsewhere: the service will say)."""
         with self._lock:
+            self._addresses.pop(node_id, None)
             slot = self._slots.get(node_id)
             if slot is None:
                 return

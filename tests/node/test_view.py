@@ -8,12 +8,14 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+from prometheus_client import generate_latest
 
 from kvstore.bench.peers import free_port, redis_server
 from kvstore.client import KVStoreClient
 from kvstore.keys import Namespace, chunk_keys
 from kvstore.metadata.client import MetadataClient
 from kvstore.metadata.index import BlockEntry, NodeRecord
+from kvstore.node.metrics import agent_registry
 from tests.metadata.servers import start_cli, wait_until
 from tests.node.agents import running_agent, start_node_process
 
@@ -81,6 +83,9 @@ def test_the_view_follows_publishes_evictions_and_node_expiry(tmp_path):
         assert converges(a, KEYS, 8)
         assert converges(a, KEYS, 3), "node-c's lease ran out: its keys left the view"
         assert a.view.keys == 3 and a.view.counters["fallback_not_ready"] == 0
+        scraped = generate_latest(agent_registry(a.stats)).decode()
+        assert "kvstore_agent_view_keys 3.0" in scraped
+        assert 'kvstore_agent_view_lookups_total{answer="fallback_overflow"} 0.0' in scraped
 
 
 def test_lookups_are_answered_by_the_view_while_the_service_is_frozen(tmp_path):
@@ -171,6 +176,10 @@ def test_a_stale_entry_costs_one_failed_fetch_then_a_miss_then_the_view_is_corre
             assert len(loaded) == 0, "the failed fetch is a miss: the engine recomputes"
             reader.release(loaded)
             assert reader.lookup("t", KEYS).remote == 0, "the view was corrected"
+            again = reader.load("t", KEYS, timeout_s=2)
+            assert len(again) == 0
+            reader.release(again)
+        assert a.fetcher.stats.failed_fetches == 1, "one failed fetch: none after the correction"
         assert a.view.counters["corrections"] == 3
         with MetadataClient(address) as service:
             assert service.lookup("t", KEYS).prefix_length == 3, "not by the service"
