@@ -249,15 +249,23 @@ class MetadataServicer:
         return response
 
     # ---- events ---------------------------------------------------------------------------
+    def _stream_request(self, request_cls, payload: bytes, context, every_tenant: str):
+        """(scope, request) of a streaming call whose `tenant` ("" for every tenant, which
+        needs an all-tenant token: `every_tenant` says what for) the caller may read."""
+        scope = self.auth.authorize(context)
+        request = _parse(request_cls, payload)
+        if request.tenant:
+            self._tenant(request.tenant, scope)
+        else:
+            scope.require_all_tenants(every_tenant)
+        return scope, request
+
     async def WatchEvents(self, payload: bytes, context: grpc.aio.ServicerContext):
         """Runs on the loop: authorisation and the slot check are cheap and never block."""
         try:
-            scope = self.auth.authorize(context)
-            request = _parse(pb.WatchEventsRequest, payload)
-            if request.tenant:
-                self._tenant(request.tenant, scope)
-            else:
-                scope.require_all_tenants("watch every tenant's events")
+            scope, request = self._stream_request(
+                pb.WatchEventsRequest, payload, context, "watch every tenant's events"
+            )
             self.streams.acquire(scope.tenant)
         except errors.KVStoreError as exc:
             self.metrics.rpcs.labels("WatchEvents", status_for(exc).name).inc()
@@ -273,12 +281,9 @@ class MetadataServicer:
         """A copy of the index in pages, for node agents' views; copied and paged in the
         unary pool (a big tenant's copy must not stall the loop)."""
         try:
-            scope = self.auth.authorize(context)
-            request = _parse(pb.SnapshotRequest, payload)
-            if request.tenant:
-                self._tenant(request.tenant, scope)
-            else:
-                scope.require_all_tenants("copy every tenant's index")
+            _, request = self._stream_request(
+                pb.SnapshotRequest, payload, context, "copy every tenant's index"
+            )
             page_keys = min(request.page_keys or 1024, self.limits.max_batch)
             loop = asyncio.get_running_loop()
             copy = await loop.run_in_executor(self.pool, self.index.snapshot, request.tenant)

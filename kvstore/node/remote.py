@@ -67,12 +67,27 @@ class RemoteFetcher:
             arrived, tried = self._fetch_run(address, tenant, wanted, deadline)
             if arrived < tried:
                 self.stats.failed_fetches += 1
-                if self.view is not None:
-                    self.view.forget(tenant, wanted[arrived:tried], node_id)
+                self._correct_view(tenant, wanted[arrived:tried], node_id, address)
             done += arrived
             if arrived < len(run):
                 break
         return done
+
+    def _correct_view(
+        self, tenant: str, keys: Sequence[BlockKey], node_id: str, address: str
+    ) -> None:
+        """After a failed fetch, ask the service (the failure path only): a holder it names at
+        a new address restarted there (its keys came back by events), so the view learns the
+        address; otherwise the view stops naming that holder for `keys`."""
+        if self.view is None:
+            return
+        result = self.link.lookup(tenant, keys)
+        if result is not None:
+            current = self._address(result, node_id)
+            if current and current != address:
+                self.view.learn_addresses({node_id: result.addresses[node_id]})
+                return
+        self.view.forget(tenant, keys, node_id)
 
     def _holders(self, tenant: str, keys: Sequence[BlockKey]) -> list[tuple[str, str]]:
         """Per leading key, (node id, address) of its best other holder."""

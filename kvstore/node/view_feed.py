@@ -20,12 +20,12 @@ from kvstore.errors import (
 from kvstore.metadata import wire
 from kvstore.metadata.client import EventStream, MetadataClient
 from kvstore.node.identity import ALL_TENANTS
+from kvstore.node.link import DEFAULT_BACKOFF
 from kvstore.node.view import ClusterView
 from kvstore.retry import Backoff
 from kvstore.v1 import metadata_pb2 as pb
 
 logger = logging.getLogger(__name__)
-DEFAULT_BACKOFF = Backoff(base_s=0.05, cap_s=2.0)
 REFUSED_BACKOFF = Backoff(base_s=1.0, cap_s=60.0)  # each retry costs the service a snapshot
 _KINDS = {pb.Event.KIND_STORED: "stored", pb.Event.KIND_REMOVED: "removed"}
 

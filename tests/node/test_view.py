@@ -227,3 +227,43 @@ def test_an_agent_refused_a_stream_slot_asks_the_service_until_it_gets_one(tmp_p
         finally:
             taken.cancel()
             other.close()
+
+
+def write_blocks(socket_path, keys, fill: int) -> None:
+    with KVStoreClient(socket_path, "writer") as writer:
+        reservation = writer.save("t", keys, PAYLOAD)
+        for payload in reservation.payloads:
+            payload.copy_(torch.full((PAYLOAD,), fill, dtype=torch.uint8))
+        assert writer.commit(reservation) == len(keys)
+
+
+def test_a_holder_restarted_at_a_new_address_costs_one_failed_fetch_not_its_keys(tmp_path):
+    """The view keeps node addresses; a node that restarts listens on a new port. The failed
+    fetch asks the service, which names the new address: the next load is served."""
+    flags = ("--transfer", "tcp")
+    with metadata_process("--backend", "memory") as (_, address), agent_at(tmp_path, address) as a:
+        b, b_socket = start_node_process(tmp_path, "node-b", "--metadata-address", address, *flags)
+        try:
+            write_blocks(b_socket, KEYS[:3], fill=1)
+            assert converges(a, KEYS, 3)
+            with KVStoreClient(a.config.socket_path, "reader") as reader:
+                reader.release(reader.load("t", KEYS[:1], timeout_s=5))  # learns b's address
+            b.send_signal(signal.SIGKILL)
+            b.wait()
+            b, b_socket = start_node_process(
+                tmp_path, "node-b", "--metadata-address", address, *flags
+            )
+            write_blocks(b_socket, KEYS[:3], fill=2)
+            assert wait_until(lambda: a.view.remote_prefix("t", KEYS[1:]) == 2, timeout_s=10)
+            with KVStoreClient(a.config.socket_path, "reader") as reader:
+                first = reader.load("t", KEYS, timeout_s=5)
+                assert len(first) == 1, "the old address failed: the rest is a miss"
+                reader.release(first)
+                second = reader.load("t", KEYS, timeout_s=5)
+                assert (len(second), second.remote_blocks) == (3, 2)
+                assert int(second.payloads[2][0]) == 2, "the restarted holder's bytes"
+                reader.release(second)
+            assert a.fetcher.stats.failed_fetches == 1
+        finally:
+            b.send_signal(signal.SIGKILL)
+            b.wait()
