@@ -266,7 +266,11 @@ class MemoryIndex(MetadataIndex):
             holders = held.get(key)
             if not holders:
                 break
-            live = [h for h in tuple(holders.values()) if h.node_id in alive]
+            values = tuple(holders.values())
+            if len(values) == 1:  # the common case, without a comprehension's frame
+                live = list(values) if values[0].node_id in alive else None
+            else:
+                live = [h for h in values if h.node_id in alive]
             if not live:
                 break
             found.append(live)
