@@ -122,8 +122,25 @@ def _agent_lookups(address: str, runs: int, duration_s: float) -> dict:
             expected = {"local": (64, 0), "remote": (0, 64), "absent": (0, 0)}[kind]
             p50s = [_agent_p50_us(worker, keys, expected, duration_s) for _ in range(runs)]
             result[f"all_{kind}"] = statistics.median(p50s)
+        lags_ms = sorted(_view_lag_ms(address, worker) for _ in range(20))
         view = json.loads(worker.stats())["view"]
-        return {"agent_lookup_64_p50_us": result, "agent_view": view}
+        return {
+            "agent_lookup_64_p50_us": result, "agent_view": view,
+            "view_lag_p50_ms": lags_ms[len(lags_ms) // 2], "view_lag_max_ms": lags_ms[-1],
+        }  # fmt: skip
+
+
+def _view_lag_ms(address: str, worker, timeout_s: float = 10.0) -> float:
+    """From a publish acknowledged by the service to the agent's lookup answering it."""
+    key = os.urandom(16)
+    with MetadataClient(address) as client:
+        lease, _ = client.register_node(NodeRecord("lag-node", tcp_address="127.0.0.1:1"), 60_000)
+        client.publish("lag-node", lease, TENANT, [BlockEntry(key, "host", 1, 1)])
+        published = time.perf_counter()
+        while worker.lookup(TENANT, [key]).remote != 1:
+            if time.perf_counter() - published > timeout_s:
+                raise ConfigError("the agent's view did not see a publish within 10 s")
+        return (time.perf_counter() - published) * 1e3
 
 
 def _saved_keys(worker, payload_bytes: int) -> list[bytes]:
