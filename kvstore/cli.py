@@ -54,7 +54,7 @@ def _metadata_config(args: argparse.Namespace, backend: str | None = None):
 _METADATA_FLAGS = (
     "listen", "backend", "data_dir", "redis_url", "token_file", "tls_cert", "tls_key",
     "tls_client_ca", "key_quota_per_tenant", "metrics_listen", "max_watch_streams_per_tenant",
-    "lmdb_map_size_bytes",
+    "lmdb_map_size_bytes", "redis_wait_replicas", "redis_wait_timeout_ms",
 )  # fmt: skip
 
 
@@ -134,8 +134,14 @@ def _add_metadata_flags(parser: argparse.ArgumentParser, with_backend: bool) -> 
     parser.add_argument("--config", type=Path, help="TOML file; settings under [metadata]")
     parser.add_argument("--listen", help="gRPC host:port (default 127.0.0.1:50051)")
     if with_backend:
-        parser.add_argument("--backend", choices=["lmdb", "memory", "redis"])
-        parser.add_argument("--redis-url", help="redis://host:port/db for --backend redis")
+        parser.add_argument("--backend", choices=["lmdb", "memory", "redis", "redis-cluster"])
+        parser.add_argument(
+            "--redis-url", help="redis://host:port/db; redis-cluster: redis://h1:p1,h2:p2 (seeds)"
+        )
+        parser.add_argument(
+            "--redis-wait-replicas", type=int, help="WAIT for N replicas after each write (0)"
+        )
+        parser.add_argument("--redis-wait-timeout-ms", type=int, help="WAIT timeout (100)")
     parser.add_argument("--data-dir", type=Path, help="where LMDB keeps the index")
     parser.add_argument("--token-file", type=Path, help="'TOKEN TENANT' lines; enables auth")
     parser.add_argument("--tls-cert", type=Path)
@@ -247,6 +253,20 @@ def _bench_soak(args: argparse.Namespace) -> dict:
     )  # fmt: skip
 
 
+def _bench_scale(args: argparse.Namespace) -> dict:
+    from kvstore.bench.scale import ScaleSpec, run_scale
+
+    seconds = args.seconds if args.seconds is not None else args.minutes * 60
+    options = {"trace": args.trace} if args.trace else {}
+    return run_scale(
+        ScaleSpec(
+            nodes=args.nodes, keys=args.keys, seconds=seconds, backend=args.backend,
+            agent_processes=args.agent_processes, max_rss_mib=args.max_rss_mib,
+            lease_ttl_ms=args.lease_ttl_ms, **options,
+        )
+    )  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvstore.eviction import policy_names
 
@@ -337,6 +357,18 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--shared-shm", action="store_true", help=_SHARED_SHM_HELP)
     soak.add_argument("--json", action="store_true")
     soak.set_defaults(handler=_bench_soak)
+    scale = benches.add_parser("scale", help="one metadata service under a simulated cluster")
+    scale.add_argument("--nodes", type=int, default=100)
+    scale.add_argument("--keys", type=int, default=1_000_000, help="preloaded before the run")
+    scale.add_argument("--minutes", type=float, default=1.0, help="of trace-rate load")
+    scale.add_argument("--seconds", type=float, help="instead of --minutes")
+    scale.add_argument("--backend", choices=["memory", "lmdb"], default="memory")
+    scale.add_argument("--agent-processes", type=int, default=3, help="simulated agents' procs")
+    scale.add_argument("--max-rss-mib", type=int, default=6144, help="stop preloading here")
+    scale.add_argument("--lease-ttl-ms", type=int, default=10_000, help="of every node")
+    scale.add_argument("--trace", type=Path, help="Mooncake JSONL (default: ../shared/traces)")
+    scale.add_argument("--json", action="store_true")
+    scale.set_defaults(handler=_bench_scale)
     return parser
 
 

@@ -86,3 +86,66 @@ def test_keys_are_identical_across_processes_with_different_hash_seeds():
 def test_bad_input_names_what_to_change(make, message):
     with pytest.raises(ConfigError, match=message):
         make()
+
+
+# ---- keys shared with SGLang (kvstore.keys_sglang) ------------------------------------------
+def test_page_hashes_are_sglangs_own():
+    from sglang.srt.mem_cache.utils import get_hash_str
+
+    from kvstore.keys_sglang import sglang_page_hashes
+
+    tokens = [(i * 7919) % 128_000 for i in range(70)]
+    assert sglang_page_hashes(tokens, 16) == get_hash_str(tokens, None, page_size=16)[:4]
+    prior = get_hash_str(tokens[:16], None, page_size=16)[0]
+    assert sglang_page_hashes(tokens[16:], 16, prior) == get_hash_str(tokens[16:], prior, 16)[:3]
+    wide = [5, 2**33, 7, 9]  # an id above uint32: SGLang's tagged uint64 encoding
+    assert sglang_page_hashes(wide, 2) == get_hash_str(wide, None, page_size=2)
+    assert sglang_page_hashes(np.array(tokens[:32], dtype=np.int32), 16) == get_hash_str(
+        tokens[:32], None, page_size=16
+    )
+
+
+def test_salted_chains_start_where_sglangs_do():
+    from sglang.srt.mem_cache.utils import storage_namespace_seed
+
+    from kvstore.keys_sglang import sglang_chain_seed
+
+    for extra, salt in ((None, None), (None, "s"), ("lora-1", None), ("a", "b"), ("", "")):
+        assert sglang_chain_seed(extra, salt) == storage_namespace_seed(extra, salt)
+
+
+def test_group_keys_name_what_a_block_holds_not_who_wrote_it():
+    from kvstore.keys_sglang import head_groups
+
+    root = NS.root_key()
+    tp1 = head_groups(8, 1, 0, 2)
+    tp2 = [head_groups(8, 2, rank, 2) for rank in range(2)]
+    assert (tp1.first, tp1.count) == (0, 4) and [(g.first, g.count) for g in tp2] == [
+        (0, 2),
+        (2, 2),
+    ]
+    page = b"ab" * 32
+    assert tp1.keys(root, page) == tp2[0].keys(root, page) + tp2[1].keys(root, page)
+    assert len(set(tp1.keys(root, page))) == 4
+    assert head_groups(2, 4, 3, 0).first == 1, "tp > heads: ranks 2 and 3 share head 1"
+
+
+@pytest.mark.parametrize(
+    ("heads", "tp", "group", "message"),
+    [(8, 2, 3, "head_group_size 3 must divide this rank's 4 kv heads"), (6, 4, 0, "divide"),
+     (8, 2, 8, "must divide this rank's 4")],
+)  # fmt: skip
+def test_a_head_group_size_that_does_not_tile_the_ranks_heads_is_refused(heads, tp, group, message):
+    from kvstore.keys_sglang import head_groups
+
+    with pytest.raises(ConfigError, match=message):
+        head_groups(heads, tp, 0, group)
+
+
+def test_page_hashes_refuse_what_sglang_cannot_hash():
+    from kvstore.keys_sglang import sglang_page_hashes
+
+    with pytest.raises(ConfigError, match="non-negative"):
+        sglang_page_hashes([1, -2], 2)
+    with pytest.raises(ConfigError, match="page_tokens"):
+        sglang_page_hashes([1, 2], 0)

@@ -4,11 +4,13 @@ Built by SGLang's StorageBackendFactory in each scheduler process (one per TP ra
 methods run on the cache controller's prefetch and backup threads. Zero copy (interface_v1):
 host-pool pages are copied straight to and from the agent's shared arena, checksummed in the
 same pass. Agent failures are misses and Falses, never exceptions: the engine recomputes.
+A page is one block per kv-head group the rank owns, keyed by SGLang's page hash and the
+group (kvstore.keys_sglang): vLLM's connector with key_scheme "sglang" and other TP sizes
+with the same head_group_size share them.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
@@ -29,15 +31,16 @@ from kvstore import errors
 from kvstore.client import KVStoreClient
 from kvstore.codec import CODEC_IDS
 from kvstore.fingerprint import model_fingerprint
-from kvstore.keys import KEY_BYTES, Namespace
+from kvstore.keys import Namespace
+from kvstore.keys_sglang import HeadGroups, head_groups, shared_namespace
 
 logger = logging.getLogger(__name__)
-_KEY_PERSON = b"kvstore-sglang1"
+_MLA_GROUPS = HeadGroups(0, 0, 0, 1)  # no head axis: one block per page, every rank reads it
 _FAILURES = (errors.KVStoreError, OSError)
 
 
 class KVStoreHiCacheStorage(HiCacheStorage):
-    """One TP rank's view of kvstore. MHA ranks store their own shard (keys per rank); MLA
+    """One TP rank's view of kvstore. MHA ranks store and load the head groups they own; MLA
     ranks share one copy, written by SGLang's storage writer (rank 0) and read by every rank.
     Thread-safe: the client serialises calls; counters take a lock."""
 
@@ -53,6 +56,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         self.stats = BackendStats()
         self.mem_pool_host = None
         self._format: pages.PageFormat | None = None
+        self._groups = _MLA_GROUPS
         self._root = b""
         self._client: KVStoreClient | None = None
         self._client_lock = threading.Lock()
@@ -63,36 +67,43 @@ class KVStoreHiCacheStorage(HiCacheStorage):
     def register_mem_pool_host(self, mem_pool_host) -> None:
         """Refuses (ConfigError) a pool whose layout or kind this backend cannot store."""
         config = self.storage_config
-        self._format = pages.page_format(mem_pool_host, config.is_mla_model, self.settings.codec)
+        if not config.is_mla_model:  # ConfigError for a head_group_size the heads do not tile
+            self._groups = head_groups(mem_pool_host.head_num * config.tp_size, config.tp_size,
+                                       config.tp_rank, self.settings.head_group_size)  # fmt: skip
+        self._format = pages.page_format(mem_pool_host, config.is_mla_model, self.settings.codec,
+                                         self._groups.group_heads)  # fmt: skip
         self.mem_pool_host = mem_pool_host
         self.namespace = self._namespace(mem_pool_host)
         self._root = self.namespace.root_key()
         logger.info(
-            "kvstore HiCache backend: %s, %d-byte pages, tp %d/%d, writer %s",
-            self._format.layout_id, self._format.payload_bytes, config.tp_rank,
-            config.tp_size, config.is_storage_writer,
+            "kvstore HiCache backend: %s, %d groups of %d-byte blocks, tp %d/%d, writer %s",
+            self._format.layout_id, self._groups.count, self._format.payload_bytes,
+            config.tp_rank, config.tp_size, config.is_storage_writer,
         )  # fmt: skip
 
     def _namespace(self, pool) -> Namespace:
-        """MHA: one namespace per TP rank (each holds its heads); MLA: one for all ranks
-        (and one per DCP shard). Pipeline stages hold different layers: they never share."""
+        """MHA: the block layout (one head group), the model's kv heads and the layer range,
+        never the rank: the namespace vLLM's connector derives with key_scheme "sglang".
+        MLA: one for all ranks (and one per DCP shard). Different layer ranges never share."""
         config, settings = self.storage_config, self.settings
         model = settings.model_path or config.model_name or ""
-        shards = (1, 0) if not config.is_mla_model else (config.dcp_size, config.dcp_rank)
-        tp_size, tp_rank = (config.tp_size, config.tp_rank) if not config.is_mla_model else shards
-        stage = f"pp{config.pp_rank}of{config.pp_size}-layers{pool.start_layer}:{pool.end_layer}"
-        return Namespace(
-            model_fingerprint=model_fingerprint(Path(model), settings.model_revision),
-            layout_id=f"{self._format.layout_id}|sglang-{stage}",
-            tp_size=tp_size, tp_rank=tp_rank, tenant=settings.tenant, salt=settings.salt,
-        )  # fmt: skip
+        fingerprint = model_fingerprint(Path(model), settings.model_revision)
+        layers = (pool.start_layer, pool.end_layer)
+        if self._format.kv_layout is not None:
+            return shared_namespace(fingerprint, self._format.kv_layout, self._groups.total_heads,
+                                    layers, settings.tenant, settings.salt)  # fmt: skip
+        shard = f"dcp{config.dcp_rank}of{config.dcp_size}" if config.is_mla_model else (
+            f"kv{self._groups.total_heads}")  # fmt: skip
+        layout_id = f"{self._format.layout_id}|{shard}|layers{layers[0]}:{layers[1]}"
+        return Namespace(fingerprint, layout_id, tenant=settings.tenant, salt=settings.salt)
 
-    def _store_key(self, key: str) -> bytes:
-        """The kvstore key of an SGLang page hash: the hash carries no model identity, so it
-        is keyed by the namespace root (model, layout, codec, rank, tenant, salt)."""
-        digest = hashlib.blake2b(key.encode(), digest_size=KEY_BYTES, key=self._root,
-                                 person=_KEY_PERSON)  # fmt: skip
-        return digest.digest()
+    def _store_keys(self, keys: list[str]) -> list[bytes]:
+        """The kvstore keys of SGLang page hashes, page-major, group-minor: the hash carries
+        no model identity, so it is keyed by the namespace root and the head group."""
+        return [k for key in keys for k in self._groups.keys(self._root, key.encode())]
+
+    def _pages(self, blocks: int) -> int:
+        return blocks // self._groups.count
 
     # ---- the agent connection --------------------------------------------------------------
     def _connect(self) -> KVStoreClient | None:
@@ -139,7 +150,8 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         hits = 0
         if client is not None and keys:
             try:
-                hits = client.lookup(self.settings.tenant, [self._store_key(k) for k in keys]).total
+                found = client.lookup(self.settings.tenant, self._store_keys(keys)).total
+                hits = self._pages(found)
             except _FAILURES as exc:
                 logger.warning("kvstore lookup failed: %s", exc)
         self.stats.count(exists_calls=1, hit_pages=hits, miss_pages=len(keys) - hits)
@@ -159,11 +171,10 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         starts = host_indices[:: self._format.page_tokens].tolist()
         loaded = None
         try:
-            loaded = client.load(self.settings.tenant, [self._store_key(k) for k in keys],
+            loaded = client.load(self.settings.tenant, self._store_keys(keys),
                                  timeout_s=self.settings.load_timeout_s, verify=False)  # fmt: skip
-            for i in range(len(loaded)):
-                if not pages.load_page(self._format, loaded.payloads[i], loaded.checksums[i],
-                                       starts[i]):  # fmt: skip
+            for i in range(self._pages(len(loaded))):
+                if not self._load_page(loaded, i, starts[i]):
                     logger.warning("kvstore page %s changed while it was read: a miss", keys[i])
                     break
                 results[i] = True
@@ -174,9 +185,22 @@ class KVStoreHiCacheStorage(HiCacheStorage):
                 self._release(client, loaded)
         got = results.index(False) if False in results else len(results)
         results[got:] = [False] * (len(keys) - got)
-        self.stats.record_get(got, len(keys) - got, got * self._format.payload_bytes,
+        self.stats.record_get(got, len(keys) - got, got * self._page_bytes,
                               time.perf_counter() - started)  # fmt: skip
         return results
+
+    def _load_page(self, loaded, page: int, token_index: int) -> bool:
+        """Every group of one page, each verified as it is copied."""
+        fmt, first = self._format, page * self._groups.count
+        for group in range(self._groups.count):
+            payload, checksum = loaded.payloads[first + group], loaded.checksums[first + group]
+            if not pages.load_page(fmt, payload, checksum, token_index, group):
+                return False
+        return True
+
+    @property
+    def _page_bytes(self) -> int:
+        return self._groups.count * self._format.payload_bytes
 
     def _release(self, client: KVStoreClient, loaded) -> None:
         try:
@@ -198,14 +222,14 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         started = time.perf_counter()
         results = self._save(client, keys, host_indices, extra_info)
         stored = sum(results)
-        self.stats.record_set(stored, len(keys) - stored, stored * self._format.payload_bytes,
+        self.stats.record_set(stored, len(keys) - stored, stored * self._page_bytes,
                               time.perf_counter() - started)  # fmt: skip
         return results
 
     def _save(self, client, keys, host_indices, extra_info) -> list[bool]:
-        fmt, store_keys = self._format, [self._store_key(k) for k in keys]
+        fmt, store_keys, count = self._format, self._store_keys(keys), self._groups.count
         prefix = extra_info.prefix_keys if extra_info is not None else None
-        parent = self._store_key(prefix[-1]) if prefix else None
+        parent = self._store_keys(prefix[-1:])[-1] if prefix else None
         starts = host_indices[:: fmt.page_tokens].tolist()
         reservation = None
         try:
@@ -214,9 +238,10 @@ class KVStoreHiCacheStorage(HiCacheStorage):
                 layout_hash=fmt.layout_hash, codec_id=CODEC_IDS[self.settings.codec],
             )  # fmt: skip
             written, checksums = [], []
-            for key, view, start in zip(store_keys, reservation.payloads, starts, strict=True):
+            for j, (key, view) in enumerate(zip(store_keys, reservation.payloads, strict=True)):
                 if view is not None:
-                    checksums.append(pages.save_page(fmt, start, view))
+                    page, group = divmod(j, count)
+                    checksums.append(pages.save_page(fmt, starts[page], view, group))
                     written.append(key)
             if written:
                 client.commit(reservation, keys=written, checksums=checksums)

@@ -28,6 +28,7 @@ class BackendSettings:
     codec: str = "raw"  # raw (the pool's dtype) | fp8 (MHA with a 16/32-bit KV dtype)
     model_path: str = ""  # fingerprinted for the namespace; empty: SGLang's model name
     model_revision: str = ""  # mixed into the model fingerprint
+    head_group_size: int = 0  # kv heads per stored block, fleet-wide; 0: this rank's heads
     load_timeout_s: float = 10.0  # how long a get may wait for blocks from other hosts
     reconnect_interval_s: float = 1.0  # the least time between two reconnect attempts
     timeout_s: float = 30.0  # one control call to the agent
@@ -64,6 +65,10 @@ def _coerce(name: str, value: Any, type_name: str) -> Any:
     if type_name == "str":
         if not isinstance(value, str):
             raise ConfigError(f"{name} must be a string, got {value!r}")
+        return value
+    if type_name == "int":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"{name} must be a non-negative integer, got {value!r}")
         return value
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ConfigError(f"{name} must be a number, got {value!r}")

@@ -15,6 +15,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: F401 (r
     KVConnectorRole,
 )
 
+from kvstore.errors import ConfigError
+from kvstore.kvcopy.paged import PagedLayer
+
 SUPPORTED_VLLM = ("0.32",)
 
 
@@ -59,12 +62,57 @@ def saves_outlive_steps() -> bool:
     return current_platform.is_cuda_alike()
 
 
-def paged_layer_view(kv_cache: torch.Tensor) -> torch.Tensor:
-    """A layer's paged KV as [num_blocks, kv_heads, block_size, 2 * head_dim] (K then V
-    along the last dim), the layout of vLLM's CPU attention backend."""
+# CPU attention ISAs whose blocks hold, per head, K transposed ([head_dim, block_size]) then V
+# rows ([block_size, head_dim]); others (amx) tile them: those bytes are not K/V as such.
+CPU_CANONICAL_ISAS = ("vec", "vec16")
+
+
+def paged_layer_view(kv_cache: torch.Tensor, isa: str = "") -> PagedLayer:
+    """A layer's paged KV for the copy engine. CPU with a canonical ISA: the (K, V) pair of
+    [num_blocks, block_size, kv_heads, head_dim] views of the kernel's own order; otherwise
+    [num_blocks, kv_heads, block_size, 2 * head_dim], K then V along the last dim (copied
+    consistently, but on a tiling CPU ISA the bytes are the kernel's, not K/V rows)."""
     if kv_cache.dim() != 4:
         raise ValueError(f"unsupported KV cache layout of shape {tuple(kv_cache.shape)}")
-    return kv_cache
+    if isa not in CPU_CANONICAL_ISAS:
+        return kv_cache
+    blocks, heads, block_size, two_dim = kv_cache.shape
+    halves = kv_cache.view(blocks, heads, 2, block_size * two_dim // 2)
+    keys = halves[:, :, 0].view(blocks, heads, two_dim // 2, block_size).permute(0, 3, 1, 2)
+    values = halves[:, :, 1].view(blocks, heads, block_size, two_dim // 2).transpose(1, 2)
+    return keys, values
+
+
+def check_cpu_views(isa: str, dtype: torch.dtype, block_size: int, heads: int, head_dim: int):
+    """ConfigError unless vLLM's own cache kernel writes K/V where paged_layer_view reads them
+    (run once per worker: a kernel that changed its order must not become wrong KV)."""
+    from vllm import _custom_ops as ops
+
+    cache = torch.zeros(2, heads, block_size, 2 * head_dim, dtype=dtype)
+    key, value = torch.randn(2, block_size, heads, head_dim).to(dtype)
+    key_cache, value_cache = cache.view(2, heads, 2 * block_size, head_dim).chunk(2, dim=2)
+    slots = torch.arange(block_size, 2 * block_size)
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa,
+                                   k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")  # fmt: skip
+    keys, values = paged_layer_view(cache, isa)
+    if not (torch.equal(keys[1], key) and torch.equal(values[1], value)):
+        raise ConfigError(
+            f"vLLM's CPU cache kernel (isa {isa}) no longer stores K/V as kvstore reads them; "
+            "update connectors/vllm/compat.py for this vLLM release"
+        )
+
+
+def attn_isa(vllm_config) -> str:
+    """The CPU attention kernel family vLLM picks for this model ("" off the CPU)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return ""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    model = vllm_config.model_config
+    return _get_attn_isa(model.dtype, vllm_config.cache_config.block_size,
+                         model.get_head_size(), vllm_config.cache_config.cache_dtype)  # fmt: skip
 
 
 def tp_rank(vllm_config) -> int:
@@ -78,20 +126,15 @@ def tp_rank(vllm_config) -> int:
 
 
 def paged_layout_id(vllm_config) -> str:
-    """Names how vLLM lays out a paged block in memory on this machine, which the stored bytes
-    follow: the platform, the CPU attention ISA (AMX tiles differ from vector layouts) and the
-    block size. Blocks are only shared between engines whose layout ids match."""
+    """Names how vLLM lays out a paged block in memory on this machine: the platform, the CPU
+    attention ISA (AMX tiles differ from vector layouts) and the block size. Blocks keyed
+    by vLLM's own scheme are only shared between engines whose layout ids match."""
     from vllm.platforms import current_platform
 
     block_size = vllm_config.cache_config.block_size
     if not current_platform.is_cpu():
         return f"vllm-{current_platform.device_name}-bs{block_size}"
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-    model = vllm_config.model_config
-    isa = _get_attn_isa(model.dtype, block_size, model.get_head_size(),
-                        vllm_config.cache_config.cache_dtype)  # fmt: skip
-    return f"vllm-cpu-{isa}-bs{block_size}"
+    return f"vllm-cpu-{attn_isa(vllm_config)}-bs{block_size}"
 
 
 def kv_shape(vllm_config) -> tuple[int, int, int, str]:
@@ -104,3 +147,39 @@ def kv_shape(vllm_config) -> tuple[int, int, int, str]:
         model.get_num_layers(parallel), model.get_num_kv_heads(parallel), model.get_head_size(),
         dtype,
     )  # fmt: skip
+
+
+def kv_affecting_settings(vllm_config) -> dict:
+    """The engine settings beside the model's files that change the KV of a token prefix; they
+    enter the model fingerprint (kv cache dtype is already in the layout)."""
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    overrides = model.hf_overrides
+    if callable(overrides):  # a function rewrites the config: name it, it cannot be hashed
+        overrides = f"{overrides.__module__}.{overrides.__qualname__}"
+    return {
+        "dtype": str(model.dtype), "kv_cache_dtype": str(cache.cache_dtype),
+        "calculate_kv_scales": bool(getattr(cache, "calculate_kv_scales", False)),
+        "quantization": model.quantization, "quantization_config": model.quantization_config,
+        "hf_overrides": overrides, "hf_config_path": model.hf_config_path,
+        "model_weights": _weights_fingerprint(model.model_weights),
+        "code_revision": model.code_revision,
+        "disable_sliding_window": model.disable_sliding_window,
+        "model_class_overrides": model.model_class_overrides,
+    }  # fmt: skip
+
+
+def _weights_fingerprint(model_weights: str) -> str:
+    """vLLM loads the weights from `model_weights` instead of the model directory when set."""
+    from kvstore.fingerprint import model_fingerprint
+
+    return model_fingerprint(model_weights) if model_weights else ""
+
+
+def hit_sources(shares: dict[str, int]) -> dict:
+    """kvstore's 'local' / 'remote' token shares as vLLM's CacheHitSource counts. The agent's
+    lookup does not split its own host and disk tiers: local hits count as HOST (the agent
+    promotes a disk block to host memory before the worker copies it)."""
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    names = {"local": CacheHitSource.HOST, "remote": CacheHitSource.P2P}
+    return {names[where]: tokens for where, tokens in shares.items()}

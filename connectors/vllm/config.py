@@ -1,19 +1,30 @@
-"""The connector's settings (kv_connector_extra_config), validated once, and the namespace and
-KV layout they imply. Runs in both halves of the connector at construction.
+"""The connector's settings (kv_connector_extra_config), validated once, and the namespace,
+KV layout and keys they imply. Runs in both halves of the connector at construction.
+
+A stored block is one kv-head group's KV of one chunk (`head_group_size` heads, fleet-wide),
+keyed by the chunk's chain key and the group's index, never by the TP rank: a rank stores and
+loads each group it owns, so deployments of different TP sizes share blocks. key_scheme
+"sglang" chains SGLang's page hashes instead of kvstore's chunk keys, in a namespace without
+vLLM's paged layout: SGLang's HiCache backend reads and writes the same blocks.
 """
 
 from __future__ import annotations
 
-import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from connectors.vllm import compat
 from kvstore.errors import ConfigError
 from kvstore.fingerprint import model_fingerprint
-from kvstore.keys import Namespace
+from kvstore.keys import Namespace, chunk_keys
+from kvstore.keys_sglang import HeadGroups, head_groups, sglang_page_hashes, shared_namespace
+from kvstore.kvcopy.paged import PagedLayer, head_slice
 from kvstore.layout import KVLayout
+
+KEY_SCHEMES = ("vllm", "sglang")
 
 
 @dataclass(frozen=True)
@@ -29,6 +40,8 @@ class ConnectorSettings:
     model_revision: str = ""  # mixed into the model fingerprint
     load_timeout_s: float = 10.0
     verify_checksums: bool = True
+    key_scheme: str = "vllm"  # vllm | sglang (shared with SGLang; chunk_tokens = its page size)
+    head_group_size: int = 0  # kv heads per stored block, fleet-wide; 0: this rank's heads
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -46,6 +59,12 @@ class ConnectorSettings:
         settings = cls(**values)
         if settings.chunk_tokens <= 0:
             raise ConfigError("chunk_tokens must be positive")
+        if settings.key_scheme not in KEY_SCHEMES:
+            raise ConfigError(
+                f"key_scheme {settings.key_scheme!r} unknown; use one of {KEY_SCHEMES}"
+            )
+        if settings.head_group_size < 0:
+            raise ConfigError("head_group_size must be >= 0 (0: this TP rank's kv heads)")
         return settings
 
 
@@ -57,23 +76,62 @@ def _coerce(value: Any, type_name: str) -> Any:
 
 @dataclass(frozen=True)
 class EngineKV:
-    """What a connector half derives from vLLM's config: layout, namespace, block size."""
+    """What a connector half derives from vLLM's config: the layout of one stored block (one
+    head group of a chunk), the namespace, vLLM's block size, this rank's head groups and
+    those of the whole model (which the scheduler looks up), and how vLLM's blocks are read."""
 
     layout: KVLayout
     namespace: Namespace
     block_size: int
+    groups: HeadGroups | None = None  # None: one group, this rank's heads
+    all_groups: HeadGroups | None = None  # None: this rank's
+    key_scheme: str = "vllm"
+    isa: str = ""  # vLLM's CPU attention ISA ("" off the CPU): see compat.paged_layer_view
+
+    def __post_init__(self) -> None:
+        if self.groups is None:
+            heads = self.layout.num_kv_heads
+            object.__setattr__(self, "groups", HeadGroups(heads, heads, 0, 1))
+        if self.all_groups is None:
+            object.__setattr__(self, "all_groups", self.groups)
 
     @property
     def blocks_per_chunk(self) -> int:
+        """vLLM blocks per chunk."""
         return self.layout.chunk_tokens // self.block_size
 
+    @cached_property
+    def root(self) -> bytes:
+        return self.namespace.root_key()
+
+    def chain_keys(self, token_ids: Sequence[int], prior_hash: str | None = None) -> list[bytes]:
+        """One key per full chunk of a prompt: kvstore's chunk keys, or SGLang's page hashes
+        (as ASCII hex, as SGLang passes them; `prior_hash`: keys_sglang.sglang_chain_seed of a
+        salted or LoRA request, as SGLang seeds it)."""
+        chunk = self.layout.chunk_tokens
+        if self.key_scheme == "sglang":
+            return [h.encode() for h in sglang_page_hashes(token_ids, chunk, prior_hash)]
+        return list(chunk_keys(self.namespace, token_ids, chunk))
+
+    def block_keys(self, chain_keys: Sequence[bytes]) -> list[bytes]:
+        """This rank's block keys of the chunks, chunk-major, group-minor."""
+        return [key for chain in chain_keys for key in self.groups.keys(self.root, chain)]
+
+    def lookup_keys(self, chain_keys: Sequence[bytes]) -> list[bytes]:
+        """Every rank's block keys of the chunks: a chunk is a hit when all its groups are."""
+        return [key for chain in chain_keys for key in self.all_groups.keys(self.root, chain)]
+
+    def parent_key(self, chain_key: bytes) -> bytes:
+        """The block a chunk's first block chains on: the last group of the chunk before."""
+        return self.groups.keys(self.root, chain_key)[-1] if chain_key else b""
+
     def rank_key(self, chain_key: bytes) -> bytes:
-        """The key this TP rank stores a chunk under. The scheduler chains keys once (it speaks
-        for rank 0); each rank derives its own from them, so ranks never share a shard."""
-        if not chain_key:
-            return b""
-        digest = hashlib.blake2b(chain_key, digest_size=16, key=self.namespace.root_key())
-        return digest.digest()
+        """This rank's key of a chunk when it owns one group (the default head_group_size)."""
+        return self.groups.keys(self.root, chain_key)[0] if chain_key else b""
+
+    def group_view(self, paged: PagedLayer, group: int) -> PagedLayer:
+        """Local head group `group` of one paged layer, as views."""
+        return head_slice(paged, self.groups.local_heads(group))
 
 
 def engine_kv(vllm_config, settings: ConnectorSettings) -> EngineKV:
@@ -83,16 +141,39 @@ def engine_kv(vllm_config, settings: ConnectorSettings) -> EngineKV:
             f"chunk_tokens {settings.chunk_tokens} must be a multiple of vLLM's block size "
             f"{block_size}; set kv_connector_extra_config.chunk_tokens accordingly"
         )
-    num_layers, kv_heads, head_dim, dtype = compat.kv_shape(vllm_config)
-    layout = KVLayout(num_layers, kv_heads, head_dim, dtype, settings.chunk_tokens, settings.codec)
-    model = vllm_config.model_config
-    fingerprint = model_fingerprint(
-        Path(model.model), settings.model_revision or model.revision or ""
+    num_layers, _, head_dim, dtype = compat.kv_shape(vllm_config)
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    total_heads, tp_size = model.get_total_num_kv_heads(), parallel.tensor_parallel_size
+    groups = head_groups(
+        total_heads, tp_size, compat.tp_rank(vllm_config), settings.head_group_size
     )
-    namespace = Namespace(
-        model_fingerprint=fingerprint,
-        layout_id=f"{layout.layout_id}|{compat.paged_layout_id(vllm_config)}",
-        tp_size=vllm_config.parallel_config.tensor_parallel_size,
-        tp_rank=compat.tp_rank(vllm_config), tenant=settings.tenant, salt=settings.salt,
+    every = head_groups(total_heads, 1, 0, groups.group_heads)  # the model's whole grid
+    layout = KVLayout(num_layers, groups.group_heads, head_dim, dtype, settings.chunk_tokens,
+                      settings.codec)  # fmt: skip
+    isa = compat.attn_isa(vllm_config)
+    fingerprint = model_fingerprint(
+        Path(model.model), settings.model_revision or model.revision or "",
+        compat.kv_affecting_settings(vllm_config),
     )  # fmt: skip
-    return EngineKV(layout, namespace, block_size)
+    namespace = shared_namespace(
+        fingerprint, layout, total_heads, (0, num_layers), settings.tenant, settings.salt,
+        _engine_layout(vllm_config, settings, isa),
+    )  # fmt: skip
+    return EngineKV(layout, namespace, block_size, groups, every,
+                    settings.key_scheme, isa)  # fmt: skip
+
+
+def _engine_layout(vllm_config, settings: ConnectorSettings, isa: str) -> str:
+    """ "" (engine-neutral) for the sglang scheme, which needs K/V in canonical order; else
+    vLLM's paged layout, whose bytes only such engines read."""
+    if settings.key_scheme == "vllm":
+        return compat.paged_layout_id(vllm_config)
+    if isa and isa not in compat.CPU_CANONICAL_ISAS:
+        raise ConfigError(
+            f"key_scheme sglang needs K/V in canonical order; vLLM's CPU attention ISA {isa!r} "
+            f"tiles its blocks (use a dtype/block size giving {compat.CPU_CANONICAL_ISAS}, "
+            'or key_scheme "vllm")'
+        )
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        raise ConfigError("key_scheme sglang does not support vLLM pipeline parallelism yet")
+    return ""

@@ -6,13 +6,21 @@ its own half, delegating to SchedulerSide or WorkerSide.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 from typing import Any
 
+from connectors.vllm import compat
 from connectors.vllm.compat import KVConnectorBase_V1, KVConnectorRole
 from connectors.vllm.config import ConnectorSettings, engine_kv
 from connectors.vllm.metadata import KVStoreConnectorMetadata
 from connectors.vllm.scheduler import SchedulerSide
+from connectors.vllm.stats import (
+    DeltaCounters,
+    KVStoreConnectorStats,
+    KVStorePromMetrics,
+    LatencySamples,
+)  # fmt: skip
 from connectors.vllm.worker import WorkerSide
 
 logger = logging.getLogger(__name__)
@@ -28,6 +36,9 @@ class KVStoreConnector(KVConnectorBase_V1):
             SchedulerSide(self.settings, self.kv) if role == KVConnectorRole.SCHEDULER else None
         )
         self.worker = WorkerSide(self.settings, self.kv) if role == KVConnectorRole.WORKER else None
+        self._deltas = DeltaCounters()  # this half's counters, reported to vLLM's stat loggers
+        self._samples = self.scheduler.samples if self.scheduler else LatencySamples()
+        self._load_wait_s: float | None = None  # this step's waits for layer loads
         if getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
             logger.warning(
                 "set kv_load_failure_policy='recompute': with 'fail', a kvstore miss "
@@ -43,8 +54,17 @@ class KVStoreConnector(KVConnectorBase_V1):
         return True
 
     # ---- scheduler side --------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
-        return self.scheduler.matched_tokens(request, num_computed_tokens), False
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        """(tokens, False): loads are synchronous (layer-wise, in the forward); (None, False)
+        while the lookup is in flight: vLLM asks again on a later step."""
+        started = time.perf_counter()
+        tokens = self.scheduler.matched_tokens(request, num_computed_tokens)
+        self.scheduler.note_match_s(time.perf_counter() - started)
+        return tokens, False
+
+    def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict:
+        shares = self.scheduler.hit_sources(request, num_external_tokens)
+        return compat.hit_sources(shares)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         self.scheduler.after_alloc(request, num_external_tokens)
@@ -64,17 +84,34 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.worker.register(kv_caches)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
-        self.worker.start_load(self._get_connector_metadata())
+        meta = self._get_connector_metadata()
+        started = time.perf_counter()
+        self.worker.start_load(meta)
+        if meta.loads:
+            self._samples.add("load_fetch_seconds", time.perf_counter() - started)
+            self._load_wait_s = 0.0
 
     def wait_for_layer_load(self, layer_name: str) -> None:
+        started = time.perf_counter()
         self.worker.wait_for_layer(layer_name)
+        if self._load_wait_s is not None:
+            self._load_wait_s += time.perf_counter() - started
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
         self.worker.save_layer(self._get_connector_metadata(), layer_name, kv_layer)
 
     def wait_for_save(self) -> None:
+        started = time.perf_counter()
         self.worker.finish_load()
+        if self._load_wait_s is not None:
+            self._samples.add(
+                "load_wait_seconds", self._load_wait_s + time.perf_counter() - started
+            )
+            self._load_wait_s = None
+        started = time.perf_counter()
         self.worker.finish_save()
+        if self.has_connector_metadata() and self._get_connector_metadata().saves:
+            self._samples.add("save_seconds", time.perf_counter() - started)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self.worker.finished_saving(finished_req_ids) or None, None
@@ -85,6 +122,27 @@ class KVStoreConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_failed_block_ids() if self.worker else set()
 
+    # ---- vLLM's metrics (both halves) -------------------------------------------------------
+    def get_kv_connector_stats(self) -> KVStoreConnectorStats | None:
+        """This half's counter increments and latency samples since the last call."""
+        half = self.scheduler or self.worker
+        cumulative = dict(half.stats)
+        if self.scheduler is not None:
+            cumulative.update({f"bypassed_{r}": n for r, n in self.scheduler.bypassed.items()})
+        stats = KVStoreConnectorStats()
+        stats.add(self._deltas.take(cumulative), self._samples.take())
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVStoreConnectorStats:
+        return KVStoreConnectorStats(data=data) if data is not None else KVStoreConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return KVStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def shutdown(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.lookups.close()
         if self.worker is not None:
             self.worker.close()

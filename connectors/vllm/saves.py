@@ -19,8 +19,10 @@ from connectors.vllm.agent import AgentConnection
 from connectors.vllm.config import ConnectorSettings, EngineKV
 from connectors.vllm.metadata import SaveSpec
 from kvstore.client import SaveReservation
+from kvstore.codec import CODEC_IDS
 from kvstore.errors import KVStoreError
 from kvstore.kvcopy.engine import ChunkCopier
+from kvstore.kvcopy.paged import PagedLayer
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +61,7 @@ class SavePipeline:
         if self.delayed_frees:
             self._requests_with_saves.update(spec.req_id for spec in saves)
 
-    def save_layer(self, saves: list[SaveSpec], layer: int, paged: torch.Tensor) -> None:
+    def save_layer(self, saves: list[SaveSpec], layer: int, paged: PagedLayer) -> None:
         if self._step is None:
             self._step = self._reserve(saves)
         step = self._step
@@ -69,11 +71,13 @@ class SavePipeline:
         self.copier.after_compute()  # CUDA: the layer's attention wrote it on the compute stream
         for spec, reservation in step.reserved:
             digests = step.digests[reservation.save_id]
-            for chunk, payload in enumerate(reservation.payloads):
+            for index, payload in enumerate(reservation.payloads):  # chunk-major, group-minor
                 if payload is not None:
-                    digest = digests[chunk] if step.in_order else None
-                    self.copier.save_layer(paged, self._blocks(spec, chunk),
-                                           payload[start:stop], digest)  # fmt: skip
+                    chunk, group = divmod(index, self.kv.groups.count)
+                    digest = digests[index] if step.in_order else None
+                    self.copier.save_layer(self.kv.group_view(paged, group),
+                                           self._blocks(spec, chunk), payload[start:stop],
+                                           digest)  # fmt: skip
 
     def _blocks(self, spec: SaveSpec, chunk: int) -> list[int]:
         per_chunk = self.kv.blocks_per_chunk
@@ -86,10 +90,11 @@ class SavePipeline:
                 if self.agent.client is None:
                     break
                 reservation = self.agent.client.save(
-                    self.settings.tenant, [self.kv.rank_key(k) for k in spec.keys],
+                    self.settings.tenant, self.kv.block_keys(spec.keys),
                     self.kv.layout.payload_bytes,
-                    first_parent=self.kv.rank_key(spec.first_parent) or None,
+                    first_parent=self.kv.parent_key(spec.first_parent) or None,
                     layout_hash=self.kv.layout.layout_hash,
+                    codec_id=CODEC_IDS[self.kv.layout.codec],
                 )  # fmt: skip
             except KVStoreError as exc:
                 logger.warning("kvstore save skipped (%s)", exc)

@@ -1,5 +1,6 @@
 """The scheduler half of the connector: how many prompt tokens the store can supply, and per
-step which chunks each worker loads and saves. Runs in vLLM's scheduler (engine core) process.
+step which chunks each worker loads and saves. Runs in vLLM's scheduler (engine core) process;
+lookups (and the pull of other hosts' chunks into this host) run on its lookup thread.
 """
 
 from __future__ import annotations
@@ -10,9 +11,12 @@ from dataclasses import dataclass, field
 from connectors.vllm import compat
 from connectors.vllm.agent import AgentConnection
 from connectors.vllm.config import ConnectorSettings, EngineKV
+from connectors.vllm.lookups import LookupQueue
 from connectors.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
+from connectors.vllm.request_keys import RequestKeys
+from connectors.vllm.stats import LatencySamples
+from kvstore.client import LookupCounts
 from kvstore.errors import KVStoreError
-from kvstore.keys import chunk_keys
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +28,7 @@ class RequestState:
     saved_chunks: int = 0  # chunks [0, saved_chunks) need no save (loaded or saved)
     load_chunks: int = 0
     computed_at_load: int = 0
+    local_hit_chunks: int = 0  # of the last lookup: leading chunks on this host (others remote)
     saves_scheduled: bool = False  # some worker may still be saving: delay the blocks' free
 
 
@@ -36,54 +41,120 @@ class SchedulerSide:
         )
         self.requests: dict[str, RequestState] = {}
         self._pending_loads: dict[str, RequestState] = {}
+        self._bypassing: set[str] = set()  # ids of live requests the store bypasses
         self.delay_frees = compat.saves_outlive_steps()
-        self.stats = {"lookups": 0, "hit_tokens": 0, "lookup_failures": 0}
+        self.request_keys = RequestKeys(kv)
+        self.stats = {"lookups": 0, "hit_tokens": 0, "lookup_failures": 0, "lookups_deferred": 0,
+                      "prefetched_blocks": 0}  # fmt: skip
+        self.lookups = LookupQueue(self._lookup)
+        self.bypassed: dict[str, int] = {}  # reason -> requests (see RequestKeys.bypass_reason)
+        self.samples = LatencySamples()
+        self.longest_match_s = 0.0
 
-    def _state(self, request) -> RequestState:
-        """Per-request bookkeeping; requests whose KV is not a function of their tokens alone
-        (see _not_keyed_by_tokens_alone) never get any, so they are neither loaded nor saved."""
+    def _state(self, request) -> RequestState | None:
+        """Per-request bookkeeping, made on first sight; None (counted once) for a request the
+        store must bypass, which then is neither loaded nor saved."""
         state = self.requests.get(request.request_id)
-        if state is None:
-            tokens = request.prompt_token_ids or []
-            keys = chunk_keys(self.kv.namespace, tokens, self.kv.layout.chunk_tokens)
-            state = self.requests[request.request_id] = RequestState(keys=list(keys))
+        if state is None and request.request_id not in self._bypassing:
+            reason = self.request_keys.bypass_reason(request)
+            if reason is not None:
+                self._bypassing.add(request.request_id)
+                self.bypassed[reason] = self.bypassed.get(reason, 0) + 1
+                return None
+            keys = self.request_keys.keys(request)
+            state = self.requests[request.request_id] = RequestState(keys=keys)
         return state
 
-    def matched_tokens(self, request, num_computed_tokens: int) -> int:
+    def matched_tokens(self, request, num_computed_tokens: int) -> int | None:
         """Tokens beyond `num_computed_tokens` loadable from the store (whole chunks, always
-        leaving at least one prompt token to compute). No side effects on the store."""
-        if _not_keyed_by_tokens_alone(request):
-            return 0
+        leaving at least one prompt token to compute); None while the lookup is in flight (vLLM
+        asks again on a later step). No side effects on the store."""
         state = self._state(request)
+        if state is None:
+            return 0
         state.computed_at_load = num_computed_tokens
         chunk = self.kv.layout.chunk_tokens
         prompt_tokens = len(request.prompt_token_ids or [])
         usable = min(len(state.keys), (prompt_tokens - 1) // chunk)
-        if usable * chunk <= num_computed_tokens or self.agent.client is None:
+        if usable * chunk <= num_computed_tokens:
             return 0
+        answer = self.lookups.answer(request.request_id, state.keys[:usable])
+        if answer is None:
+            self.stats["lookups_deferred"] += 1
+            return None
+        if not answer.counted:
+            answer.counted = True
+            self._count(answer)
+        if answer.counts is None:
+            return 0
+        state.local_hit_chunks = answer.counts.local
+        return max(0, answer.counts.total * chunk - num_computed_tokens)
+
+    def note_match_s(self, seconds: float) -> None:
+        """How long vLLM's scheduler waited in one get_num_new_matched_tokens call."""
+        self.samples.add("match_seconds", seconds)
+        self.longest_match_s = max(self.longest_match_s, seconds)
+
+    def _lookup(self, chain_keys: list[bytes]) -> LookupCounts:
+        """On the lookup thread: the agent's answer for a prompt's chunk keys."""
+        client = self.agent.client
+        if client is None:
+            return LookupCounts(0, 0)  # no agent: nothing to load
+        groups = self.kv.all_groups.count
+        block_keys = self.kv.lookup_keys(chain_keys)  # every rank's groups, chunk-major
         try:
-            rank_keys = [self.kv.rank_key(key) for key in state.keys[:usable]]
-            hits = self.agent.client.lookup(self.settings.tenant, rank_keys).total
-        except KVStoreError as exc:
-            logger.warning("kvstore lookup failed (%s); computing the prefix", exc)
-            self.stats["lookup_failures"] += 1
+            counts = client.lookup(self.settings.tenant, block_keys)
+            if counts.remote:
+                counts = self._prefetch(client, block_keys[: counts.total], counts.local)
+        except KVStoreError:
             self.agent.drop()
-            return 0
+            raise
+        chunks = counts.total // groups  # a chunk is a hit when every group's block is
+        local = min(counts.local // groups, chunks)
+        return LookupCounts(local, chunks - local)
+
+    def _prefetch(self, client, block_keys: list[bytes], local: int) -> LookupCounts:
+        """On the lookup thread: pull the chunks other hosts hold into this host's arena now,
+        while vLLM is told to ask again, so the forward pass loads local pages only (a remote
+        fetch never runs inside it). What arrived is the answer; a chunk evicted again before
+        the workers load it is a load error, recomputed."""
+        loaded = client.load(self.settings.tenant, block_keys, verify=False,
+                             timeout_s=self.settings.load_timeout_s)  # fmt: skip
+        client.release(loaded)
+        got = len(loaded.payloads)
+        self.stats["prefetched_blocks"] += max(0, got - local)
+        return LookupCounts(min(local, got), max(0, got - local))
+
+    def _count(self, answer) -> None:
+        if answer.counts is None:
+            logger.warning("kvstore lookup failed (%s); computing the prefix", answer.error)
+            self.stats["lookup_failures"] += 1
+            return
         self.stats["lookups"] += 1
-        external = max(0, hits * chunk - num_computed_tokens)
-        self.stats["hit_tokens"] += external
-        return external
+        self.samples.add("lookup_seconds", answer.lookup_s)
 
     def after_alloc(self, request, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
             return
         state = self._state(request)
         computed = state.computed_at_load  # what get_num_new_matched_tokens was told
+        self.stats["hit_tokens"] += num_external_tokens
         state.load_chunks = (computed + num_external_tokens) // self.kv.layout.chunk_tokens
         state.saved_chunks = state.load_chunks
         self._pending_loads[request.request_id] = state
 
+    def hit_sources(self, request, num_external_tokens: int) -> dict[str, int]:
+        """'local' and 'remote' shares of the tokens the last lookup offered (local first)."""
+        state = self.requests.get(request.request_id)
+        if state is None or num_external_tokens <= 0:
+            return {}
+        local_tokens = state.local_hit_chunks * self.kv.layout.chunk_tokens
+        local = min(num_external_tokens, max(0, local_tokens - state.computed_at_load))
+        shares = {"local": local, "remote": num_external_tokens - local}
+        return {where: tokens for where, tokens in shares.items() if tokens}
+
     def build_meta(self, scheduler_output) -> KVStoreConnectorMetadata:
+        self.lookups.new_step()
         meta = KVStoreConnectorMetadata()
         for scheduled in compat.scheduled_requests(scheduler_output):
             state = self.requests.get(scheduled.req_id)
@@ -123,15 +194,7 @@ class SchedulerSide:
         """Forget the request; True when its blocks must outlive it until the workers report
         its saves committed (vLLM's delayed free, through get_finished)."""
         state = self.requests.pop(request.request_id, None)
+        self._bypassing.discard(request.request_id)
+        self.lookups.discard(request.request_id)
         self._pending_loads.pop(request.request_id, None)
         return self.delay_frees and state is not None and state.saves_scheduled
-
-
-def _not_keyed_by_tokens_alone(request) -> bool:
-    """LoRA adapters, multimodal inputs and cache salts change the KV of the same tokens; the
-    chunk keys do not cover them yet, so such requests bypass the store."""
-    return bool(
-        getattr(request, "lora_request", None)
-        or getattr(request, "mm_features", None)
-        or getattr(request, "cache_salt", None)
-    )

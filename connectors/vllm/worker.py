@@ -2,8 +2,9 @@
 vLLM's paged KV cache. Loads run layer by layer on a background thread, so layer i+1 loads
 while layer i computes; each layer is copied out of the shared page into a private buffer and
 hashed in the same pass, and a chunk whose digest is not the checksum it was loaded with is a
-load error (recomputed), so a page reused under a stale view can never become KV. Saves are
-saves.py's. Runs in each vLLM worker process.
+load error (recomputed), so a page reused under a stale view can never become KV. A chunk is
+one block per head group this rank owns (chunk-major, group-minor). Saves are saves.py's.
+Runs in each vLLM worker process.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from connectors.vllm.config import ConnectorSettings, EngineKV
 from connectors.vllm.metadata import KVStoreConnectorMetadata, LoadSpec
 from connectors.vllm.saves import SavePipeline
 from kvstore.client import LoadedBlocks
-from kvstore.errors import KVStoreError
+from kvstore.errors import ConfigError, KVStoreError
 from kvstore.kvcopy.engine import ChunkCopier
-from kvstore.kvcopy.paged import check_paged_layer
+from kvstore.kvcopy.paged import PagedLayer, check_paged_layer
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ class WorkerSide:
         self._layer_indexes: dict[str, int] = {}
         self._load: LayerwiseLoad | None = None
         self._loaded: list[tuple[LoadSpec, LoadedBlocks]] = []
-        self._digests: list[list[xxhash.xxh3_64 | None]] = []  # per load, per chunk (None: unused)
+        self._digests: list[list[xxhash.xxh3_64 | None]] = []  # per load, per block (None: unused)
         self._loader: ChunkCopier | None = None  # on the load thread
         self.failed_block_ids: set[int] = set()
         self.stats = {"loaded_blocks": 0, "loaded_bytes": 0, "load_s": 0.0, "saved_blocks": 0,
@@ -87,10 +88,20 @@ class WorkerSide:
                 f"vLLM registered {len(self.kv_caches)} KV caches; the layout expects "
                 f"{self.kv.layout.num_layers} attention layers"
             )
+        rank_heads = self.kv.groups.count * self.kv.layout.num_kv_heads
         for name, cache in self.kv_caches.items():
-            check_paged_layer(name, compat.paged_layer_view(cache), self.kv.layout,
-                              self.kv.block_size)  # fmt: skip
-        device = next(iter(self.kv_caches.values())).device
+            if cache.dim() == 4 and cache.shape[1] != rank_heads:
+                raise ConfigError(f"KV cache {name!r} holds {cache.shape[1]} kv heads; this "
+                                  f"rank's head groups cover {rank_heads}")  # fmt: skip
+            paged = compat.paged_layer_view(cache, self.kv.isa)
+            for group in range(self.kv.groups.count):
+                check_paged_layer(name, self.kv.group_view(paged, group), self.kv.layout,
+                                  self.kv.block_size)  # fmt: skip
+        first = next(iter(self.kv_caches.values()))
+        if self.kv.isa in compat.CPU_CANONICAL_ISAS:
+            compat.check_cpu_views(self.kv.isa, first.dtype, self.kv.block_size,
+                                   first.shape[1], self.kv.layout.head_dim)  # fmt: skip
+        device = first.device
         self._loader = ChunkCopier(self.kv.layout, self.kv.block_size, device)
         self.saves.copier = ChunkCopier(self.kv.layout, self.kv.block_size, device)
 
@@ -105,7 +116,7 @@ class WorkerSide:
         self._loaded = [(spec, self._fetch(spec)) for spec in meta.loads]
         self._digests = [self._new_digests(spec, loaded) for spec, loaded in self._loaded]
         names = list(self.kv_caches)
-        tensors = [compat.paged_layer_view(self.kv_caches[name]) for name in names]
+        tensors = [compat.paged_layer_view(self.kv_caches[name], self.kv.isa) for name in names]
         self._load = LayerwiseLoad(names, lambda i: self._copy_layer_in(i, tensors[i]))
         self.stats["load_s"] += time.perf_counter() - started
 
@@ -115,13 +126,13 @@ class WorkerSide:
         try:
             if self.agent.client is not None:
                 loaded = self.agent.client.load(  # verified as copied, not here
-                    self.settings.tenant, [self.kv.rank_key(k) for k in spec.keys],
+                    self.settings.tenant, self.kv.block_keys(spec.keys),
                     timeout_s=self.settings.load_timeout_s, verify=False,
                 )  # fmt: skip
         except KVStoreError as exc:
             # Not dropped here: earlier loads of this step are pinned through this connection.
             logger.warning("kvstore load failed (%s); recomputing", exc)
-        got = len(loaded) if loaded is not None else 0
+        got = len(loaded) // self.kv.groups.count if loaded is not None else 0
         if got < len(spec.keys):
             per_chunk = self.kv.blocks_per_chunk
             missing = spec.block_ids[
@@ -132,42 +143,49 @@ class WorkerSide:
         return loaded
 
     def _new_digests(self, spec: LoadSpec, loaded: LoadedBlocks | None) -> list:
-        """A running xxh3 per loaded chunk that has blocks to fill (others are not copied)."""
+        """A running xxh3 per loaded block of a whole chunk that has engine blocks to fill
+        (others are not copied)."""
         if loaded is None:
             return []
-        per_chunk = self.kv.blocks_per_chunk
+        per_chunk, groups = self.kv.blocks_per_chunk, self.kv.groups.count
+        chunks = len(loaded) // groups
         return [
-            xxhash.xxh3_64() if (chunk + 1) * per_chunk > spec.skip_blocks else None
-            for chunk in range(len(loaded))
+            xxhash.xxh3_64() if (j // groups + 1) * per_chunk > spec.skip_blocks else None
+            for j in range(chunks * groups)
         ]
 
-    def _copy_layer_in(self, layer: int, paged: torch.Tensor) -> None:
+    def _copy_layer_in(self, layer: int, paged: PagedLayer) -> None:
         start, stop = self.kv.layout.layer_range(layer)
         for (spec, loaded), digests in zip(self._loaded, self._digests, strict=True):
-            for chunk, digest in enumerate(digests):
+            for index, digest in enumerate(digests):
                 if digest is None:
                     continue
+                chunk, group = divmod(index, self.kv.groups.count)
                 blocks = self._chunk_blocks(spec.block_ids, chunk)
                 first = chunk * len(blocks)
                 keep = [i for i in range(len(blocks)) if first + i >= spec.skip_blocks]
-                payload = loaded.payloads[chunk][start:stop]
-                self._loader.load_layer(payload, digest, paged, blocks, keep)
+                payload = loaded.payloads[index][start:stop]
+                self._loader.load_layer(payload, digest, self.kv.group_view(paged, group),
+                                        blocks, keep)  # fmt: skip
         self._loader.record(layer)
 
-    def _verified_chunks(self, spec: LoadSpec, loaded: LoadedBlocks, digests: list) -> int:
-        """After every layer was copied: how many leading chunks' private copies are the
-        blocks that were loaded. The first that is not (its page was reused, or corrupted)
-        fails with every later chunk: its blocks are load errors, recomputed by vLLM."""
-        for chunk, digest in enumerate(digests):
+    def _verified_blocks(self, spec: LoadSpec, loaded: LoadedBlocks, digests: list) -> int:
+        """After every layer was copied: how many leading whole chunks' private copies are
+        the blocks that were loaded, in blocks. The first that is not (its page was reused,
+        or corrupted) fails with every later chunk: its engine blocks are load errors,
+        recomputed by vLLM."""
+        groups = self.kv.groups.count
+        for index, digest in enumerate(digests):
             if not self.settings.verify_checksums or digest is None:
                 continue
-            if digest.intdigest() != loaded.checksums[chunk]:
+            if digest.intdigest() != loaded.checksums[index]:
+                chunk = index // groups
                 first = max(chunk * self.kv.blocks_per_chunk, spec.skip_blocks)
                 self.failed_block_ids.update(spec.block_ids[first:])
-                self.stats["verify_failures"] += len(digests) - chunk
-                self.stats["load_failures"] += len(digests) - chunk
+                self.stats["verify_failures"] += len(digests) // groups - chunk
+                self.stats["load_failures"] += len(digests) // groups - chunk
                 logger.warning("chunk %d failed its checksum as copied; recomputing", chunk)
-                return chunk
+                return chunk * groups
         return len(digests)
 
     def _chunk_blocks(self, block_ids: list[int], chunk: int) -> list[int]:
@@ -193,7 +211,7 @@ class WorkerSide:
             if loaded is None:
                 continue
             if not failed:
-                good = self._verified_chunks(spec, loaded, digests)
+                good = self._verified_blocks(spec, loaded, digests)
                 self.stats["loaded_blocks"] += good
                 self.stats["loaded_bytes"] += sum(p.numel() for p in loaded.payloads[:good])
             self._release(loaded)
@@ -214,7 +232,7 @@ class WorkerSide:
     def save_layer(self, meta: KVStoreConnectorMetadata, layer_name: str, kv_layer) -> None:
         layer = self._layer_indexes.get(layer_name)
         if meta.saves and layer is not None:
-            self.saves.save_layer(meta.saves, layer, compat.paged_layer_view(kv_layer))
+            self.saves.save_layer(meta.saves, layer, compat.paged_layer_view(kv_layer, self.kv.isa))
 
     def finish_save(self) -> None:
         """End of step: commit the chunks whose copies are done (on the CPU: all of them)."""

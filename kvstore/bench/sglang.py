@@ -3,7 +3,8 @@ real node agent (a child process), beside memcpy of the same bytes in the same r
 
 Runs in the benchmark process with SGLang's real host pool (MHATokenToKVPoolHost on CPU,
 pin_memory=False) sized like Llama-3-8B: 32 layers, 8 kv heads, head dim 128, bf16, pages of
-64 tokens (8 MiB each), in the page_first_direct and page_first layouts.
+64 tokens (8 MiB each), in the page_first_direct and page_first layouts; then page_first_direct
+with head_group_size 1 (topology-free blocks: one per kv head, 8 per page) as `head_group_1`.
 """
 
 from __future__ import annotations
@@ -128,24 +129,33 @@ def run_sglang(pages: int = 64, runs: int = 3, quick: bool = False) -> dict:
     ) as socket_path:  # fmt: skip
         for layout in ("page_first_direct", "page_first"):
             result["layouts"][layout] = _measure(socket_path, layout, shape, pages, runs)
+    groups = shape["heads"]  # head_group_size 1: one block per kv head
+    with tempfile.TemporaryDirectory() as directory, peers.node_agent(
+        Path(directory), page_bytes // groups + HEADER_BYTES, groups * (2 * pages + 2)
+    ) as socket_path:  # fmt: skip
+        grouped = _measure(socket_path, "page_first_direct", shape, pages, runs, head_group_size=1)
     memcpy = memcpy_gbps(page_bytes, pages, runs)
     result["memcpy_gbps"] = memcpy
     best = result["layouts"]["page_first_direct"]
     result["set_vs_memcpy"] = best["set_gbps"] / memcpy
     result["get_vs_memcpy"] = best["get_gbps"] / memcpy
+    result["head_group_1"] = {**grouped, "blocks_per_page": groups,
+                              "set_vs_memcpy": grouped["set_gbps"] / memcpy,
+                              "get_vs_memcpy": grouped["get_gbps"] / memcpy}  # fmt: skip
     return result
 
 
-def _measure(socket_path: Path, layout: str, shape: dict, pages: int, runs: int) -> dict:
+def _measure(socket_path: Path, layout: str, shape: dict, pages: int, runs: int,
+             head_group_size: int = 0) -> dict:  # fmt: skip
     pool = host_pool(layout, pages, **shape)
-    backend = backend_for(socket_path, pool, salt=layout)
+    backend = backend_for(socket_path, pool, salt=layout, head_group_size=head_group_size)
     tokens = shape["page_tokens"]
     indices = torch.arange(tokens, (pages + 1) * tokens)  # page 0 is SGLang's padding page
     pool.kv_buffer.view(torch.uint8).copy_(torch.randint(0, 256, pool.kv_buffer.view(
         torch.uint8).shape, dtype=torch.uint8))  # fmt: skip
     starts = indices[::tokens].tolist()
     expected = [[comp.copy() for comp in backend._format.page(s)] for s in starts]
-    total = pages * backend._format.payload_bytes
+    total = pages * backend._page_bytes
     generation = iter(range(1 << 30))
     keys: list[str] = []
 

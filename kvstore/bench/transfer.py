@@ -1,13 +1,15 @@
 """`kvstore bench transfer`: block get/put throughput on every data path, each beside the limit
 of the machine measured in the same run: (a) worker <-> local agent through the shared arena vs
-numpy.copyto memcpy; (b) agent <- remote agent over tcp and (c) over ucx vs a raw socket
-sendall/recv_into; (d) Redis pipelined SET/MGET (redis-py + hiredis) as the baseline.
+numpy.copyto memcpy; (b) agent <- remote agent over tcp, run by run beside a raw socket
+sendall/recv_into (with each end's CPU seconds per GiB), and (c) over ucx; (d) Redis pipelined
+SET/MGET (redis-py + hiredis) as the baseline.
 
 Runs in the benchmark process; every holder, agent and server is a separate child process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import statistics
@@ -135,13 +137,65 @@ def _fetch_s(engine, store: TieredStore, address: str, keys: list[BlockKey]) -> 
     return elapsed
 
 
-def socket_results(block_bytes: int, batch: int, runs: int) -> dict[str, float]:
-    """A raw socket sendall/recv_into of the same bytes: the loopback limit for (b) and (c)."""
+def tcp_vs_socket_results(block_bytes: int, batch: int, runs: int) -> dict[str, float]:
+    """(b) beside its limit, round by round: with a holder and a raw sender both up, each run
+    fetches the batch over the authenticated tcp engine, then recv_into's it raw; the ratio is
+    the median of the runs' ratios (a loaded machine slows both alike), and each end's CPU
+    seconds per GiB say what the data plane costs whatever the scheduler does."""
     page_bytes = block_bytes + HEADER_BYTES
-    pages = np.zeros((batch, page_bytes), dtype=np.uint8)
-    with peers.raw_sender(page_bytes, batch) as conn:
-        seconds = [peers.raw_receive_s(conn, pages) for _ in range(runs + 1)][1:]
-    return {"socket_GBps": _median_gbps(seconds, page_bytes * batch)}
+    gib = page_bytes * batch / (1 << 30)
+    keys, secret = _keys(0, batch), os.urandom(32)
+    raw_pages = np.zeros((batch, page_bytes), dtype=np.uint8)
+    rows = []
+    with (
+        _child(peers.raw_sender(page_bytes, batch)) as (conn, sender),
+        _child(peers.block_holder("tcp", block_bytes, batch, secret)) as (address, holder),
+    ):
+        engine = make_engine("tcp", cluster_secret=secret)
+        store = TieredStore(
+            [TierSlot(HostTier(batch * page_bytes, page_bytes), make_policy("lru"))]
+        )
+        try:
+            for run in range(runs + 1):  # the first run of each warms up
+                tcp = _cpu_s(holder, lambda: _fetch_s(engine, store, address, keys))
+                raw = _cpu_s(sender, lambda: peers.raw_receive_s(conn, raw_pages))
+                if run:
+                    rows.append((tcp, raw))
+        finally:
+            engine.close()
+            store.close()
+    median = statistics.median
+    return {
+        "tcp_get_GBps": _median_gbps([tcp[0] for tcp, _ in rows], page_bytes * batch),
+        "socket_GBps": _median_gbps([raw[0] for _, raw in rows], page_bytes * batch),
+        "tcp_get_vs_socket": median(raw[0] / tcp[0] for tcp, raw in rows),
+        "tcp_reader_cpu_s_per_GiB": median(tcp[1] for tcp, _ in rows) / gib,
+        "tcp_holder_cpu_s_per_GiB": median(tcp[2] for tcp, _ in rows) / gib,
+        "socket_receiver_cpu_s_per_GiB": median(raw[1] for _, raw in rows) / gib,
+        "socket_sender_cpu_s_per_GiB": median(raw[2] for _, raw in rows) / gib,
+    }
+
+
+@contextlib.contextmanager
+def _child(peer):
+    """Enter a peers.* context that starts one child process; yields (its value, its pid)."""
+    before = {child.pid for child in multiprocessing.active_children()}
+    with peer as value:
+        (pid,) = {child.pid for child in multiprocessing.active_children()} - before
+        yield value, pid
+
+
+def _cpu_s(pid: int, timed) -> tuple[float, float, float]:
+    """`timed()`'s seconds, this process's CPU seconds and child `pid`'s meanwhile."""
+    own, other = time.process_time(), _process_cpu_s(pid)
+    seconds = timed()
+    return seconds, time.process_time() - own, _process_cpu_s(pid) - other
+
+
+def _process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` (/proc/PID/stat utime, stime)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # ---- (d) Redis -----------------------------------------------------------------------------
@@ -177,8 +231,7 @@ def run_transfer(runs: int = 5, sizes_mib=(4, 16), batch: int = BATCH, ucx: bool
         measured = {}
         measured.update(shm_results(block_bytes, batch, runs))
         measured.update(shm_results(block_bytes, batch, runs, access="private"))
-        measured.update(remote_results("tcp", block_bytes, batch, runs))
-        measured.update(socket_results(block_bytes, batch, runs))
+        measured.update(tcp_vs_socket_results(block_bytes, batch, runs))
         if ucx:
             measured.update(remote_results("ucx", block_bytes, batch, runs))
         measured.update(redis_results(block_bytes, batch, runs))
@@ -187,7 +240,6 @@ def run_transfer(runs: int = 5, sizes_mib=(4, 16), batch: int = BATCH, ucx: bool
         measured["private_get_vs_shared"] = (
             measured["shm_private_get_GBps"] / measured["shm_get_GBps"]
         )
-        measured["tcp_get_vs_socket"] = measured["tcp_get_GBps"] / measured["socket_GBps"]
         measured["tcp_get_vs_redis"] = measured["tcp_get_GBps"] / measured["redis_get_GBps"]
         result.update({f"{name}_{size_mib}MiB": value for name, value in measured.items()})
         if size_mib == max(sizes_mib):

@@ -21,7 +21,7 @@ import xxhash
 
 from kvstore.block import as_buffer
 from kvstore.codec import decode_layer, encode_layer
-from kvstore.kvcopy.paged import block_view
+from kvstore.kvcopy.paged import PagedLayer, kv_views
 from kvstore.kvcopy.verified import copy_hashed
 from kvstore.layout import KVLayout
 
@@ -42,7 +42,7 @@ class ChunkCopier:
 
     # ---- loads -----------------------------------------------------------------------------
     def load_layer(
-        self, payload_slice: torch.Tensor, hasher: xxhash.xxh3_64, paged: torch.Tensor,
+        self, payload_slice: torch.Tensor, hasher: xxhash.xxh3_64, paged: PagedLayer,
         blocks: list[int], keep: list[int],
     ) -> None:  # fmt: skip
         """Copy one chunk layer into `paged[blocks[i]]` for i in `keep`, feeding `hasher` with
@@ -65,14 +65,15 @@ class ChunkCopier:
         decode_layer(layout, self._staging, self._canonical)
         return self._canonical
 
-    def _scatter(self, canonical, paged, blocks: list[int], keep: list[int]) -> None:
+    def _scatter(self, canonical, paged: PagedLayer, blocks: list[int], keep: list[int]) -> None:
         size = self.block_size
-        for i in keep:
-            block_view(paged, blocks[i]).copy_(canonical[:, i * size : (i + 1) * size])
+        for part, view in enumerate(kv_views(paged)):
+            for i in keep:
+                view[blocks[i]].copy_(canonical[part, i * size : (i + 1) * size])
 
     # ---- saves -----------------------------------------------------------------------------
     def save_layer(
-        self, paged: torch.Tensor, blocks: list[int], payload_slice: torch.Tensor,
+        self, paged: PagedLayer, blocks: list[int], payload_slice: torch.Tensor,
         hasher: xxhash.xxh3_64 | None,
     ) -> None:  # fmt: skip
         """Copy `paged[blocks]` into one chunk layer's payload slice (encoded), feeding
@@ -93,10 +94,11 @@ class ChunkCopier:
         if hasher is not None:
             hasher.update(as_buffer(payload_slice))  # just written: still in cache
 
-    def _gather(self, paged: torch.Tensor, blocks: list[int], canonical: torch.Tensor) -> None:
+    def _gather(self, paged: PagedLayer, blocks: list[int], canonical: torch.Tensor) -> None:
         size = self.block_size
-        for i, block in enumerate(blocks):
-            canonical[:, i * size : (i + 1) * size].copy_(block_view(paged, block))
+        for part, view in enumerate(kv_views(paged)):
+            for i, block in enumerate(blocks):
+                canonical[part, i * size : (i + 1) * size].copy_(view[block])
 
     # ---- ordering with the compute stream (CUDA; no-ops on the CPU) ----------------------
     def record(self, layer: int) -> None:

@@ -5,7 +5,9 @@ convention) in any physical order, i.e. any strides, as long as the last axis is
 Pure description, used in the worker (the connectors) and by the GPU check. `block_view`
 gives each block as a strided [2, block_size, kv_heads, head_dim] view, the canonical order of
 a stored payload, so every physical layout (vLLM's LBHNC, LBNHC, LHBNC, BLHNC, BLNHC, BHLNC)
-is copied by the same code: strides do the work, not a code path per layout.
+is copied by the same code: strides do the work, not a code path per layout. An engine whose
+K and V have different orders (vLLM's CPU kernels keep K transposed) gives a (K, V) pair of
+[num_blocks, block_size, kv_heads, head_dim] views instead (`PagedLayer`).
 """
 
 from __future__ import annotations
@@ -15,9 +17,23 @@ import torch
 from kvstore.errors import ConfigError
 from kvstore.layout import KVLayout
 
+PagedLayer = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
-def check_paged_layer(name: str, layer: torch.Tensor, layout: KVLayout, block_size: int) -> None:
+
+def kv_views(layer: PagedLayer) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of every block as [num_blocks, block_size, kv_heads, head_dim] views."""
+    if isinstance(layer, tuple):
+        return layer
+    two_dim = layer.shape[-1]
+    kv = layer.unflatten(-1, (2, two_dim // 2)).transpose(1, 2)
+    return kv[..., 0, :], kv[..., 1, :]
+
+
+def check_paged_layer(name: str, layer: PagedLayer, layout: KVLayout, block_size: int) -> None:
     """ConfigError naming what is unsupported about one engine layer, if anything is."""
+    if isinstance(layer, tuple):
+        _check_pair(name, layer, layout, block_size)
+        return
     expected = (layout.num_kv_heads, block_size, 2 * layout.head_dim)
     if layer.dim() != 4 or tuple(layer.shape[1:]) != expected:
         raise ConfigError(
@@ -37,6 +53,18 @@ def check_paged_layer(name: str, layer: torch.Tensor, layout: KVLayout, block_si
         )
 
 
+def _check_pair(name: str, pair, layout: KVLayout, block_size: int) -> None:
+    expected = (block_size, layout.num_kv_heads, layout.head_dim)
+    for part, view in zip("KV", pair, strict=True):
+        if view.dim() != 4 or tuple(view.shape[1:]) != expected:
+            raise ConfigError(
+                f"{part} of KV cache {name!r} is {tuple(view.shape)}, not [num_blocks, "
+                f"{expected[0]} tokens, {expected[1]} kv heads, {expected[2]}]"
+            )
+        if view.dtype != layout.torch_dtype:
+            raise ConfigError(f"KV cache {name!r} is {view.dtype}; the layout says {layout.dtype}")
+
+
 def block_view(layer: torch.Tensor, block: int) -> torch.Tensor:
     """Block `block` of a paged layer as a [2, block_size, kv_heads, head_dim] view."""
     two_dim = layer.shape[-1]
@@ -47,3 +75,10 @@ def blocks_view(layer: torch.Tensor) -> torch.Tensor:
     """Every block as [num_blocks, 2, block_size, kv_heads, head_dim] (a view)."""
     two_dim = layer.shape[-1]
     return layer.unflatten(-1, (2, two_dim // 2)).permute(0, 3, 2, 1, 4)
+
+
+def head_slice(layer: PagedLayer, heads: slice) -> PagedLayer:
+    """The same paged layer restricted to kv heads `heads` (one head group), as views."""
+    if isinstance(layer, tuple):
+        return layer[0][:, :, heads], layer[1][:, :, heads]
+    return layer[:, heads]

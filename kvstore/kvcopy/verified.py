@@ -9,23 +9,31 @@ held while it was read, the copy's digest says whether it is the block that was 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import xxhash
 
-from kvstore.block import as_buffer
 from kvstore.tiers.base import copy_bytes
 
-SLICE_BYTES = 1 << 20
+# Measured (2-core Xeon, 16 MiB payloads): 512 KiB slices hash while still in L2; smaller ones
+# pay more in per-slice overhead than they gain in cache, larger ones spill L2.
+SLICE_BYTES = 512 << 10
 
 
 def copy_hashed(destination: torch.Tensor, source: torch.Tensor, hasher: xxhash.xxh3_64) -> None:
     """Copy flat uint8 `source` into `destination` (host memory), feeding `hasher` with the
     copied bytes. Consecutive calls over consecutive pieces of a payload give the payload's
-    xxh3-64, so a payload can be verified layer by layer as it is loaded."""
-    for start in range(0, source.numel(), SLICE_BYTES):
-        piece = destination[start : start + SLICE_BYTES]
-        copy_bytes(piece, source[start : start + SLICE_BYTES])
-        hasher.update(as_buffer(piece))
+    xxh3-64, so a payload can be verified layer by layer as it is loaded. Slices are numpy
+    views: slicing a tensor costs microseconds a slice (measured: 0.65 against 0.77 × memcpy)."""
+    if source.device.type != "cpu":
+        copy_bytes(destination, source)
+        hasher.update(destination.numpy())
+        return
+    into, out_of = destination.numpy(), source.numpy()
+    for start in range(0, out_of.size, SLICE_BYTES):
+        piece = into[start : start + SLICE_BYTES]
+        np.copyto(piece, out_of[start : start + SLICE_BYTES])
+        hasher.update(piece)
 
 
 def copy_and_checksum(destination: torch.Tensor, source: torch.Tensor) -> int | None:

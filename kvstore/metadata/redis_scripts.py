@@ -1,7 +1,8 @@
 """Lua scripts of the Redis metadata index: each multi-key mutation runs atomically in Redis.
 
 Loaded by `RedisIndex` (kvstore/metadata/redis_index.py) in each metadata-service replica.
-ARGV[1] is always the key prefix; scripts that check a lease share `_COMMON`'s check_lease().
+ARGV[1] is always the key prefix and KEYS[1] is P:seq (routes the call on a cluster); scripts
+that check a lease share `_COMMON`'s check_lease().
 """
 
 _COMMON = r"""
@@ -166,6 +167,7 @@ _BODIES = {
     "expire": _EXPIRE, "publish": _PUBLISH, "unpublish": _UNPUBLISH,
     "nodes": _NODES,
 }  # fmt: skip
+WRITES = {"register", "heartbeat", "deregister", "expire", "publish", "unpublish"}
 _CHECKS_LEASE = {"heartbeat", "deregister", "expire", "publish", "unpublish"}
 SCRIPTS = {
     name: (_COMMON + body if name in _CHECKS_LEASE else body) for name, body in _BODIES.items()

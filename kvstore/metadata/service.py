@@ -47,7 +47,15 @@ STATUS_FOR: list[tuple[type[Exception], grpc.StatusCode]] = [
 
 
 def status_for(exc: Exception) -> grpc.StatusCode:
-    return next(code for cls, code in STATUS_FOR if isinstance(exc, cls))
+    """The status of an error; socket errors (a peer too slow, or gone) map too."""
+    for cls, code in STATUS_FOR:
+        if isinstance(exc, cls):
+            return code
+    if isinstance(exc, TimeoutError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    if isinstance(exc, OSError):
+        return grpc.StatusCode.UNAVAILABLE
+    return grpc.StatusCode.INTERNAL
 
 
 @dataclass(frozen=True)

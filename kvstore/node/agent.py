@@ -5,6 +5,7 @@ the metadata link and the control server for local workers. Runs as `kvstore nod
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import socket
@@ -246,6 +247,7 @@ class NodeAgent:
                 "seconds": fetch.seconds if fetch else 0.0,
                 "failures": fetch.failures if fetch else 0,
                 "failed_fetches": fetch.failed_fetches if fetch else 0,
+                "engine_events": dataclasses.asdict(self.engine.stats) if self.engine else {},
             },
             "checksum_failures": self.store.checksum_failures,
             "evictions": dict(self.store.removals),

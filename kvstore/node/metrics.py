@@ -107,6 +107,15 @@ class AgentCollector(Collector):
         for cause, count in stats["dropped_by_cause"].items():
             dropped.add_metric([cause], count)
         yield dropped
+        engine = CounterMetricFamily(
+            "kvstore_agent_transfer_events",
+            "Transfer engine events: connections accepted/opened/refused at the caps, batches "
+            "served/cut at the deadline, transfers broken, handshakes and MACs failed",
+            labels=["event"],
+        )  # fmt: skip
+        for event, count in stats["transfer"].get("engine_events", {}).items():
+            engine.add_metric([event], count)
+        yield engine
 
     def _view(self, view: dict):
         """The cluster view (node/view.py): its size and how lookups were answered."""

@@ -1,6 +1,7 @@
 """Peer authentication and block MACs shared by the transfer engines: a cluster-secret handshake
 (both sides prove the secret with HMAC-SHA256 over both nonces and their role) and, per block,
-a Poly1305 tag under a one-time key derived from the session key, the block's key and sequence.
+an AES-256-GMAC tag under the connection's MAC key, the frame's sequence number as its nonce
+(never reused under a key), over the sequence, length and block key, then the block's bytes.
 
 Runs inside the node agent, on whichever thread or event loop an engine serves or fetches on.
 """
@@ -13,9 +14,9 @@ import ipaddress
 import logging
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from cryptography.hazmat.primitives.poly1305 import Poly1305
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from kvstore.block import MAX_TENANT_BYTES, encode_tenant
 from kvstore.errors import ConfigError
@@ -25,10 +26,11 @@ logger = logging.getLogger(__name__)
 NONCE_BYTES = 32
 PROOF_BYTES = 32  # HMAC-SHA256
 HELLO_BYTES = NONCE_BYTES + PROOF_BYTES  # the client's nonce, then its proof
-TAG_BYTES = 16  # Poly1305
+TAG_BYTES = 16  # GMAC
 MIN_SECRET_BYTES = 16
 _LABEL = b"kvstore-transfer-v1"
 _BLOCK = struct.Struct("<QQ")  # sequence number, block length
+_NONCE = struct.Struct("<4xQ")  # GCM's 96-bit nonce: the frame's sequence number
 
 
 def check_secret(secret: bytes | None) -> bytes | None:
@@ -75,22 +77,46 @@ def accept_reply(
 
 @dataclass(frozen=True)
 class Session:
-    """A connection's key for block MACs. Both ends hold the same one; it never travels."""
+    """A connection's keys: `key` seals messages, `mac_key` MACs its blocks. Both ends hold
+    the same ones; they never travel."""
 
-    key: bytes
+    key: bytes = field(repr=False)
+    mac_key: bytes = field(repr=False)
 
     @classmethod
     def derive(cls, secret: bytes, server_nonce: bytes, client_nonce: bytes) -> Session:
-        return cls(_prove(secret, b"session", server_nonce, client_nonce))
+        key = _prove(secret, b"session", server_nonce, client_nonce)
+        return cls(key, hmac.new(key, _LABEL + b"/block-mac", hashlib.sha256).digest())
 
-    def block_mac(self, sequence: int, key: bytes, length: int) -> Poly1305:
-        """A MAC for the `sequence`-th frame of the connection, for block `key` of `length`
-        bytes. Its one-time key binds all three, so a tag never verifies another frame."""
-        one_time = hmac.new(self.key, _BLOCK.pack(sequence, length) + key, hashlib.sha256)
-        return Poly1305(one_time.digest())
+    def block_mac(self, sequence: int, key: bytes, length: int) -> BlockMac:
+        """A MAC for the `sequence`-th frame of the connection (sequences start at 1 and are
+        never reused on a connection), for block `key` of `length` bytes: a tag never
+        verifies another frame, block or length."""
+        return BlockMac(self.mac_key, sequence, _BLOCK.pack(sequence, length) + key)
+
+    def seal(self, label: bytes, data: bytes) -> bytes:
+        """A tag over `data` for the message `label` names (e.g. one side's UCX address)."""
+        return hmac.new(self.key, _LABEL + b"/" + label + b"/" + data, hashlib.sha256).digest()
 
 
-def tag_matches(mac: Poly1305, tag: bytes | memoryview) -> bool:
+class BlockMac:
+    """GMAC (AES-256-GCM over authenticated data only, ~2x Poly1305's speed where the CPU has
+    AES and carry-less multiply) fed as the block's bytes pass: update(), then finalize()."""
+
+    def __init__(self, mac_key: bytes, sequence: int, binding: bytes) -> None:
+        nonce = modes.GCM(_NONCE.pack(sequence))
+        self._gcm = Cipher(algorithms.AES(mac_key), nonce).encryptor()
+        self._gcm.authenticate_additional_data(binding)
+
+    def update(self, data) -> None:
+        self._gcm.authenticate_additional_data(data)
+
+    def finalize(self) -> bytes:
+        self._gcm.finalize()
+        return self._gcm.tag
+
+
+def tag_matches(mac: BlockMac, tag: bytes | memoryview) -> bool:
     return hmac.compare_digest(mac.finalize(), bytes(tag))
 
 

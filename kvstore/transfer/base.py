@@ -35,6 +35,7 @@ class TransferStats:
     connections_refused: int = 0  # serving side: over max_connections(_per_peer)
     handshakes_failed: int = 0  # either side: the peer did not prove the cluster secret
     macs_failed: int = 0  # fetching side: a block whose MAC did not verify (transfer broken)
+    batches_cut: int = 0  # serving side: batches dropped at the batch deadline (pins released)
 
 
 class TransferEngine(ABC):

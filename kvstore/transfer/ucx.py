@@ -1,10 +1,10 @@
 """The `ucx` transfer engine: whole blocks over UCX tag messages (ucxx), for RDMA fabrics.
 
-Runs inside the node agent. ucxx is asyncio-based and progresses one context per event loop, so
-the process holds one UCX context on one event-loop thread (ucx_runtime.py), shared by every
-UcxEngine and reference counted; the engines' synchronous calls are submitted to that loop.
-With a cluster secret, each endpoint starts with the handshake of `auth.py` over tag messages
-and every block is followed by its MAC tag; the batch protocol itself is ucx_wire.py's.
+Runs inside the node agent. Peers meet through the gate (gate.py: a tcp listener on the
+configured host only, connection caps, the cluster-secret handshake), swap UCX worker addresses
+and tags over it (no UCX listener, which would bind every interface), then move blocks over UCX
+endpoints made from those addresses; the gate connection stays open, and its end is the peer's.
+The process's UCX context lives in ucx_runtime.py, the batch protocol in ucx_wire.py.
 """
 
 from __future__ import annotations
@@ -12,25 +12,27 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import gc
 import logging
 import os
 import threading
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from kvstore.block import encode_tenant
 from kvstore.errors import ConfigError, TransferError
 from kvstore.keys import BlockKey
-from kvstore.transfer import auth
 from kvstore.transfer.base import OpenBlock, TransferEngine, TransferStats, register_engine
+from kvstore.transfer.gate import Gate, LinkOptions, dial, is_quiet, shutdown, wait_readable
+from kvstore.transfer.tcp_wire import Conn, HandshakeError, ProtocolError
 from kvstore.transfer.ucx_runtime import (
     START_TIMEOUT_S,
     Runtime,
     acquire_runtime,
+    net_devices_for,
     release_runtime,
 )
 from kvstore.transfer.ucx_wire import (
@@ -38,14 +40,15 @@ from kvstore.transfer.ucx_wire import (
     _bytes,
     _exchange,
     _forget,
-    _HandshakeError,
     _Link,
     _MacError,
     _page_arrays,
-    _recv_batch,
-    _split_address,
+    _recv_head,
+    _recv_keys,
     _u64,
     _wait_dead,
+    recv_hello,
+    send_hello,
 )
 
 logger = logging.getLogger(__name__)
@@ -53,40 +56,45 @@ logger = logging.getLogger(__name__)
 _GRACE_S = 5.0  # the loop enforces fetch deadlines; this only guards against a wedged loop
 
 
-@register_engine("ucx")
-class UcxEngine(TransferEngine):
-    """Blocks over UCX tag send/recv through ucxx; endpoints pooled per peer. Thread-safe.
+@dataclass(frozen=True)
+class UcxOptions(LinkOptions):
+    """Settings of a UcxEngine; every field can be passed to make_engine("ucx", ...).
 
     `tls` sets UCX_TLS and `net_devices` UCX_NET_DEVICES of the process's UCX context (None:
-    the environment's value, else UCX's default, which picks RDMA where present). ucxx 0.52's
-    Python listener takes no address and binds every interface: `host` in serve() only names
-    the address peers dial, so serve with a `cluster_secret` wherever other hosts can reach.
-    """
+    the environment's value; else, once serving, the interface that owns the serving host plus
+    every RDMA port, so UCX's tcp transport listens on that interface only)."""
 
-    def __init__(
-        self, tls: str | None = None, net_devices: str | None = None,
-        send_timeout_s: float = 30.0, pool_connections_per_peer: int = 4,
-        cluster_secret: bytes | None = None, handshake_timeout_s: float = 5.0,
-    ) -> None:  # fmt: skip
-        self.cluster_secret = auth.check_secret(cluster_secret)
-        self.handshake_timeout_s = handshake_timeout_s
-        self.options = {
+    tls: str | None = None
+    net_devices: str | None = None
+
+
+@register_engine("ucx")
+class UcxEngine(TransferEngine):
+    """Blocks over UCX tag send/recv through ucxx; endpoints pooled per peer. Thread-safe."""
+
+    def __init__(self, **options: object) -> None:
+        self.options = UcxOptions.make("ucx", options)
+        self._ucx = {
             name: value
-            for name, value in (("TLS", tls), ("NET_DEVICES", net_devices))
+            for name, value in (
+                ("TLS", self.options.tls),
+                ("NET_DEVICES", self.options.net_devices),
+            )
             if value is not None
         }
-        self.send_timeout_s = send_timeout_s  # a peer that stops reading releases its pins
-        self.pool_connections_per_peer = pool_connections_per_peer
-        self.stats = TransferStats()  # updated on the loop thread only
+        self.stats = TransferStats()  # updated under the engine's lock
         self._lock = threading.Lock()
+        self._gate = Gate("ucx", self.options, self.stats, self._lock)
         self._rt: Runtime | None = None
         self._closed = False
-        self._listener: Any = None
         self._open_block: OpenBlock | None = None
-        # Touched on the loop thread only, like the stats.
-        self._idle: dict[tuple[str, int], list[_Link]] = {}
-        self._busy: set[Any] = set()  # endpoints
-        self._peers: set[Any] = set()
+        self._idle: dict[str, list[_Link]] = {}  # under the lock
+        self._busy: set[Any] = set()  # endpoints; touched on the loop thread only
+        self._peers: set[Any] = set()  # the same
+
+    def _count(self, stat: str, by: int = 1) -> None:
+        with self._lock:
+            setattr(self.stats, stat, getattr(self.stats, stat) + by)
 
     # ---- lifecycle -----------------------------------------------------------------------
     def _runtime(self) -> Runtime:
@@ -94,7 +102,7 @@ class UcxEngine(TransferEngine):
             if self._closed:
                 raise TransferError("ucx engine is closed")
             if self._rt is None:
-                self._rt = acquire_runtime(self, self.options)
+                self._rt = acquire_runtime(self, self._ucx)
             return self._rt
 
     def close(self) -> None:
@@ -102,23 +110,20 @@ class UcxEngine(TransferEngine):
             if self._closed:
                 return
             runtime, self._closed = self._rt, True  # in-flight coroutines still use _rt
+            idle = [link for links in self._idle.values() for link in links]
+            self._idle.clear()
+        self._gate.close()  # its threads abort their peers' endpoints
         if runtime is not None and runtime.context is not None:  # not stopped at exit
-            runtime.call(self._drop_endpoints(), START_TIMEOUT_S)
+            runtime.call(self._drop_endpoints(idle), START_TIMEOUT_S)
             release_runtime(self, runtime)
-
-    async def _drop_endpoints(self) -> None:
-        idle = [link.endpoint for links in self._idle.values() for link in links]
-        _abort_all([*self._busy, *self._peers, *idle])
-        self._idle.clear()
-        if self._listener is not None:  # closed once its handlers are gone, or ucxx warns
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._listener._wait_for_active_clients(), _GRACE_S)
-            self._listener.close()
-            self._listener = None
-            # Exception tracebacks hold the peers' endpoints in cycles, and each endpoint its
-            # listener: until they are collected the port still accepts (then never answers).
-            gc.collect()
+        for link in idle:
+            link.control.close()
+        if self._open_block is not None:
             logger.info("ucx engine stopped serving")
+
+    async def _drop_endpoints(self, idle: list[_Link]) -> None:
+        for endpoint in [*self._busy, *self._peers, *(link.endpoint for link in idle)]:
+            endpoint.abort()  # pending sends and receives fail at once
 
     # ---- serving -------------------------------------------------------------------------
     def serve(self, open_block: OpenBlock, host: str = "127.0.0.1", port: int = 0) -> str:
@@ -126,53 +131,70 @@ class UcxEngine(TransferEngine):
             if self._closed or self._open_block is not None:
                 raise ConfigError("ucx engine is closed or already serving")
             self._open_block = open_block
-        runtime = self._runtime()
-        port = runtime.call(self._listen(runtime, port), START_TIMEOUT_S)
-        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        auth.warn_if_open("ucx", "0.0.0.0", self.cluster_secret)  # it binds every interface
+            if "NET_DEVICES" not in self._ucx and "UCX_NET_DEVICES" not in os.environ:
+                devices = net_devices_for(host)
+                if devices:
+                    self._ucx["NET_DEVICES"] = devices
+        self._runtime()
+        address = self._gate.open(host, port, self._serve_peer)
         logger.info("ucx engine serving at %s", address)
         return address
 
-    async def _listen(self, runtime: Runtime, port: int) -> int:
-        self._listener = runtime.context.create_listener(self._serve_peer, port=port)
-        return self._listener.port
-
-    async def _serve_peer(self, endpoint: Any) -> None:
-        """Answer one peer's batches until it leaves or the engine closes."""
-        self._peers.add(endpoint)
-        self.stats.connections_accepted += 1
+    def _serve_peer(self, conn: Conn, host: str) -> None:
+        """On the gate's thread: swap UCX addresses, then serve the peer's batches on the
+        loop until it hangs up (its gate connection ends) or serving ends (we end it)."""
+        runtime = self._rt
+        deadline = time.monotonic() + self.options.handshake_timeout_s
+        address, send_tag = recv_hello(conn, b"client", deadline)
+        recv_tag = _new_tag()
         try:
-            link = await self._authenticate(endpoint)
+            link = runtime.call(self._link_to(conn, address, send_tag, recv_tag), START_TIMEOUT_S)
+        except Exception as exc:  # UCX refuses a malformed or unreachable worker address
+            raise ProtocolError(f"no UCX endpoint to the peer's address: {_forget(exc)}") from None
+        serving = None
+        try:
+            send_hello(conn, b"server", runtime.address, recv_tag, deadline)
+            serving = runtime.submit(self._serve_link(link))
+            serving.add_done_callback(lambda _: shutdown(conn.sock))
+            wait_readable(conn.sock, None)  # EOF (the client sends nothing more) or shut down
+        finally:
+            with contextlib.suppress(RuntimeError):  # the loop already stopped at exit
+                runtime.loop.call_soon_threadsafe(link.endpoint.abort)  # ends serving, if on
+            if serving is not None:  # returns once every block it opened is closed
+                concurrent.futures.wait([serving], START_TIMEOUT_S)
+
+    async def _link_to(self, conn: Conn, address: bytes, send_tag: int, recv_tag: int) -> _Link:
+        """On the loop: an endpoint to the peer's worker `address`, sending on `send_tag`."""
+        from ucxx._lib.libucxx import UCXAddress, UCXEndpoint
+        from ucxx._lib_async import Endpoint
+
+        context = self._rt.context
+        raw = UCXEndpoint.create_from_worker_address(
+            context.worker, UCXAddress.create_from_buffer(address), True
+        )
+        tags = {"msg_send": send_tag, "msg_recv": recv_tag}
+        return _Link(Endpoint(raw, context, tags), conn.session, conn.sock)
+
+    async def _serve_link(self, link: _Link) -> None:
+        """Answer one peer's batches until it leaves, idles out, misses a batch deadline or
+        the engine closes."""
+        endpoint = link.endpoint
+        self._peers.add(endpoint)
+        try:
             while True:
-                await self._serve_batch(link, *await _recv_batch(endpoint))
-                self.stats.batches_served += 1
-        except _HandshakeError as exc:
-            self.stats.handshakes_failed += 1
-            logger.warning("dropping ucx peer: %s", _forget(exc))
+                head = await asyncio.wait_for(_recv_head(endpoint), self.options.idle_timeout_s)
+                try:
+                    async with asyncio.timeout(self.options.batch_deadline_s):
+                        await self._serve_batch(link, *await _recv_keys(endpoint, head))
+                except TimeoutError:
+                    self._count("batches_cut")
+                    raise
+                self._count("batches_served")
         except Exception as exc:  # a peer leaving shows up as a UCX error
             logger.debug("ucx peer done: %s", _forget(exc))
         finally:
             self._peers.discard(endpoint)
             endpoint.abort()
-
-    async def _authenticate(self, endpoint: Any) -> _Link:
-        """Nonce out, the client's proof in, ours out; nothing else before it succeeds."""
-        if self.cluster_secret is None:
-            return _Link(endpoint)
-        nonce = auth.new_nonce()
-        try:
-            async with asyncio.timeout(self.handshake_timeout_s):
-                await endpoint.send(_bytes(nonce))
-                hello = np.empty(auth.HELLO_BYTES, dtype=np.uint8)
-                await endpoint.recv(hello)
-        except Exception as exc:  # silent, slow, or a message of the wrong size
-            raise _HandshakeError(f"no valid handshake: {_forget(exc)}") from None
-        accepted = auth.accept_hello(self.cluster_secret, nonce, hello.tobytes())
-        if accepted is None:
-            raise _HandshakeError("peer did not prove the cluster secret")
-        proof, session = accepted
-        await asyncio.wait_for(endpoint.send(_bytes(proof)), self.handshake_timeout_s)
-        return _Link(endpoint, session)
 
     async def _serve_batch(self, link: _Link, tenant: str, keys: list[BlockKey]) -> None:
         """Per key a frame (u64 length, 0 = absent), then the block straight from its pinned
@@ -213,8 +235,7 @@ class UcxEngine(TransferEngine):
             if data is not None:
                 mac.update(memoryview(data))
             messages.append(endpoint.send(_bytes(mac.finalize())))
-        sends = asyncio.gather(*messages)
-        await asyncio.wait_for(sends, self.send_timeout_s)  # a stalled peer releases its pins
+        await asyncio.gather(*messages)  # the batch deadline bounds a peer that stops reading
 
     # ---- fetching ------------------------------------------------------------------------
     def fetch(
@@ -226,119 +247,103 @@ class UcxEngine(TransferEngine):
         runtime = self._runtime()
         if not keys:
             return []
-        future = runtime.submit(self._fetch(_split_address(address), batch, timeout_s))
+        deadline = time.monotonic() + timeout_s
+        link = self._pooled(address)
+        if link is None or self._exchange(runtime, address, link, batch, deadline) == "stale":
+            link = self._dial(runtime, address, deadline)  # none pooled, or the peer dropped it
+            self._exchange(runtime, address, link, batch, deadline)
+        return batch.received
+
+    def _exchange(
+        self, runtime: Runtime, address: str, link: _Link, batch: _Batch, deadline: float
+    ) -> str:  # fmt: skip
+        """One batch on `link` ("done"; pooled again if whole), or "stale" when a pooled link
+        turned out dropped by the peer before it answered; "broken" otherwise."""
+        timeout_s = max(deadline - time.monotonic(), 0.0)
+        future = runtime.submit(self._fetch(link, batch, timeout_s))
         try:
-            return future.result(timeout_s + 2 * _GRACE_S)
+            outcome = future.result(timeout_s + 2 * _GRACE_S)
         except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
             future.cancel()  # the loop is wedged or shutting down
             _wait_dead(batch.receives, address)
-            return [0] * len(keys)
-
-    async def _fetch(self, peer: tuple[str, int], batch: _Batch, timeout_s: float) -> list[int]:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        link, pooled = self._pooled(peer), True
-        if link is None:
-            link, pooled = await self._dial(peer, deadline), False
-        while True:
-            self._busy.add(link.endpoint)
-            try:
-                await asyncio.wait_for(_exchange(link, batch), deadline - loop.time())
-            except Exception as exc:
-                link.endpoint.abort()  # half-used: never pooled
-                stale = pooled and not batch.answered and not isinstance(exc, TimeoutError)
-                if stale and not self._closed:  # the peer had dropped it: redial once
-                    link, pooled = await self._dial(peer, deadline), False
-                    continue
-                self.stats.transfers_broken += 1
-                self.stats.macs_failed += isinstance(exc, _MacError)
-                logger.warning("ucx fetch from %s:%d broke: %s", *peer, _forget(exc))
-                return batch.received
-            except BaseException:
-                link.endpoint.abort()
-                raise
-            finally:
-                self._busy.discard(link.endpoint)
-            self._pool(peer, link)
-            return batch.received
-
-    def _pooled(self, peer: tuple[str, int]) -> _Link | None:
-        idle = self._idle.get(peer, [])
-        while idle:
-            link = idle.pop()
-            if not link.endpoint.closed:
-                return link
-            link.endpoint.abort()
-        return None
-
-    def _pool(self, peer: tuple[str, int], link: _Link) -> None:
-        idle = self._idle.setdefault(peer, [])
-        if len(idle) < self.pool_connections_per_peer and not self._closed:
-            idle.append(link)
+            outcome = "broken"
+        if outcome == "done":
+            self._pool(address, link)
         else:
+            link.control.close()
+        return outcome
+
+    async def _fetch(self, link: _Link, batch: _Batch, timeout_s: float) -> str:
+        self._busy.add(link.endpoint)
+        try:
+            await asyncio.wait_for(_exchange(link, batch), timeout_s)
+        except Exception as exc:
+            link.endpoint.abort()  # half-used: never pooled
+            if not batch.answered and not isinstance(exc, TimeoutError) and not self._closed:
+                return "stale"
+            self._count("transfers_broken")
+            self._count("macs_failed", isinstance(exc, _MacError))
+            logger.warning("ucx fetch of %d blocks broke: %s", len(batch.keys), _forget(exc))
+            return "broken"
+        except BaseException:
             link.endpoint.abort()
+            raise
+        finally:
+            self._busy.discard(link.endpoint)
+        return "done"
 
-    async def _dial(self, peer: tuple[str, int], deadline: float) -> _Link:
-        """A new endpoint to `peer`, authenticated when the engine has a secret."""
-        endpoint = await self._connect(peer, deadline)
-        if self.cluster_secret is None:
-            return _Link(endpoint)
-        loop = asyncio.get_running_loop()
-        wait_s = min(max(deadline - loop.time(), 0.0), self.handshake_timeout_s)
+    def _pooled(self, address: str) -> _Link | None:
+        """An idle pooled link to `address` whose peer has not hung up, or None."""
+        while True:
+            with self._lock:
+                idle = self._idle.get(address)
+                if not idle:
+                    return None
+                link = idle.pop()
+            if is_quiet(link.control) and not link.endpoint.closed:
+                return link
+            self._drop(link)
+
+    def _pool(self, address: str, link: _Link) -> None:
+        with self._lock:
+            idle = self._idle.setdefault(address, [])
+            if len(idle) < self.options.pool_connections_per_peer and not self._closed:
+                idle.append(link)
+                return
+        self._drop(link)
+
+    def _drop(self, link: _Link) -> None:
+        link.control.close()
+        with contextlib.suppress(RuntimeError):  # the loop already stopped at exit
+            self._rt.loop.call_soon_threadsafe(link.endpoint.abort)
+
+    def _dial(self, runtime: Runtime, address: str, deadline: float) -> _Link:
+        """A new link to `address`: the gate's connection (authenticated when the engine has a
+        secret), the hello both ways, then this side's UCX endpoint to the peer's worker."""
         try:
-            return _Link(endpoint, await asyncio.wait_for(self._prove(endpoint), wait_s))
-        except Exception as exc:
-            endpoint.abort()
-            self.stats.handshakes_failed += 1
-            detail = f"ucx peer {peer[0]}:{peer[1]} failed the handshake: {_forget(exc)}"
-            raise TransferError(detail) from None
-
-    async def _prove(self, endpoint: Any) -> auth.Session:
-        nonce = np.empty(auth.NONCE_BYTES, dtype=np.uint8)
-        await endpoint.recv(nonce)
-        hello, client_nonce = auth.client_hello(self.cluster_secret, nonce.tobytes())
-        await endpoint.send(_bytes(hello))
-        proof = np.empty(auth.PROOF_BYTES, dtype=np.uint8)
-        await endpoint.recv(proof)
-        session = auth.accept_reply(
-            self.cluster_secret, nonce.tobytes(), client_nonce, proof.tobytes()
-        )
-        if session is None:
-            raise _HandshakeError("peer did not prove the cluster secret")
-        return session
-
-    async def _connect(self, peer: tuple[str, int], deadline: float) -> Any:
-        """ApplicationContext.create_endpoint, but failing as soon as UCX finds the peer
-        unreachable rather than when the exchange of endpoint tags times out."""
-        from ucxx._lib.libucxx import UCXEndpoint
-        from ucxx._lib_async import Endpoint
-        from ucxx._lib_async.exchange_peer_info import exchange_peer_info
-        from ucxx._lib_async.utils import hash64bits
-
-        context, loop = self._rt.context, asyncio.get_running_loop()
+            conn = dial("ucx", address, self.options, deadline)
+        except HandshakeError:
+            self._count("handshakes_failed")
+            raise
+        hello_deadline = min(deadline, time.monotonic() + self.options.handshake_timeout_s)
         try:
-            raw = UCXEndpoint.create(context.worker, peer[0], peer[1], True)
-            tag = hash64bits("msg_tag", os.urandom(16), raw.handle)
-            wait_s = max(deadline - loop.time(), 0.0)
-            exchange = asyncio.ensure_future(exchange_peer_info(raw, tag, False, wait_s))
-            while not exchange.done() and raw.alive and loop.time() < deadline:
-                await asyncio.wait({exchange}, timeout=0.01)
-            if not exchange.done():
-                exchange.cancel()
-                raw.close_blocking(period=10**9, max_attempts=1)
-                raw.raise_on_error()
-                raise TimeoutError("no answer")
-            tags = {"msg_send": exchange.result()["msg_tag"], "msg_recv": tag}
-        except Exception as exc:
-            raise TransferError(f"cannot reach ucx peer {peer[0]}:{peer[1]}: {exc}") from exc
-        self.stats.connections_opened += 1
-        return Endpoint(raw, context, tags)
+            recv_tag = _new_tag()
+            send_hello(conn, b"client", runtime.address, recv_tag, hello_deadline)
+            peer_address, send_tag = recv_hello(conn, b"server", hello_deadline)
+            link = runtime.call(
+                self._link_to(conn, peer_address, send_tag, recv_tag), START_TIMEOUT_S
+            )
+        except (OSError, TransferError, concurrent.futures.TimeoutError) as exc:
+            conn.sock.close()
+            raise TransferError(f"cannot reach ucx peer {address}: {exc!r}") from None
+        self._count("connections_opened")
+        return link
 
 
 # ---- wire helpers (module level: both sides use them, none touches engine state) ---------
-def _abort_all(endpoints: list[Any]) -> None:
-    for endpoint in endpoints:
-        endpoint.abort()  # pending sends and receives fail at once
+def _new_tag() -> int:
+    """A UCX tag no one else guesses: tags are matched per worker, not per endpoint."""
+    return int.from_bytes(os.urandom(8), "little")
 
 
 def _enter(open_block: OpenBlock, tenant: str, key: BlockKey) -> tuple[Any, torch.Tensor | None]:

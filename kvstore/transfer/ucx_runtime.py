@@ -14,10 +14,14 @@ import concurrent.futures
 import gc
 import logging
 import os
+import socket
 import sys
 import threading
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import psutil
 
 from kvstore.errors import ConfigError
 
@@ -52,6 +56,7 @@ class Runtime:
         self.thread.daemon = True
         self.readers = concurrent.futures.ThreadPoolExecutor(8, "kvstore-ucx-open")
         self.context: Any = None
+        self.address = b""  # the worker's UCX address, which peers make endpoints from
         self._progress: Any = None
 
     def start(self) -> None:
@@ -70,6 +75,7 @@ class Runtime:
         # ucxx keeps progress threads in a module-wide dict that any dying context clears
         # (stopping the threads in it): our own reference keeps ours running.
         self._progress = ProgressTasks[self.loop]
+        self.address = self.context.worker_address.tobytes()
 
     def submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
@@ -100,6 +106,30 @@ async def _cancel_other_tasks() -> None:
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def net_devices_for(host: str) -> str | None:
+    """UCX_NET_DEVICES for a listener on `host`: the network interface that owns it and every
+    RDMA port (no IP sockets), so UCX's tcp transport listens on that interface only. None for
+    a wildcard host; ConfigError if no interface has the address."""
+    if host in ("", "0.0.0.0", "::"):
+        return None
+    try:
+        wanted = {info[4][0] for info in socket.getaddrinfo(host.strip("[]"), None)}
+    except OSError as exc:
+        raise ConfigError(f"ucx engine cannot resolve its host {host!r}: {exc}") from exc
+    owners = [
+        name
+        for name, addresses in psutil.net_if_addrs().items()
+        if any(address.address.split("%")[0] in wanted for address in addresses)
+    ]
+    if not owners:
+        raise ConfigError(f"no network interface has {host!r}; pass net_devices explicitly")
+    rdma = sorted(
+        f"{port.parent.parent.name}:{port.name}"
+        for port in Path("/sys/class/infiniband").glob("*/ports/*")
+    )
+    return ",".join([owners[0], *rdma])
 
 
 _runtime: Runtime | None = None

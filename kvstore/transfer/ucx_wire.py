@@ -1,14 +1,19 @@
-"""The `ucx` engine's wire: one batch on an endpoint, as both sides speak it. A request is a
-u64 key count and u64 tenant length, then the tenant and the keys in one message; the answer
-is, per key, a u64 length frame, the block and (with a cluster secret) its MAC tag. Receives
-keep their UCX requests, so a broken batch can see each of them dead before its pages are
-freed. Runs inside the node agent, on the UCX runtime's event loop.
+"""The `ucx` engine's wire. First the hello, on the gate's authenticated tcp connection: each
+side's UCX worker address and the tag it receives on, sealed with the session key. Then one
+batch at a time on the UCX endpoint: a request is a u64 key count and u64 tenant length, then
+the tenant and the keys in one message; the answer is, per key, a u64 length frame, the block
+and (with a cluster secret) its MAC tag. Receives keep their UCX requests, so a broken batch can
+see each of them dead before its pages are freed. Runs inside the node agent: the hello on
+gate and fetching threads, batches on the UCX runtime's event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
+import socket
+import struct
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -18,15 +23,17 @@ import numpy as np
 import torch
 
 from kvstore.block import HEADER_BYTES, MAX_TENANT_BYTES, encode_tenant
-from kvstore.errors import ConfigError
 from kvstore.keys import KEY_BYTES, BlockKey
 from kvstore.transfer import auth
 from kvstore.transfer.base import check_fetch_pages
+from kvstore.transfer.tcp_wire import Conn, ProtocolError, recv_bytes, send_parts
 
 logger = logging.getLogger(__name__)
 _RETIRE_WARN_S = 5.0  # how often a batch whose receives will not die says so
 
 MAX_BATCH_KEYS = 1 << 16
+MAX_ADDRESS_BYTES = 64 << 10  # a UCX worker address (a few hundred bytes per device)
+_HELLO = struct.Struct("<QI")  # the tag this side receives on, its worker address's length
 
 
 class _ProtocolError(Exception):
@@ -47,6 +54,7 @@ class _Link:
 
     endpoint: Any
     session: auth.Session | None = None
+    control: socket.socket | None = None  # the gate's connection: its end is the peer's end
     frames: int = 0
 
     def next_mac(self, key: BlockKey, length: int):
@@ -69,6 +77,28 @@ class _Batch:
         self.received = [0] * len(self.keys)
 
 
+def send_hello(conn: Conn, role: bytes, address: bytes, tag: int, deadline: float) -> None:
+    """This side's UCX worker address and receive tag (sealed when the link is authenticated)."""
+    body = _HELLO.pack(tag, len(address)) + address
+    seal = b"" if conn.session is None else conn.session.seal(b"ucx-hello-" + role, body)
+    send_parts(conn.sock, [body, seal], deadline)
+
+
+def recv_hello(conn: Conn, role: bytes, deadline: float) -> tuple[bytes, int]:
+    """The peer's UCX worker address and the tag to send it on; ProtocolError if malformed
+    or (with a session) not sealed by the peer of this very handshake."""
+    head = recv_bytes(conn.sock, _HELLO.size, deadline)
+    tag, length = _HELLO.unpack(head)
+    if not 0 < length <= MAX_ADDRESS_BYTES:
+        raise ProtocolError(f"a {length}-byte UCX address")
+    address = recv_bytes(conn.sock, length, deadline)
+    if conn.session is not None:
+        seal = recv_bytes(conn.sock, auth.PROOF_BYTES, deadline)
+        if not hmac.compare_digest(seal, conn.session.seal(b"ucx-hello-" + role, head + address)):
+            raise ProtocolError("the peer's UCX address is not sealed with the session key")
+    return address, tag
+
+
 def _forget(exc: BaseException) -> str:
     """Drop the frames of `exc` (and its context) and describe it. ucxx's C++ requests keep
     their exceptions alive, and the frames would keep endpoints alive, each endpoint its
@@ -87,11 +117,15 @@ def _bytes(data: bytes) -> np.ndarray:
     return np.frombuffer(bytearray(data), dtype=np.uint8)
 
 
-async def _recv_batch(endpoint: Any) -> tuple[str, list[BlockKey]]:
-    """A request: a u64 key count and u64 tenant length, then the tenant and keys in one
-    message."""
+async def _recv_head(endpoint: Any) -> np.ndarray:
+    """A request's head: a u64 key count and u64 tenant length (what an idle peer sends next)."""
     head = np.empty(2, dtype=np.uint64)
     await endpoint.recv(head)
+    return head
+
+
+async def _recv_keys(endpoint: Any, head: np.ndarray) -> tuple[str, list[BlockKey]]:
+    """The rest of the request `head` began: the tenant and keys in one message."""
     count, tenant_bytes = int(head[0]), int(head[1])
     if not 0 < count <= MAX_BATCH_KEYS or not 0 < tenant_bytes <= MAX_TENANT_BYTES:
         raise _ProtocolError(f"batch of {count} keys, tenant of {tenant_bytes} bytes")
@@ -180,10 +214,3 @@ def _page_arrays(keys: Sequence[BlockKey], pages: Sequence[torch.Tensor]) -> lis
     """Writable byte arrays over the pages; ConfigError for misuse (caught before any I/O)."""
     check_fetch_pages("ucx", keys, pages, MAX_BATCH_KEYS)
     return [page.reshape(-1).numpy() for page in pages]
-
-
-def _split_address(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ConfigError(f"a ucx address is host:port, got {address!r}")
-    return host.strip("[]"), int(port)

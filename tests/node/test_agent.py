@@ -82,7 +82,9 @@ def test_local_hits_are_served_while_the_metadata_service_is_down(tmp_path):
 
 
 def test_agent_metrics(tmp_path):
-    with running_agent(tmp_path, metrics_listen="127.0.0.1:0", max_workers=1) as agent:
+    with running_agent(
+        tmp_path, metrics_listen="127.0.0.1:0", max_workers=1, transfer="tcp"
+    ) as agent:
         with KVStoreClient(agent.config.socket_path) as client:
             save_chain(client, KEYS[:3])
             client.release(client.load("t", KEYS[:5]))
@@ -99,6 +101,8 @@ def test_agent_metrics(tmp_path):
             "kvstore_agent_checksum_failures_total 0.0",
             'kvstore_agent_refused_connections_total{reason="workers"} 1.0',
             "kvstore_agent_orphaned_pages 0.0",
+            'kvstore_agent_transfer_events_total{event="connections_refused"} 0.0',
+            'kvstore_agent_transfer_events_total{event="batches_cut"} 0.0',
         ):
             assert line in text, line
 

@@ -15,6 +15,7 @@ from kvstore.client import KVStoreClient
 from kvstore.errors import AuthError, CapacityError, ConfigError, PermissionDeniedError
 from kvstore.keys import Namespace, chunk_keys
 from kvstore.node.agent import NodeAgent, NodeConfig
+from kvstore.v1 import agent_pb2 as pb
 from tests.metadata.servers import wait_until
 from tests.node.agents import SMALL, running_agent, start_node_process
 
@@ -197,6 +198,18 @@ def test_a_frame_that_stalls_is_dropped_by_its_deadline(tmp_path):
         answer = b"".join(iter(lambda: conn.recv(4096), b""))  # until the agent closes
         assert b"incomplete by its deadline" in answer
         assert time.monotonic() - started < 3
+        assert wait_until(lambda: agent.control.connections == 0)
+        assert agent.control.refused["frames"] == 1
+
+
+def test_a_worker_that_never_says_hello_is_refused_with_a_deadline_status(tmp_path):
+    with running_agent(tmp_path, control_frame_timeout_s=0.5) as agent:
+        conn = socket.socket(socket.AF_UNIX)
+        conn.connect(str(agent.config.socket_path))  # then not a byte
+        conn.settimeout(5)
+        answer = b"".join(iter(lambda: conn.recv(4096), b""))  # until the agent closes
+        response = pb.AgentResponse.FromString(answer[4:])
+        assert response.error.code == "DEADLINE_EXCEEDED"
         assert wait_until(lambda: agent.control.connections == 0)
         assert agent.control.refused["frames"] == 1
 

@@ -25,6 +25,7 @@ SMALL_PAGE_BYTES = 64 << 10
 BIG_PAGE_BYTES = 4 << 20
 SECRET = b"transfer-test-cluster-secret-0001"
 TENANT = "default"  # the tenant TieredStore.put stores blocks under
+LOOPBACK = {"tls": "tcp", "net_devices": "lo"}  # ucx as a cross-host fabric without RDMA uses
 KEYS = chunk_keys(Namespace("sha256:transfer-test", "layout"), range(4 * 128), 4)  # 128 keys
 
 
@@ -144,3 +145,24 @@ def stores():
     yield made
     for store in made:
         store.close()
+
+
+@pytest.fixture
+def make_ucx_pair():
+    """Pairs of ucx engines on loopback (options for both); closed, then their stores."""
+    from kvstore.transfer.ucx import UcxEngine
+
+    made = []
+
+    def make(page_bytes: int = SMALL_PAGE_BYTES, pages: int = 16, wrap=None, **options) -> Pair:
+        options = {**LOOPBACK, **options}
+        holder, reader = new_store(page_bytes, pages), new_store(page_bytes, pages)
+        made.append(Pair(holder, reader, UcxEngine(**options), UcxEngine(**options), wrap))
+        return made[-1]
+
+    yield make
+    for pair in made:
+        pair.server.close()
+        pair.client.close()
+        pair.holder.close()
+        pair.reader.close()

@@ -120,7 +120,7 @@ def test_connection_caps_refuse_extras_at_once_and_count_them(holder):
         assert not hung_up(kept[0]) and not hung_up(other_host)
 
         kept.pop().close()  # a freed slot admits the next connection
-        until(lambda: len(server._peers) == 2, within_s=2.0)
+        until(lambda: server._gate.connections == 2, within_s=2.0)
         again = connect(address)
         until(lambda: server.stats.connections_accepted == 4, within_s=2.0)
         assert not hung_up(again)

@@ -212,7 +212,7 @@ def test_a_pooled_connection_the_peer_closed_is_replaced_not_reported_as_a_miss(
     stores, monkeypatch, idle_check
 ):
     if not idle_check:  # the hang-up is only noticed when the request gets no answer
-        monkeypatch.setattr(tcp, "_is_quiet", lambda conn: True)
+        monkeypatch.setattr(tcp, "is_quiet", lambda sock: True)
     holder, reader = stores
     server, client = TcpEngine(idle_timeout_s=0.2), TcpEngine()
     pair = Pair(holder, reader, server, client)

@@ -4,6 +4,7 @@ mid-block leaves nothing partial, and a process using UCX idles quietly and exit
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -24,10 +25,11 @@ pytest.importorskip("ucxx")
 from kvstore.block import HEADER_BYTES
 from kvstore.errors import ConfigError, TransferError
 from kvstore.tiers.host import ARENA_PREFIX, SHM_DIR
-from kvstore.transfer import ucx
+from kvstore.transfer import ucx, ucx_runtime
 from kvstore.transfer.ucx import UcxEngine
 from tests.transfer.conftest import (
     KEYS,
+    LOOPBACK,
     SECRET,
     SMALL_PAGE_BYTES,
     TENANT,
@@ -39,7 +41,6 @@ from tests.transfer.conftest import (
 )
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-LOOPBACK = {"tls": "tcp", "net_devices": "lo"}  # what a cross-host fabric without RDMA uses
 KILLED_PAGE_BYTES = 32 << 20
 UCX_DEFAULTS = ("UCX_LOG_FILE", "UCXX_LOG_LEVEL", "UCX_WARN_UNUSED_ENV_VARS")  # the engine's
 
@@ -74,24 +75,6 @@ except TransferError:
 pair.holder.close()
 pair.reader.close()
 """
-
-
-@pytest.fixture
-def make_ucx_pair():
-    made = []
-
-    def make(page_bytes: int = SMALL_PAGE_BYTES, pages: int = 16, wrap=None, **options) -> Pair:
-        options = {**LOOPBACK, **options}
-        holder, reader = new_store(page_bytes, pages), new_store(page_bytes, pages)
-        made.append(Pair(holder, reader, UcxEngine(**options), UcxEngine(**options), wrap))
-        return made[-1]
-
-    yield make
-    for pair in made:
-        pair.server.close()
-        pair.client.close()
-        pair.holder.close()
-        pair.reader.close()
 
 
 @pytest.mark.parametrize("tls", ["tcp", "tcp,sm,self"])
@@ -266,29 +249,78 @@ def test_a_process_that_never_closes_its_engines_exits_with_a_clean_stdout():
     assert done.stdout == "done\n"  # UCX's and UCXX's logs went to stderr
 
 
-def listening_addresses(port: int) -> set[str]:
-    """Local addresses of the sockets listening on `port`, from /proc/net/tcp{,6}."""
+def listening_sockets(pid: int | str = "self") -> set[tuple[str, int]]:
+    """(local address, port) of every socket process `pid` listens on, from /proc/net/tcp{,6}
+    (addresses as the kernel prints them: 0100007F is 127.0.0.1, 00000000 any IPv4)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):  # closed meanwhile
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
     found = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with open(table) as lines:
             for line in list(lines)[1:]:
-                local, state = line.split()[1], line.split()[3]
-                address, _, hex_port = local.rpartition(":")
-                if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
-                    found.add(address)
+                fields = line.split()
+                address, _, hex_port = fields[1].rpartition(":")
+                if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                    found.add((address, int(hex_port, 16)))
     return found
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ucxx 0.52's Python create_listener/UCXListener.create take no address (the C++ "
-    "ListenerBuilder::host exists but is not bound), so the listener binds every interface",
-)
-def test_the_listener_binds_only_the_configured_host(make_ucx_pair):
+LOOPBACK_V4 = "0100007F"
+
+# Serves on 127.0.0.1 with neither UCX_NET_DEVICES nor net_devices: the engine picks them.
+LISTEN_SCRIPT = """
+import os, time
+os.environ.pop("UCX_NET_DEVICES", None)
+from kvstore.transfer.ucx import UcxEngine
+from tests.transfer.conftest import new_store
+engine = UcxEngine(tls="tcp")
+print(engine.serve(new_store(1 << 16, 2).open_block, "127.0.0.1"), flush=True)
+time.sleep(120)
+"""
+
+
+def test_the_gate_and_ucx_listen_on_the_configured_host_only(make_ucx_pair):
     pair = make_ucx_pair()
+    pair.put([0])
+    assert pair.fetch(KEYS[:1]) == [SMALL_PAGE_BYTES]  # UCX endpoints both ways exist now
     port = int(pair.address.rsplit(":", 1)[1])
 
-    assert listening_addresses(port) == {"0100007F"}  # 127.0.0.1, nothing else
+    listening = listening_sockets()
+
+    assert {address for address, bound in listening if bound == port} == {LOOPBACK_V4}
+    assert {address for address, _ in listening} == {LOOPBACK_V4}  # UCX's own sockets too
+
+
+@pytest.mark.multiprocess
+def test_serving_picks_the_interface_that_owns_the_host_for_ucx():
+    environment = {name: value for name, value in os.environ.items() if name != "UCX_NET_DEVICES"}
+    server = subprocess.Popen(
+        [sys.executable, "-c", LISTEN_SCRIPT], cwd=REPO_ROOT, env=environment,
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        address = server.stdout.readline().strip()
+        listening = listening_sockets(server.pid)
+    finally:
+        server.kill()
+        server.wait()
+        for arena in SHM_DIR.glob(f"{ARENA_PREFIX}{server.pid}-*"):
+            arena.unlink(missing_ok=True)
+
+    assert address.startswith("127.0.0.1:")
+    assert len(listening) >= 2  # the gate and UCX's tcp transport
+    assert {address for address, _ in listening} == {LOOPBACK_V4}  # not eth0's, not 0.0.0.0
+
+
+def test_the_ucx_devices_follow_the_serving_host():
+    assert ucx_runtime.net_devices_for("127.0.0.1") == "lo"  # no RDMA ports on this machine
+    assert ucx_runtime.net_devices_for("0.0.0.0") is None  # every interface: UCX's default
+    with pytest.raises(ConfigError, match="no network interface"):
+        ucx_runtime.net_devices_for("192.0.2.254")
 
 
 class SlowDataEngine(UcxEngine):

@@ -91,6 +91,23 @@ def complete(port: int, prompt: list[int]) -> list[int]:
         return json.loads(response.read())["choices"][0]["token_ids"]
 
 
+def metrics(port: int, names) -> dict[str, float]:
+    """The named series of the server's /metrics (engine labels dropped, others kept)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    found = {}
+    for line in text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        series, value = line.rsplit(" ", 1)
+        name, _, labels = series.partition("{")
+        kept = [part for part in labels.rstrip("}").split(",") if part.startswith("source=")]
+        key = name + (f"{{{kept[0]}}}" if kept else "")
+        if key in names:
+            found[key] = found.get(key, 0) + float(value)
+    return found
+
+
 def test_two_openai_servers_share_a_prefix_over_http(
     tmp_path, two_hosts, baselines, tiny_llama_fp32
 ):
@@ -112,6 +129,13 @@ def test_two_openai_servers_share_a_prefix_over_http(
             )
             assert complete(ports[1], PROMPT_B) == baselines["float32"][1]
             assert agent_stats(socket_2)["requests"]["load_remote"] == SHARED_CHUNKS
+            shared_tokens = SHARED_CHUNKS * CHUNK_TOKENS
+            expected = {"vllm:kvstore_hit_tokens_total": shared_tokens,
+                        'vllm:prompt_tokens_cached_by_source_total{source="p2p"}': shared_tokens,
+                        "vllm:kvstore_loaded_blocks_total": SHARED_CHUNKS}  # fmt: skip
+            assert wait_until(lambda: metrics(ports[1], expected) == expected, 10), metrics(
+                ports[1], expected
+            )
         finally:
             for server in servers:
                 server.send_signal(signal.SIGTERM)

@@ -1,0 +1,83 @@
+"""Prompt lookups off the scheduler's thread. A lookup that must ask the metadata service about
+other hosts takes a network round trip; vLLM's scheduler must not wait for it, so the connector
+answers "not yet" (None) and vLLM asks again on a later step. Runs in vLLM's scheduler process:
+one lookup thread on the scheduler's agent connection.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+
+from kvstore.client import LookupCounts
+
+IN_FLIGHT_MAX = 1024  # lookups queued or running; beyond it a request waits to submit one
+ANSWER_TTL_S = 1.0  # an answer this old is asked again (the store may have changed since)
+INLINE_WAIT_S = 0.002  # per scheduler step: fast (local) answers are taken at once
+
+
+@dataclass
+class Answer:
+    counts: LookupCounts | None  # None: the lookup failed
+    error: str
+    lookup_s: float
+    answered_at: float
+    counted: bool = False  # in the scheduler's stats (an answer may be read on several polls)
+
+
+class LookupQueue:
+    """Lookups by request id: `submit`, then `poll` until an Answer; `discard` when the request
+    leaves. Each scheduler step may spend at most INLINE_WAIT_S waiting, in total."""
+
+    def __init__(self, lookup) -> None:
+        self._lookup = lookup  # (rank keys) -> LookupCounts, raises KVStoreError
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvstore-lookup")
+        self._futures: dict[str, Future] = {}
+        self._answers: dict[str, Answer] = {}
+        self._wait_left_s = INLINE_WAIT_S
+
+    def answer(self, req_id: str, keys: list[bytes]) -> Answer | None:
+        """The fresh answer for this request's keys, or None while its lookup is in flight
+        (one is submitted if none is, and the queue has room)."""
+        answer = self._answers.get(req_id)
+        if answer is not None and time.monotonic() - answer.answered_at < ANSWER_TTL_S:
+            return answer
+        future = self._futures.get(req_id)
+        if future is None:
+            if len(self._futures) >= IN_FLIGHT_MAX:
+                return None
+            future = self._futures[req_id] = self._executor.submit(self._timed, keys)
+        if not future.done() and self._wait_left_s > 0:
+            started = time.monotonic()
+            wait([future], timeout=self._wait_left_s)
+            self._wait_left_s -= time.monotonic() - started
+        if not future.done():
+            return None
+        del self._futures[req_id]
+        answer = self._answers[req_id] = future.result()
+        return answer
+
+    def _timed(self, keys: list[bytes]) -> Answer:
+        started = time.perf_counter()
+        try:
+            counts, error = self._lookup(keys), ""
+        except Exception as exc:  # KVStoreError, or a client broken under us: a miss
+            counts, error = None, str(exc)
+        return Answer(counts, error, time.perf_counter() - started, time.monotonic())
+
+    def new_step(self) -> None:
+        self._wait_left_s = INLINE_WAIT_S
+
+    def discard(self, req_id: str) -> None:
+        self._answers.pop(req_id, None)
+        future = self._futures.pop(req_id, None)
+        if future is not None:
+            future.cancel()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._futures)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
