@@ -3,6 +3,7 @@ publishes, evictions, node expiry and service restarts; it answers lookups with 
 frozen; a stale entry costs one failed fetch, then a miss, and is corrected; past its size cap
 the agent asks the service what its view cannot answer."""
 
+import json
 import signal
 from contextlib import contextmanager
 
@@ -237,6 +238,17 @@ def write_blocks(socket_path, keys, fill: int) -> None:
         assert writer.commit(reservation) == len(keys)
 
 
+def published(socket_path) -> int:
+    with KVStoreClient(socket_path, "probe") as probe:
+        return json.loads(probe.stats())["published_blocks"]
+
+
+def caught_up(agent, address) -> bool:
+    """The agent's view has applied every event the service has issued."""
+    with MetadataClient(address) as service:
+        return agent.view_feed.seq >= service.stats().last_event_seq
+
+
 def test_a_holder_restarted_at_a_new_address_costs_one_failed_fetch_not_its_keys(tmp_path):
     """The view keeps node addresses; a node that restarts listens on a new port. The failed
     fetch asks the service, which names the new address: the next load is served."""
@@ -254,7 +266,9 @@ def test_a_holder_restarted_at_a_new_address_costs_one_failed_fetch_not_its_keys
                 tmp_path, "node-b", "--metadata-address", address, *flags
             )
             write_blocks(b_socket, KEYS[:3], fill=2)
-            assert wait_until(lambda: a.view.remote_prefix("t", KEYS[1:]) == 2, timeout_s=10)
+            assert wait_until(lambda: published(b_socket) >= 3, timeout_s=10)
+            assert wait_until(lambda: caught_up(a, address), timeout_s=10)
+            assert a.view.remote_prefix("t", KEYS[1:]) == 2
             with KVStoreClient(a.config.socket_path, "reader") as reader:
                 first = reader.load("t", KEYS, timeout_s=5)
                 assert len(first) == 1, "the old address failed: the rest is a miss"
