@@ -63,7 +63,7 @@ _NODE_FLAGS = (
     "disk_capacity_bytes", "host_policy", "disk_policy", "metadata_address",
     "metadata_token_file", "worker_credentials", "cluster_secret_file", "max_workers",
     "max_pins_per_worker", "private_buffer_bytes", "transfer", "transfer_host", "transfer_port",
-    "advertise_host", "node_metrics_listen",
+    "advertise_host", "node_metrics_listen", "view_max_keys",
 )  # fmt: skip
 
 
@@ -200,6 +200,11 @@ def _add_node_flags(parser: argparse.ArgumentParser, standalone: bool) -> None:
     parser.add_argument("--max-workers", type=int, help="worker connections at once (256)")
     parser.add_argument("--max-pins-per-worker", type=int, help="pages one worker may hold")
     parser.add_argument("--private-buffer-bytes", help="buffer of each private worker (256MiB)")
+    parser.add_argument(
+        "--view-max-keys",
+        type=int,
+        help="keys the cluster view holds (1000000; 0: ask the service)",
+    )
 
 
 def _bench_transfer(args: argparse.Namespace) -> dict:
