@@ -55,6 +55,7 @@ _METADATA_FLAGS = (
     "listen", "backend", "data_dir", "redis_url", "token_file", "tls_cert", "tls_key",
     "tls_client_ca", "key_quota_per_tenant", "metrics_listen", "max_watch_streams_per_tenant",
     "lmdb_map_size_bytes", "redis_wait_replicas", "redis_wait_timeout_ms",
+    "max_watch_streams_all_tenants",
 )  # fmt: skip
 
 
@@ -149,8 +150,12 @@ def _add_metadata_flags(parser: argparse.ArgumentParser, with_backend: bool) -> 
     parser.add_argument("--tls-client-ca", type=Path, help="require client certificates")
     parser.add_argument("--key-quota-per-tenant", type=int)
     parser.add_argument(
-        "--max-watch-streams-per-tenant", type=int, help="WatchEvents streams per token (16)"
+        "--max-watch-streams-per-tenant", type=int, help="WatchEvents streams per tenant (16)"
     )
+    parser.add_argument(
+        "--max-watch-streams-all-tenants", type=int,
+        help="WatchEvents streams of all-tenant tokens: node agents hold one each (4096)",
+    )  # fmt: skip
     parser.add_argument("--lmdb-map-size-bytes", help="LMDB map of the index, e.g. 8GiB")
     parser.add_argument("--metrics-listen", help="host:port of the Prometheus endpoint")
 

@@ -56,7 +56,10 @@ class MetadataConfig:
     metrics_listen: str = ""  # host:port of the Prometheus endpoint; empty: none
     max_workers: int = 32  # threads for unary RPCs; streams do not use them
     max_message_bytes: int = 16 << 20  # received and sent; larger is RESOURCE_EXHAUSTED
-    max_watch_streams_per_tenant: int = 16  # per token scope ("*" tokens share one count)
+    max_watch_streams_per_tenant: int = 16  # per tenant token
+    # streams of all-tenant ("*") tokens, which every node agent's view holds one of (and every
+    # client when auth is off); they run on the loop, not on threads: the bound is memory
+    max_watch_streams_all_tenants: int = 4096
     lmdb_map_size_bytes: int = DEFAULT_MAP_SIZE_BYTES  # the journal's ceiling (sparse file)
     limits: ServiceLimits = field(default_factory=ServiceLimits)
 
@@ -71,8 +74,8 @@ class MetadataConfig:
             raise ConfigError("max_workers must be at least 4 (threads for unary RPCs)")
         if self.max_message_bytes < MIN_MESSAGE_BYTES:
             raise ConfigError(f"max_message_bytes must be at least {MIN_MESSAGE_BYTES}")
-        if self.max_watch_streams_per_tenant < 1:
-            raise ConfigError("max_watch_streams_per_tenant must be at least 1")
+        if self.max_watch_streams_per_tenant < 1 or self.max_watch_streams_all_tenants < 1:
+            raise ConfigError("max_watch_streams_per_tenant and _all_tenants must be at least 1")
         if self.redis_failover_timeout_s <= 0:
             raise ConfigError("redis_failover_timeout_s must be positive")
         if self.lmdb_map_size_bytes < MIN_MAP_SIZE_BYTES:
@@ -108,7 +111,7 @@ class MetadataServer:
         limits = config.limits
         self.streams = EventStreams(
             self.index, config.max_watch_streams_per_tenant, limits.event_batch,
-            limits.watch_poll_s,
+            limits.watch_poll_s, config.max_watch_streams_all_tenants,
         )  # fmt: skip
         self._pool = futures.ThreadPoolExecutor(config.max_workers, thread_name_prefix="rpc")
         self.servicer = MetadataServicer(

@@ -212,7 +212,7 @@ def test_on_a_backend_without_snapshots_lookups_ask_the_service(tmp_path):
 
 def test_an_agent_refused_a_stream_slot_asks_the_service_until_it_gets_one(tmp_path):
     """A view that cannot follow the events would go stale: it stands down instead."""
-    limit = ("--max-watch-streams-per-tenant", "1")
+    limit = ("--max-watch-streams-all-tenants", "1")
     with metadata_process("--backend", "memory", *limit) as (_, address):
         other = MetadataClient(address)
         taken = other.open_events()  # holds the `*` scope's one stream slot
