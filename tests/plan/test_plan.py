@@ -4,7 +4,6 @@ blocks at equal bytes, Azure traces share nothing, bad input names its line or f
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 
@@ -12,29 +11,9 @@ from kvstore.cli import main
 from kvstore.errors import ConfigError
 from kvstore.plan.model import PRESETS, load_model
 from kvstore.replay import run_replay
+from tests.plan.traces import write_mooncake
 
 GIB = 1 << 30
-
-
-def write_mooncake(path, requests: int = 400, seed: int = 0) -> str:
-    """Conversations that extend earlier prompts: prefix-chained ids as in the real trace."""
-    rng = random.Random(seed)
-    conversations: list[list[int]] = []
-    next_id, lines = 0, []
-    for number in range(requests):
-        if conversations and rng.random() < 0.7:
-            ids = list(rng.choice(conversations))
-        else:
-            ids = [0] if rng.random() < 0.5 else []
-            conversations.append(ids)
-        for _ in range(rng.randint(1, 6)):
-            ids.append(next_id := next_id + 1)
-        conversations.append(ids)
-        tokens = 512 * (len(ids) - 1) + rng.randint(1, 512)
-        lines.append(json.dumps({"timestamp": number * 200, "input_length": tokens,
-                                 "output_length": 10, "hash_ids": ids}))  # fmt: skip
-    path.write_text("\n".join(lines) + "\n")
-    return str(path)
 
 
 def plan_json(capsys, *argv: str) -> dict:

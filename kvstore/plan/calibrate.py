@@ -1,0 +1,51 @@
+"""Calibration of the cost model on a live engine: prefill time vs prompt length (fixed, linear
+and attention's quadratic term, least squares) and the seconds a cached chunk costs to load.
+Runs in the `kvstore plan --validate` process; fits numbers it is given, measures nothing.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import numpy as np
+
+from kvstore.costmodel import PrefillRate, TierLink
+
+COLD_LENGTHS = (64, 512, 1024, 2048, 3072, 4096)
+HIT_LENGTHS = (1025, 2049, 4033)
+
+
+def engine_layout_bytes(dims: dict, chunk_tokens: int, itemsize: int = 4) -> int:
+    """Payload bytes of one chunk of the engine's KV (float32 by default)."""
+    layers, heads, head_dim = dims["num_layers"], dims["num_kv_heads"], dims["head_dim"]
+    return layers * 2 * chunk_tokens * heads * head_dim * itemsize
+
+
+def fit_prefill(lengths: list[int], seconds: list[float]) -> PrefillRate:
+    """Non-negative least squares over t = fixed + a n + b n (n + 1) / 2 (a term fitted
+    negative is dropped and the rest refitted)."""
+    n = np.array(lengths, dtype=float)
+    columns = {"fixed_s": np.ones_like(n), "per_token_s": n, "per_token_pair_s": n * (n + 1) / 2}
+    while True:
+        matrix = np.stack(list(columns.values()), axis=1)
+        solution = np.linalg.lstsq(matrix, np.array(seconds), rcond=None)[0]
+        if (solution >= 0).all() or len(columns) == 1:
+            break
+        del columns[list(columns)[int(np.argmin(solution))]]
+    values = dict.fromkeys(("fixed_s", "per_token_s", "per_token_pair_s"), 0.0)
+    values.update({name: max(0.0, float(v)) for name, v in zip(columns, solution, strict=True)})
+    return PrefillRate(**values)
+
+
+def fit_load_link(
+    rate: PrefillRate, hits: list[tuple[int, int, float]], chunk_tokens: int, chunk_bytes: int
+) -> TierLink:
+    """Host-tier link from (prompt tokens, cached tokens, TTFT) of prompts served from the
+    store: what their TTFT exceeds the predicted compute of their uncached rest, per chunk."""
+    per_chunk = [
+        (seconds - rate.compute_s(tokens - cached, cached)) / (cached // chunk_tokens)
+        for tokens, cached, seconds in hits
+        if cached >= chunk_tokens
+    ]
+    chunk_s = max(statistics.median(per_chunk) if per_chunk else 0.0, 1e-6)
+    return TierLink(chunk_bytes / chunk_s)
