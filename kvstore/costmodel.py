@@ -5,8 +5,11 @@ Pure arithmetic plus small measured-rate estimators; no I/O, no locks (one calle
 
 from __future__ import annotations
 
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from kvstore.errors import ConfigError
 
@@ -96,3 +99,114 @@ class RateMeter:
             return
         self.per_s += self.weight * (amount / seconds - self.per_s)
         self.observations += 1
+
+
+def fit_nonnegative(columns: dict[str, np.ndarray], seconds: np.ndarray) -> dict[str, float]:
+    """Least squares of `seconds` over `columns`; a term fitted negative is dropped and the
+    rest refitted, so every coefficient is >= 0 (dropped ones are 0)."""
+    kept = dict(columns)
+    solution = np.zeros(0)
+    while kept:
+        matrix = np.stack(list(kept.values()), axis=1)
+        solution = np.linalg.lstsq(matrix, seconds, rcond=None)[0]
+        if (solution >= 0).all():
+            break
+        del kept[list(kept)[int(np.argmin(solution))]]
+    values = dict.fromkeys(columns, 0.0)
+    values.update({name: float(value) for name, value in zip(kept, solution, strict=False)})
+    return values
+
+
+@dataclass(frozen=True)
+class Step:
+    """One engine step as the scheduler saw it: tokens computed, attention pairs, chunks loaded
+    per tier, and how long it took."""
+
+    tokens: int
+    pairs: float
+    chunks: dict[str, int]
+    seconds: float
+
+
+class OnlineLoadPlanner:
+    """Load-or-recompute from the engine's own steps: the compute rate is fitted on steps that
+    loaded nothing, each tier's seconds per chunk on steps that loaded from it alone (their time
+    beyond the predicted compute). Until a tier is measured its chunks are loaded (that is how
+    it gets measured); a tier judged slow is still loaded once every `probe_every` decisions so
+    its figure follows the tier. Loads are refused only when predicted `margin` times slower
+    than computing (noise must not undo hits). One caller thread (the scheduler's)."""
+
+    def __init__(self, chunk_tokens: int, window: int = 256, min_compute_steps: int = 3,
+                 probe_every: int = 32, margin: float = 2.0) -> None:  # fmt: skip
+        self.chunk_tokens = chunk_tokens
+        self.margin = margin  # recompute only chunks predicted `margin` times slower: noise
+        self.steps: deque[Step] = deque(maxlen=window)
+        self.min_compute_steps = min_compute_steps
+        self.probe_every = probe_every
+        self._loads: dict[str, dict[str, int]] = {}  # request -> chunks per tier, until scheduled
+        self._running: tuple[float, int, float, dict[str, int]] | None = None
+        self.recomputed_chunks = 0
+        self.decisions = 0
+
+    # ---- decisions -----------------------------------------------------------------------
+    def chunks_to_load(self, request_id: str, tiers: list[str], prompt_tokens: int) -> int:
+        """How many of the leading cached chunks (`tiers[i]`: where chunk i is) to load."""
+        self.decisions += 1
+        count = len(tiers)
+        rate, per_chunk_s = self.estimates()
+        if tiers and rate is not None and self.decisions % self.probe_every:
+            links = {tier: TierLink(self.margin / max(per_chunk_s.get(tier, 0.0), 1e-9))
+                     for tier in set(tiers)}  # fmt: skip
+            sizes = [self.chunk_tokens] * len(tiers)
+            count = best_load_prefix(tiers, sizes, 1, prompt_tokens, rate, links)[0]
+        self.recomputed_chunks += len(tiers) - count
+        if count:
+            self._loads[request_id] = dict(Counter(tiers[:count]))
+        return count
+
+    def estimates(self) -> tuple[PrefillRate | None, dict[str, float]]:
+        """The fitted compute rate (None until enough steps without loads) and seconds per chunk
+        of each measured tier."""
+        plain = [s for s in self.steps if not s.chunks]
+        if len(plain) < self.min_compute_steps:
+            return None, {}
+        fitted = fit_nonnegative({
+            "fixed_s": np.ones(len(plain)), "per_token_s": np.array([s.tokens for s in plain]),
+            "per_token_pair_s": np.array([s.pairs for s in plain]),
+        }, np.array([s.seconds for s in plain]))  # fmt: skip
+        rate = PrefillRate(**fitted)
+        residuals: dict[str, list[float]] = {}
+        for step in self.steps:
+            if len(step.chunks) == 1:
+                ((tier, chunks),) = step.chunks.items()
+                extra_s = step.seconds - rate.compute_s(step.tokens) - _pairs_s(rate, step)
+                residuals.setdefault(tier, []).append(max(0.0, extra_s) / chunks)
+        return rate, {tier: float(np.median(values)) for tier, values in residuals.items()}
+
+    # ---- observations --------------------------------------------------------------------
+    def step_started(self, scheduled: list[tuple[str, int, int]], now_s: float) -> None:
+        """A step begins: (request, tokens it computes, tokens already computed or loaded) for
+        each scheduled request. Closes the step before it, if still open."""
+        self.step_ended(now_s)
+        tokens, pairs, chunks = 0, 0.0, Counter()
+        for request_id, new, cached in scheduled:
+            tokens += new
+            pairs += new * (cached + (new + 1) / 2)
+            chunks.update(self._loads.pop(request_id, {}))
+        self._running = (now_s, tokens, pairs, dict(chunks))
+
+    def step_ended(self, now_s: float) -> None:
+        """The open step finished (a request of it finished, or the next step began)."""
+        if self._running is not None:
+            started, tokens, pairs, chunks = self._running
+            if tokens:
+                self.steps.append(Step(tokens, pairs, chunks, now_s - started))
+            self._running = None
+
+    def forget(self, request_id: str) -> None:
+        self._loads.pop(request_id, None)
+
+
+def _pairs_s(rate: PrefillRate, step: Step) -> float:
+    """compute_s(tokens) counts pairs as if nothing was cached: correct to the step's pairs."""
+    return (step.pairs - step.tokens * (step.tokens + 1) / 2) * rate.per_token_pair_s

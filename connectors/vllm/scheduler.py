@@ -5,12 +5,14 @@ step which chunks each worker loads and saves. Runs in vLLM's scheduler (engine 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 from connectors.vllm import compat
 from connectors.vllm.agent import AgentConnection
 from connectors.vllm.config import ConnectorSettings, EngineKV
 from connectors.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
+from kvstore.costmodel import OnlineLoadPlanner
 from kvstore.errors import KVStoreError
 from kvstore.keys import chunk_keys
 
@@ -37,7 +39,8 @@ class SchedulerSide:
         self.requests: dict[str, RequestState] = {}
         self._pending_loads: dict[str, RequestState] = {}
         self.delay_frees = compat.saves_outlive_steps()
-        self.stats = {"lookups": 0, "hit_tokens": 0, "lookup_failures": 0}
+        self.stats = {"lookups": 0, "hit_tokens": 0, "lookup_failures": 0, "recomputed_chunks": 0}
+        self.cost = OnlineLoadPlanner(kv.layout.chunk_tokens)  # load only what beats compute
 
     def _state(self, request) -> RequestState:
         """Per-request bookkeeping; requests whose KV is not a function of their tokens alone
@@ -63,13 +66,19 @@ class SchedulerSide:
             return 0
         try:
             rank_keys = [self.kv.rank_key(key) for key in state.keys[:usable]]
-            hits = self.agent.client.lookup(self.settings.tenant, rank_keys).total
+            counts = self.agent.client.lookup(self.settings.tenant, rank_keys)
         except KVStoreError as exc:
             logger.warning("kvstore lookup failed (%s); computing the prefix", exc)
             self.stats["lookup_failures"] += 1
             self.agent.drop()
             return 0
         self.stats["lookups"] += 1
+        skip = num_computed_tokens // chunk  # chunks vLLM already holds: never loaded
+        tiers = (["local"] * counts.local + ["remote"] * counts.remote)[skip:]
+        hits = skip + self.cost.chunks_to_load(
+            request.request_id, tiers, prompt_tokens - skip * chunk
+        )
+        self.stats["recomputed_chunks"] = self.cost.recomputed_chunks
         external = max(0, hits * chunk - num_computed_tokens)
         self.stats["hit_tokens"] += external
         return external
@@ -85,6 +94,9 @@ class SchedulerSide:
 
     def build_meta(self, scheduler_output) -> KVStoreConnectorMetadata:
         meta = KVStoreConnectorMetadata()
+        steps = [(s.req_id, s.num_scheduled_tokens, s.num_computed_tokens)
+                 for s in compat.scheduled_requests(scheduler_output)]  # fmt: skip
+        self.cost.step_started(steps, time.perf_counter())
         for scheduled in compat.scheduled_requests(scheduler_output):
             state = self.requests.get(scheduled.req_id)
             if state is None:
@@ -124,6 +136,8 @@ class SchedulerSide:
         its saves committed (vLLM's delayed free, through get_finished)."""
         state = self.requests.pop(request.request_id, None)
         self._pending_loads.pop(request.request_id, None)
+        self.cost.step_ended(time.perf_counter())
+        self.cost.forget(request.request_id)
         return self.delay_frees and state is not None and state.saves_scheduled
 
 

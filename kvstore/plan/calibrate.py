@@ -9,7 +9,7 @@ import statistics
 
 import numpy as np
 
-from kvstore.costmodel import PrefillRate, TierLink
+from kvstore.costmodel import PrefillRate, TierLink, fit_nonnegative
 
 COLD_LENGTHS = (64, 512, 1024, 2048, 3072, 4096)
 HIT_LENGTHS = (1025, 2049, 4033)
@@ -22,19 +22,10 @@ def engine_layout_bytes(dims: dict, chunk_tokens: int, itemsize: int = 4) -> int
 
 
 def fit_prefill(lengths: list[int], seconds: list[float]) -> PrefillRate:
-    """Non-negative least squares over t = fixed + a n + b n (n + 1) / 2 (a term fitted
-    negative is dropped and the rest refitted)."""
+    """Least squares over t = fixed + a n + b n (n + 1) / 2, every term non-negative."""
     n = np.array(lengths, dtype=float)
     columns = {"fixed_s": np.ones_like(n), "per_token_s": n, "per_token_pair_s": n * (n + 1) / 2}
-    while True:
-        matrix = np.stack(list(columns.values()), axis=1)
-        solution = np.linalg.lstsq(matrix, np.array(seconds), rcond=None)[0]
-        if (solution >= 0).all() or len(columns) == 1:
-            break
-        del columns[list(columns)[int(np.argmin(solution))]]
-    values = dict.fromkeys(("fixed_s", "per_token_s", "per_token_pair_s"), 0.0)
-    values.update({name: max(0.0, float(v)) for name, v in zip(columns, solution, strict=True)})
-    return PrefillRate(**values)
+    return PrefillRate(**fit_nonnegative(columns, np.array(seconds, dtype=float)))
 
 
 def fit_load_link(
