@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -64,6 +65,7 @@ def add_plan_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--requests", type=int, default=240, help="--validate: trace requests")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--json-out", type=Path, help="also write that JSON object to a file")
 
 
 def build_options(args: argparse.Namespace) -> opts.PlanOptions:
@@ -130,6 +132,8 @@ def run_plan_command(args: argparse.Namespace) -> dict | int:
         from kvstore.plan.plots import write_plots
 
         result["plots"] = write_plots(result, args.plot)
+    if args.json_out:
+        args.json_out.write_text(json.dumps(public_result(result), indent=1))
     if args.json:
         return public_result(result)
     print(format_plan(result))
