@@ -82,25 +82,6 @@ def best_load_prefix(
     return best, best_s
 
 
-class RateMeter:
-    """A measured rate (bytes or tokens per second) as an exponentially weighted mean of
-    observations, with a prior until the first one."""
-
-    def __init__(self, prior_per_s: float, weight: float = 0.3) -> None:
-        if prior_per_s <= 0 or not 0 < weight <= 1:
-            raise ConfigError(f"RateMeter needs prior > 0 and weight in (0, 1], got {prior_per_s}")
-        self.per_s = prior_per_s
-        self.weight = weight
-        self.observations = 0
-
-    def observe(self, amount: float, seconds: float) -> None:
-        """One measurement; non-positive amounts or durations are ignored."""
-        if amount <= 0 or seconds <= 0:
-            return
-        self.per_s += self.weight * (amount / seconds - self.per_s)
-        self.observations += 1
-
-
 def fit_nonnegative(columns: dict[str, np.ndarray], seconds: np.ndarray) -> dict[str, float]:
     """Least squares of `seconds` over `columns`; a term fitted negative is dropped and the
     rest refitted, so every coefficient is >= 0 (dropped ones are 0)."""

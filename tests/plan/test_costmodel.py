@@ -2,7 +2,12 @@
 
 import pytest
 
-from kvstore.costmodel import PrefillRate, RateMeter, TierLink, best_load_prefix
+from kvstore.costmodel import (
+    OnlineLoadPlanner,
+    PrefillRate,
+    TierLink,
+    best_load_prefix,
+)
 from kvstore.errors import ConfigError
 
 RATE = PrefillRate(per_token_s=1e-4, per_token_pair_s=1e-8, fixed_s=0.01)
@@ -39,7 +44,39 @@ def test_bad_rates_are_refused():
         TierLink(0)
     with pytest.raises(ConfigError):
         PrefillRate(per_token_s=-1)
-    meter = RateMeter(1e9)
-    meter.observe(1e6, 0)  # ignored
-    meter.observe(2e9, 1.0)
-    assert 1e9 < meter.per_s < 2e9 and meter.observations == 1
+
+
+def _planner_after_steps(remote_chunk_s: float) -> OnlineLoadPlanner:
+    """Three steps computing prompts at 1 ms a token, then one loading 4 remote chunks."""
+    planner = OnlineLoadPlanner(chunk_tokens=128, probe_every=1000)
+    now = 0.0
+    for number, tokens in enumerate((200, 400, 800)):
+        planner.step_started([(f"cold-{number}", tokens, 0)], now)
+        now += 0.01 + tokens * 1e-3
+        planner.step_ended(now)
+    assert planner.chunks_to_load("probe", ["remote"] * 4, 600) == 4  # unmeasured: loaded
+    planner.step_started([("probe", 88, 512)], now)
+    planner.step_ended(now + 0.01 + 88 * 1e-3 + 4 * remote_chunk_s)
+    return planner
+
+
+def test_the_online_planner_computes_chunks_of_a_tier_it_measured_slow():
+    planner = _planner_after_steps(remote_chunk_s=1.0)  # 1 s a chunk vs 0.128 s to compute
+    rate, per_chunk_s = planner.estimates()
+    assert rate.per_token_s == pytest.approx(1e-3, rel=0.05)
+    assert per_chunk_s["remote"] == pytest.approx(1.0, rel=0.05)
+    assert planner.chunks_to_load("next", ["local", "remote", "remote"], 600) == 1
+    assert planner.recomputed_chunks == 2
+
+
+def test_the_online_planner_loads_a_fast_tier_and_tolerates_noise():
+    planner = _planner_after_steps(remote_chunk_s=0.2)  # slower than compute, within the margin
+    assert planner.chunks_to_load("next", ["remote"] * 4, 600) == 4
+    assert planner.recomputed_chunks == 0
+
+
+def test_a_slow_tier_is_probed_again():
+    planner = _planner_after_steps(remote_chunk_s=1.0)
+    planner.probe_every = 2
+    decisions = [planner.chunks_to_load(f"r{n}", ["remote"] * 2, 600) for n in range(4)]
+    assert sorted(decisions) == [0, 0, 2, 2]
