@@ -56,39 +56,44 @@ def _dram_axis(axis, drams: list[float]) -> None:
     axis.grid(alpha=0.3)
 
 
-def _hit_ratio(pyplot, result: dict, path: Path, title: str) -> Path:
+def _per_codec(pyplot, result: dict, draw) -> tuple:
+    """One panel per codec; `draw(axis, color, nvme, drams, rows)` draws one NVMe size's line."""
     figure, axes, codecs, nodes = _panels(pyplot, result)
     for axis, codec in zip(axes, codecs, strict=True):
         drams, nvmes, rows = _grid(result["configs"], codec, nodes)
         for color, nvme in enumerate(nvmes):
-            total = [100 * rows[(d, nvme)]["token_hit_ratio"] for d in drams]
-            host = [100 * rows[(d, nvme)]["host_token_hit_ratio"] for d in drams]
-            axis.plot(total, "o-", color=f"C{color}", label=f"NVMe {nvme:.0f} GiB: DRAM + NVMe")
-            axis.plot(host, "x:", color=f"C{color}", label=f"NVMe {nvme:.0f} GiB: from DRAM")
+            draw(axis, f"C{color}", nvme, drams, rows)
         _dram_axis(axis, drams)
         per_token = result["kv_bytes_per_token"][codec] / 1024
         axis.set_title(f"{codec} KV ({per_token:.0f} KiB/token)")
         axis.legend(fontsize=8)
+    return figure, axes, nodes
+
+
+def _hit_ratio(pyplot, result: dict, path: Path, title: str) -> Path:
+    def draw(axis, color, nvme, drams, rows):
+        total = [100 * rows[(d, nvme)]["token_hit_ratio"] for d in drams]
+        host = [100 * rows[(d, nvme)]["host_token_hit_ratio"] for d in drams]
+        axis.plot(total, "o-", color=color, label=f"NVMe {nvme:.0f} GiB: DRAM + NVMe")
+        axis.plot(host, "x:", color=color, label=f"NVMe {nvme:.0f} GiB: from DRAM")
+
+    figure, axes, nodes = _per_codec(pyplot, result, draw)
     axes[0].set_ylabel("prompt tokens served from the cache (%)")
     figure.suptitle(f"Token hit ratio per tier vs capacity ({nodes} node(s)) — {title}")
     return _save(pyplot, figure, path)
 
 
 def _cost(pyplot, result: dict, path: Path, title: str) -> Path:
-    figure, axes, codecs, nodes = _panels(pyplot, result)
-    for axis, codec in zip(axes, codecs, strict=True):
-        drams, nvmes, rows = _grid(result["configs"], codec, nodes)
-        for color, nvme in enumerate(nvmes):
-            cost = [rows[(d, nvme)]["usd_per_mtok"] for d in drams]
-            values = [np.nan if c is None else c for c in cost]
-            axis.plot(values, "o-", color=f"C{color}", label=f"NVMe {nvme:.0f} GiB")
-            for x, d in enumerate(drams):
-                if rows[(d, nvme)]["cheapest"]:
-                    axis.plot(x, values[x], "*", color="red", markersize=18,
-                              label="cheapest meeting the SLA")  # fmt: skip
-        _dram_axis(axis, drams)
-        axis.set_title(f"{codec} KV")
-        axis.legend(fontsize=8)
+    def draw(axis, color, nvme, drams, rows):
+        values = [rows[(d, nvme)]["usd_per_mtok"] for d in drams]
+        values = [np.nan if value is None else value for value in values]
+        axis.plot(values, "o-", color=color, label=f"NVMe {nvme:.0f} GiB")
+        for x, dram in enumerate(drams):
+            if rows[(dram, nvme)]["cheapest"]:
+                axis.plot(x, values[x], "*", color="red", markersize=18,
+                          label="cheapest meeting the SLA")  # fmt: skip
+
+    figure, axes, _ = _per_codec(pyplot, result, draw)
     axes[0].set_ylabel("$ per million prompt tokens at the SLA load")
     figure.suptitle(f"$/Mtok vs DRAM and NVMe size, {result['sla']} — {title}")
     return _save(pyplot, figure, path)
