@@ -9,8 +9,9 @@ COLUMNS = (
     ("NVMe GiB", "nvme_gib", "{:.0f}"), ("nodes", "nodes", "{}"),
     ("hit%", "token_hit_ratio", "{:.1%}"),
     ("host%", "host_token_hit_ratio", "{:.1%}"), ("disk%", "disk_token_hit_ratio", "{:.1%}"),
-    ("saved%", "prefill_tokens_saved_ratio", "{:.1%}"), ("TTFT p50", "ttft_p50_s", "{:.3f}"),
-    ("TTFT p90", "ttft_p90_s", "{:.3f}"), ("GPU-s/req", "gpu_s_per_request", "{:.3f}"),
+    ("saved%", "prefill_tokens_saved_ratio", "{:.1%}"),
+    ("idle p50", "ttft_idle_p50_s", "{:.3f}"), ("idle p90", "ttft_idle_p90_s", "{:.3f}"),
+    ("p50@SLA", "ttft_p50_s", "{:.3f}"), ("GPU-s/req", "gpu_s_per_request", "{:.3f}"),
     ("req/s@SLA", "throughput_at_sla_req_s", "{:.2f}"), ("$/Mtok", "usd_per_mtok", "{:.4f}"),
 )  # fmt: skip
 
@@ -28,6 +29,9 @@ def format_plan(result: dict) -> str:
         + ", ".join(f"{k}=${v}" for k, v in result["prices"].items()),
         "",
         _table(result["configs"]),
+        "hit% = prompt tokens found in DRAM/NVMe; saved% = those worth loading (the rest is "
+        "faster to compute); idle p50/p90 = TTFT (s) on an idle instance; p50@SLA = TTFT p50 at "
+        "req/s@SLA, the most one instance serves within the SLA; $/Mtok per million prompt tokens",
         "",
         _ttft_classes(result["cheapest"]),
     ]

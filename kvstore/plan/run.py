@@ -108,6 +108,8 @@ class Planner:
             "hit_chunks_recomputed": times.recomputed_hit_chunks,
             "ttft_p50_s": float(np.quantile(ttft, 0.5)),
             "ttft_p90_s": float(np.quantile(ttft, 0.9)),
+            "ttft_idle_p50_s": float(np.quantile(times.service_s, 0.5)),
+            "ttft_idle_p90_s": float(np.quantile(times.service_s, 0.9)),
             "ttft_by_class": cost.class_percentiles(self.tokens, ttft),
             "ttft_at": "max load meeting the SLA" if meets else "idle instance (SLA not met)",
             "gpu_s_per_request": float(times.service_s.mean() * options.tp_size),
