@@ -22,10 +22,19 @@ def engine_layout_bytes(dims: dict, chunk_tokens: int, itemsize: int = 4) -> int
 
 
 def fit_prefill(lengths: list[int], seconds: list[float]) -> PrefillRate:
-    """Least squares over t = fixed + a n + b n (n + 1) / 2, every term non-negative."""
-    n = np.array(lengths, dtype=float)
+    """Least squares over t = fixed + a n + b n (n + 1) / 2, every term non-negative; points
+    far above the first fit (a busy machine's stalls) are dropped and the rest refitted."""
+    n, t = np.array(lengths, dtype=float), np.array(seconds, dtype=float)
+    rate = _fit(n, t)
+    residuals = t - np.array([rate.compute_s(int(x)) for x in n])
+    spread = float(np.median(np.abs(residuals - np.median(residuals))))
+    keep = residuals <= np.median(residuals) + 3 * max(spread, 1e-6)
+    return _fit(n[keep], t[keep]) if keep.sum() >= 3 else rate
+
+
+def _fit(n: np.ndarray, seconds: np.ndarray) -> PrefillRate:
     columns = {"fixed_s": np.ones_like(n), "per_token_s": n, "per_token_pair_s": n * (n + 1) / 2}
-    return PrefillRate(**fit_nonnegative(columns, np.array(seconds, dtype=float)))
+    return PrefillRate(**fit_nonnegative(columns, seconds))
 
 
 def fit_load_link(

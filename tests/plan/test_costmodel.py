@@ -80,3 +80,14 @@ def test_a_slow_tier_is_probed_again():
     planner.probe_every = 2
     decisions = [planner.chunks_to_load(f"r{n}", ["remote"] * 2, 600) for n in range(4)]
     assert sorted(decisions) == [0, 0, 2, 2]
+
+
+def test_the_prefill_fit_ignores_a_stall():
+    from kvstore.plan.calibrate import fit_prefill
+
+    lengths = [64, 512, 1024, 2048, 3072, 4096] * 3
+    truth = PrefillRate(per_token_s=1e-4, per_token_pair_s=1e-8, fixed_s=0.05)
+    seconds = [truth.compute_s(n) for n in lengths]
+    seconds[4] += 2.0  # the machine stalled once
+    fitted = fit_prefill(lengths, seconds)
+    assert fitted.compute_s(2000) == pytest.approx(truth.compute_s(2000), rel=0.01)
