@@ -23,6 +23,18 @@ class ScaledSlice:
     keyed: list[KeyedRequest]  # full chunks; lookups leave one prompt token to compute
 
 
+def conversation_sample(trace: PlanTrace, stride: int, limit: int) -> PlanTrace:
+    """The first `limit` requests of every `stride`-th conversation (requests whose first block
+    after the common block 0 has an id divisible by `stride`): a slice that keeps the trace's
+    sharing, where its first requests alone would share little (turns come minutes apart)."""
+
+    def root(request) -> int:
+        return request.hash_ids[1] if len(request.hash_ids) > 1 else request.hash_ids[0]
+
+    chosen = [r for r in trace.requests if root(r) % stride == 0][:limit]
+    return PlanTrace(trace.path, chosen, trace.has_prefix_info)
+
+
 def scaled_prompt(hash_ids, input_tokens: int, scale: int, vocab_size: int) -> list[int]:
     chunk = TRACE_BLOCK_TOKENS // scale
     tokens = max(1, input_tokens // scale)

@@ -35,19 +35,24 @@ MODEL = {"num_layers": 4, "hidden_size": 256, "num_heads": 4, "num_kv_heads": 4,
 POLICY = "lru"
 MAX_PROMPT_TOKENS = 4096
 COLD_EVERY = 6  # trace requests between two cold calibration prompts
+CONVERSATION_STRIDE = 25  # 240 requests of every 25th conversation: ~30 % of tokens hit
 
 
 def run_validate(
     requests: int = 240, trace: str | None = None, arena_pages: int = 512,
-    model: dict | None = None,
+    model: dict | None = None, conversation_stride: int = CONVERSATION_STRIDE,
 ) -> dict:  # fmt: skip
-    """Predicted vs measured token hit ratio and TTFT p50/p90 on the first `requests` requests."""
+    """Predicted vs measured token hit ratio and TTFT p50/p90 on the first `requests` requests
+    of every `conversation_stride`-th conversation."""
     from kvstore.bench.tiny_llama import build_tiny_llama
     from kvstore.node.agent import NodeAgent, NodeConfig
 
     dims = model or MODEL
     started = time.perf_counter()
-    slice_ = scaled_slice(read_trace(trace or DEFAULT_TRACE, requests), SCALE, MAX_PROMPT_TOKENS)
+    sample = scaled.conversation_sample(
+        read_trace(trace or DEFAULT_TRACE), conversation_stride, requests
+    )
+    slice_ = scaled_slice(sample, SCALE, MAX_PROMPT_TOKENS)
     runs = schedule(slice_)
     chunk_bytes = cal.engine_layout_bytes(dims, CHUNK_TOKENS)
     page_bytes = chunk_bytes + 4096
@@ -66,7 +71,8 @@ def run_validate(
             agent.stop()
     rate, link = _calibration(runs, measured, chunk_bytes)
     predicted = _predict(runs, arena_pages, rate, link, chunk_bytes)
-    return _summary(slice_, runs, arena_pages, measured, predicted, rate, link, started)
+    result = _summary(slice_, runs, arena_pages, measured, predicted, rate, link, started)
+    return {"conversation_stride": conversation_stride, **result}
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ MARK = "VALIDATE-RESULT "
 CODE = (
     "import json, sys; from kvstore.plan.validate import run_validate;"
     " result = run_validate(requests=int(sys.argv[2]), trace=sys.argv[1], arena_pages=48,"
+    " conversation_stride=1,"
     " model={'num_layers': 2, 'hidden_size': 64, 'num_heads': 4, 'num_kv_heads': 2,"
     " 'head_dim': 32}); print(" + repr(MARK) + " + json.dumps(result))"
 )
