@@ -34,7 +34,8 @@ CHUNK_TOKENS = 512 // SCALE
 MODEL = {"num_layers": 4, "hidden_size": 256, "num_heads": 4, "num_kv_heads": 4, "head_dim": 64}
 POLICY = "lru"
 MAX_PROMPT_TOKENS = 4096
-COLD_EVERY = 6  # trace requests between two cold calibration prompts
+COLD_EVERY = 5  # trace requests between two cold calibration prompts
+HIT_EVERY = 12  # trace requests between two load calibration pairs
 CONVERSATION_STRIDE = 25  # 240 requests of every 25th conversation: ~30 % of tokens hit
 
 
@@ -83,24 +84,26 @@ class Run:
 
 
 def schedule(slice_: ScaledSlice, seed: int = 1) -> list[Run]:
-    """Warm-up, load calibration (each prompt twice: the second is served from the store),
-    then the trace with a cold calibration prompt after every COLD_EVERY requests, so machine
-    load drifts over both alike. The replay sees every run, as the store does."""
+    """Warm-up, then the trace with calibration runs between its requests, so machine load
+    drifts over both alike: after every COLD_EVERY requests a cold prompt (fresh tokens), after
+    every HIT_EVERY a prompt run twice (the second served from the store), all as long as
+    trace prompts (shuffled). The replay sees every run, as the store does."""
     rng = np.random.default_rng(seed)
 
     def fresh(role: str, length: int) -> Run:
-        prompt = (rng.integers(4, 512, length) if length else []).tolist()
-        return _run(role, prompt)
+        return _run(role, rng.integers(4, 512, length).tolist())
 
-    runs = [fresh("warmup", 256)]
-    for length in cal.HIT_LENGTHS:
-        primed = fresh("prime", length)
-        runs += [primed, Run("hit", primed.prompt, primed.keyed)]
-    cold = iter(cal.COLD_LENGTHS * (len(slice_.prompts) // COLD_EVERY + 1))
+    runs = [fresh("warmup", length) for length in cal.WARMUP_LENGTHS]
+    lengths = [len(p) for p in slice_.prompts]
+    cold = iter(rng.permutation(lengths).tolist())
+    hit = iter([max(n, 2 * CHUNK_TOKENS + 1) for n in rng.permutation(lengths).tolist()])
     for number, (prompt, keyed) in enumerate(zip(slice_.prompts, slice_.keyed, strict=True)):
         runs.append(Run("trace", prompt, keyed))
-        if number % COLD_EVERY == COLD_EVERY - 1 or number < len(cal.COLD_LENGTHS):
+        if number % COLD_EVERY == COLD_EVERY - 1:
             runs.append(fresh("cold", next(cold)))
+        if number % HIT_EVERY == HIT_EVERY // 2:
+            primed = fresh("prime", next(hit))
+            runs += [primed, Run("hit", primed.prompt, primed.keyed)]
     return runs
 
 
