@@ -198,7 +198,11 @@ def _summary(slice_, runs, arena_pages, measured, predicted, rate, link, started
     result["ttft_p90_error"] = result["predicted_ttft_p90_s"] / result["measured_ttft_p90_s"] - 1
     same = predicted["cached_tokens"][trace] == measured["cached_tokens"][trace]
     result["requests_with_equal_hits"] = int(same.sum())
-    result["calibration"] = {**vars(rate), "host_load_bytes_per_s": link.bandwidth_bytes_per_s}
+    result["calibration"] = {
+        **vars(rate),
+        "host_load_bytes_per_s": link.bandwidth_bytes_per_s,
+        "host_load_latency_s": link.latency_s,
+    }
     result["elapsed_s"] = round(time.perf_counter() - started, 1)
     result["machine"] = machine_info()
     return result
