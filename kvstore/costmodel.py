@@ -13,6 +13,8 @@ import numpy as np
 
 from kvstore.errors import ConfigError
 
+LOAD_MARGIN = 2.0  # online: a load is refused only when predicted this many times slower
+
 
 @dataclass(frozen=True)
 class PrefillRate:
@@ -118,7 +120,7 @@ class OnlineLoadPlanner:
     than computing (noise must not undo hits). One caller thread (the scheduler's)."""
 
     def __init__(self, chunk_tokens: int, window: int = 256, min_compute_steps: int = 3,
-                 probe_every: int = 32, margin: float = 2.0) -> None:  # fmt: skip
+                 probe_every: int = 32, margin: float = LOAD_MARGIN) -> None:  # fmt: skip
         self.chunk_tokens = chunk_tokens
         self.margin = margin  # recompute only chunks predicted `margin` times slower: noise
         self.steps: deque[Step] = deque(maxlen=window)

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from kvstore.bench.timing import machine_info
-from kvstore.costmodel import best_load_prefix
+from kvstore.costmodel import LOAD_MARGIN, TierLink, best_load_prefix
 from kvstore.plan import calibrate as cal
 from kvstore.plan import scaled
 from kvstore.plan.scaled import ScaledSlice, scaled_slice
@@ -158,17 +158,20 @@ def _calibration(runs: list[Run], measured: dict, chunk_bytes: int):
 
 
 def _predict(runs: list[Run], arena_pages: int, rate, link, chunk_bytes: int) -> dict:
-    """The plan's view of the same runs: replayed hits, then the cost model's TTFT."""
+    """The plan's view of the same runs: replayed hits, the connector's load-or-recompute rule
+    (a load is refused only when predicted LOAD_MARGIN times slower), then the TTFT."""
     hits = replay_tiers([r.keyed for r in runs], arena_pages, 0, POLICY)
+    lenient = TierLink(link.bandwidth_bytes_per_s * LOAD_MARGIN, link.latency_s / LOAD_MARGIN)
     ttft, loaded = [], []
     for number, run in enumerate(runs):
         chunks = int(hits.hit_chunks["host"][number])
-        count, seconds = best_load_prefix(
-            ["host"] * chunks, [CHUNK_TOKENS] * chunks, chunk_bytes, len(run.prompt), rate,
-            {"host": link}, overlap=False,
-        )  # fmt: skip
-        ttft.append(seconds)
-        loaded.append(count * CHUNK_TOKENS)
+        tiers, sizes = ["host"] * chunks, [CHUNK_TOKENS] * chunks
+        count = best_load_prefix(tiers, sizes, chunk_bytes, len(run.prompt), rate,
+                                 {"host": lenient})[0]  # fmt: skip
+        load_s = (link.latency_s + link.load_s(count * chunk_bytes)) if count else 0.0
+        cached = count * CHUNK_TOKENS
+        ttft.append(load_s + rate.compute_s(len(run.prompt) - cached, cached))
+        loaded.append(cached)
     return {"ttft_s": np.array(ttft), "cached_tokens": np.array(loaded)}
 
 
