@@ -79,7 +79,7 @@ def best_load_prefix(
         load_s += link.load_s(chunk_bytes)
         cached += tokens
         ttft_s = predicted_ttft_s(load_s, rate.compute_s(prompt_tokens - cached, cached), overlap)
-        if ttft_s <= best_s:
+        if ttft_s <= best_s + 1e-9:  # ties (a rate fitted flat) load
             best, best_s = index + 1, ttft_s
     return best, best_s
 
@@ -138,7 +138,8 @@ class OnlineLoadPlanner:
         count = len(tiers)
         rate, per_chunk_s = self.estimates()
         if tiers and rate is not None and self.decisions % self.probe_every:
-            links = {tier: TierLink(self.margin / max(per_chunk_s.get(tier, 0.0), 1e-9))
+            # an unmeasured (or free) tier costs nothing: loading it is how it gets measured
+            links = {tier: TierLink(self.margin / max(per_chunk_s.get(tier, 0.0), 1e-30))
                      for tier in set(tiers)}  # fmt: skip
             sizes = [self.chunk_tokens] * len(tiers)
             count = best_load_prefix(tiers, sizes, 1, prompt_tokens, rate, links)[0]

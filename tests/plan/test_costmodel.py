@@ -91,3 +91,12 @@ def test_the_prefill_fit_ignores_a_stall():
     seconds[4] += 2.0  # the machine stalled once
     fitted = fit_prefill(lengths, seconds)
     assert fitted.compute_s(2000) == pytest.approx(truth.compute_s(2000), rel=0.01)
+
+
+def test_an_unmeasured_tier_is_loaded_even_when_compute_looks_free():
+    """Regression: a rate fitted flat (every prompt the same time) made any load a loss."""
+    planner = OnlineLoadPlanner(chunk_tokens=128)
+    for number in range(4):
+        planner.step_started([(f"cold-{number}", 200 * (number + 1), 0)], float(number))
+        planner.step_ended(number + 0.02)  # 20 ms whatever the length
+    assert planner.chunks_to_load("probe", ["remote"] * 4, 600) == 4
