@@ -34,6 +34,12 @@ def _replay(args: argparse.Namespace) -> dict:
     return run_replay(args.trace, args.policy, args.capacity_blocks, progress=sys.stderr.isatty())
 
 
+def _plan(args: argparse.Namespace) -> dict | int:
+    from kvstore.plan.command import run_plan_command
+
+    return run_plan_command(args)
+
+
 def _bench_micro(args: argparse.Namespace) -> dict:
     from kvstore.bench.micro import run_micro
 
@@ -310,6 +316,12 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--capacity-blocks", type=int, required=True)
     replay.add_argument("--json", action="store_true", help="print one JSON object")
     replay.set_defaults(handler=_replay)
+
+    from kvstore.plan.command import add_plan_flags
+
+    plan = commands.add_parser("plan", help="hit ratio, TTFT and $/Mtok per tier configuration")
+    add_plan_flags(plan)
+    plan.set_defaults(handler=_plan)
 
     bench = commands.add_parser("bench", help="benchmarks; each prints JSON with --json")
     benches = bench.add_subparsers(dest="bench", required=True)
