@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import secrets
 import time
 from collections.abc import Callable, Sequence
 
@@ -34,13 +35,14 @@ from kvstore.metadata.redis_scripts import SCRIPTS, WRITES
 
 NO_WAIT = Durability()
 WAIT_CHUNK_S = 2.0  # XREAD BLOCK slices, so a blocked read never meets the socket timeout
+SNAPSHOT_SCAN_COUNT = 512  # keys asked of each SCAN page of a snapshot (one bounded reply each)
 
 
 # Keys, after the prefix P (bytes; `{prefix}` on a cluster, so all share one slot): :seq, :lease
 # (counters), :ev (event stream, ids 0-<seq>), :exp (zset node -> expires_at: the node
 # registry), :node:<id> (hash lease, ttl, info), :held:<id> (set of tier\0tenant\0key),
 # :ncount:<id> / :tiers / :tenants (count hashes), :h:<tenant>\0<key> (string of
-# node\0tier\0size\0checksum\0 records: one MGET serves a lookup).
+# node\0tier\0size\0checksum\0 records: one MGET serves a lookup), :inc (the incarnation).
 # Keys may hold NUL; tenants, node ids and tiers don't.
 def _pairs(flat: list[bytes]) -> dict[str, int]:
     return {flat[i].decode(): int(flat[i + 1]) for i in range(0, len(flat), 2)}
@@ -195,6 +197,41 @@ class RedisIndex(MetadataIndex):
             found.append(holders)
         return found
 
+    def snapshot(self, tenant: str) -> tuple[int, dict[str, NodeRecord], list]:
+        """The seq first, then SCAN pages of holder records (each page one script: SCAN + MGET).
+        Not a point-in-time copy, but replay-safe: a key no event after that seq touched reads
+        as it was at the seq, and a key one did is set by replaying those events (idempotent
+        adds and removes, in order) whatever the copy read. The seq and every page are read on
+        one master: a failover mid-way (an error) restarts the whole copy on the new one."""
+        stem = self._prefix + b":h:"
+        pattern = _glob_escape(stem + (tenant.encode() + b"\0" if tenant else b"")) + b"*"
+        last_seq, held = self._link.call(lambda client: self._scan(client, pattern, len(stem)))
+        copies = [(name, list(held[name].items())) for name in sorted(held)]
+        return last_seq, self.live_nodes(), copies
+
+    def _scan(self, client: redis.Redis, pattern: bytes, stem_len: int) -> tuple[int, dict]:
+        last_seq = int(client.get(self._prefix + b":seq") or 0)
+        script, keys, held, cursor = self._scripts["scan"], [self._prefix + b":seq"], {}, b"0"
+        while True:
+            args = [self._prefix, cursor, pattern, SNAPSHOT_SCAN_COUNT]
+            cursor, names, blobs = script(keys=keys, args=args, client=client)
+            for name, blob in zip(names, blobs, strict=True):
+                if blob:  # gone between SCAN and MGET: its removal is an event after last_seq
+                    tenant, _, key = name[stem_len:].partition(b"\0")
+                    pairs = _parse_holders.__wrapped__(blob)[2]  # uncached: a copy is read once
+                    held.setdefault(tenant.decode(), {})[key] = {
+                        (h.node_id, h.tier): h for _, h in pairs
+                    }
+            if cursor in (b"0", 0):
+                return last_seq, held
+
+    @property
+    def incarnation(self) -> int:  # type: ignore[override]
+        """Random, kept at P:inc by whichever replica reads it first, so replicas over one Redis
+        agree; a Redis that lost its data (FLUSHALL, a restart without persistence) gets a new
+        one, as its events are numbered afresh. One round trip (Stats and Snapshot ask)."""
+        return int(self._run("incarnation", [self._prefix, secrets.randbits(63) | 1]))
+
     def _round_trip(self, *commands: tuple) -> list:
         """Send `commands` back to back on one pooled connection and read their raw replies:
         the lookup hot path, without the pipeline machinery (about 60 µs less per call)."""
@@ -269,6 +306,13 @@ def _parse_holders(blob: bytes) -> tuple[frozenset[bytes], tuple[Holding, ...], 
         for i in range(0, len(parts) - 1, 4)
     )  # fmt: skip
     return frozenset(node for node, _ in pairs), tuple(h for _, h in pairs), pairs
+
+
+def _glob_escape(text: bytes) -> bytes:
+    """`text` matched literally in a SCAN MATCH pattern."""
+    for special in (b"\\", b"*", b"?", b"[", b"]"):
+        text = text.replace(special, b"\\" + special)
+    return text
 
 
 def _round_trip_on(pool: redis.ConnectionPool, commands: tuple) -> list:

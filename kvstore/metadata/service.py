@@ -294,14 +294,23 @@ class MetadataServicer:
             )
             page_keys = min(request.page_keys or 1024, self.limits.max_batch)
             loop = asyncio.get_running_loop()
-            copy = await loop.run_in_executor(self.pool, self.index.snapshot, request.tenant)
+            copy, incarnation = await loop.run_in_executor(
+                self.pool, _copy_of, self.index, request.tenant
+            )
         except errors.KVStoreError as exc:
             self.metrics.rpcs.labels("Snapshot", status_for(exc).name).inc()
             await context.abort(status_for(exc), str(exc))
         self.metrics.rpcs.labels("Snapshot", "OK").inc()
-        pages = wire.snapshot_pages(copy, request.max_keys, page_keys, self.index.incarnation)
+        pages = wire.snapshot_pages(copy, request.max_keys, page_keys, incarnation)
         while (page := await loop.run_in_executor(self.pool, next, pages, None)) is not None:
             yield page
+
+
+def _copy_of(index: MetadataIndex, tenant: str) -> tuple[tuple, int]:
+    """(the index's snapshot, its incarnation read first): a copy of a newer incarnation than
+    it says is one the agent's next Stats check resyncs (the Redis index's is a round trip)."""
+    incarnation = index.incarnation
+    return index.snapshot(tenant), incarnation
 
 
 _UNARY_METHODS = (

@@ -72,6 +72,15 @@ def redis_cluster(tmp_path_factory):
         cluster.stop()
 
 
+def url_for(backend: str, request) -> str | None:
+    """The server (or cluster seeds) a redis backend talks to; None for the embedded ones."""
+    if backend == "redis":
+        return request.getfixturevalue("redis_url")
+    if backend == "redis-cluster":
+        return request.getfixturevalue("redis_cluster").url
+    return None
+
+
 def make_index(kind: str, tmp_path, clock, redis_url=None, **options):
     """`redis_url`: a standalone server's for "redis", the cluster's seeds for "redis-cluster"."""
     if kind == "memory":

@@ -7,7 +7,7 @@ import pytest
 
 from kvstore.errors import LeaseError, NotFoundError, QuotaExceededError
 from kvstore.metadata.index import TIERS, BlockEntry, NodeRecord
-from tests.metadata.conftest import FakeClock, make_index
+from tests.metadata.conftest import FakeClock, make_index, url_for
 
 KEYS = [bytes([i]) * 16 for i in range(32)]
 
@@ -15,15 +15,6 @@ KEYS = [bytes([i]) * 16 for i in range(32)]
 @pytest.fixture(params=["memory", "lmdb", "redis", "redis-cluster"])
 def backend(request):
     return request.param
-
-
-def url_for(backend: str, request) -> str | None:
-    """The server (or cluster seeds) a redis backend talks to; None for the embedded ones."""
-    if backend == "redis":
-        return request.getfixturevalue("redis_url")
-    if backend == "redis-cluster":
-        return request.getfixturevalue("redis_cluster").url
-    return None
 
 
 @pytest.fixture

@@ -199,15 +199,24 @@ def test_past_its_size_cap_the_agent_asks_the_service(tmp_path):
         assert a.stats()["view"]["keys"] == 4
 
 
-def test_on_a_backend_without_snapshots_lookups_ask_the_service(tmp_path):
+def test_on_a_redis_backend_the_view_converges_and_answers_with_the_service_frozen(tmp_path):
     with redis_server() as redis, metadata_process(
         "--backend", "redis", "--redis-url", f"redis://127.0.0.1:{redis.connection_pool.connection_kwargs['port']}/0"
-    ) as (_, address):  # fmt: skip
+    ) as (service, address):  # fmt: skip
+        peer = FakePeer(address, "node-r")
+        peer.publish(KEYS[:4])  # before the agent: its snapshot carries them
         with agent_at(tmp_path, address) as a:
-            FakePeer(address, "node-r").publish(KEYS[:2])
-            assert converges(a, KEYS, 2)
-            assert wait_until(lambda: a.view_feed.disabled)
-            assert not a.view.ready
+            assert wait_until(lambda: a.view.ready, timeout_s=10), a.view_feed.disabled
+            assert a.view.remote_prefix("t", KEYS) == 4
+            peer.publish(KEYS[4:6])  # after it: the events carry them
+            peer.evict(KEYS[5:6])
+            assert converges(a, KEYS, 5)
+            assert a.view.remote_prefix("t", KEYS) == 5 and not a.view_feed.disabled
+            service.send_signal(signal.SIGSTOP)  # no round trip could be answered now
+            try:
+                assert remote_hits(a.config.socket_path, KEYS) == 5, "from the view"
+            finally:
+                service.send_signal(signal.SIGCONT)
 
 
 def test_an_agent_refused_a_stream_slot_asks_the_service_until_it_gets_one(tmp_path):
