@@ -27,7 +27,7 @@ class Writer:
 
     def __init__(self, client, lease: int) -> None:
         self.client, self.lease = client, lease
-        self.acked: list[tuple[float, list[bytes]]] = []  # (ack time, keys)
+        self.acked: list[tuple[float, float, list[bytes]]] = []  # (sent, acknowledged, keys)
         self.latencies_s: list[float] = []
         self.failures = 0
         self.stop = threading.Event()
@@ -45,11 +45,12 @@ class Writer:
                 continue  # the same batch again: publish is idempotent
             done = time.monotonic()
             self.latencies_s.append(done - started)
-            self.acked.append((done, keys))
+            self.acked.append((started, done, keys))
             batch += 1
 
     def acked_after(self, moment: float) -> int:
-        return sum(1 for at, _ in self.acked if at > moment)
+        """Writes sent after `moment` and acknowledged."""
+        return sum(1 for sent, _, _ in self.acked if sent > moment)
 
 
 def _wait_for(predicate, timeout_s: float) -> bool:
@@ -68,6 +69,21 @@ def _promoted(cluster, slot_key: bytes, killed: int) -> bool:
         return False
 
 
+def _register_once_replicas_caught_up(client) -> int:
+    """The node's lease, registered once the cluster's replicas answer WAIT again (a master
+    restarted by an earlier drill may still be syncing as a replica)."""
+    deadline = time.monotonic() + FAILOVER_BUDGET_S
+    while True:
+        try:
+            return client.register_node(
+                NodeRecord("n1", tcp_address="n1:1"), lease_ttl_ms=120_000
+            )[0]  # fmt: skip
+        except UnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
 def _drill(tmp_path, cluster, wait_replicas: int, replica_lag_s: float) -> dict:
     prefix = f"drill-{uuid.uuid4().hex[:8]}"
     settings = dict(
@@ -76,7 +92,7 @@ def _drill(tmp_path, cluster, wait_replicas: int, replica_lag_s: float) -> dict:
         redis_failover_timeout_s=FAILOVER_BUDGET_S,
     )  # fmt: skip
     with running_server(tmp_path, **settings) as server, client_for(server, timeout_s=30) as c:
-        lease, _ = c.register_node(NodeRecord("n1", tcp_address="n1:1"), lease_ttl_ms=120_000)
+        lease = _register_once_replicas_caught_up(c)
         writer = Writer(c, lease)
         writer.thread.start()
         time.sleep(LOAD_BEFORE_KILL_S)
@@ -88,6 +104,7 @@ def _drill(tmp_path, cluster, wait_replicas: int, replica_lag_s: float) -> dict:
             time.sleep(replica_lag_s)
         killed_at = time.monotonic()
         cluster.kill(master)
+        killed_by = time.monotonic()  # a write sent from now on can only reach the new master
         cluster.resume(replica)
         rejoined = False
         try:
@@ -95,13 +112,16 @@ def _drill(tmp_path, cluster, wait_replicas: int, replica_lag_s: float) -> dict:
             if wait_replicas:  # the promoted replica has none of its own until the old rejoins
                 cluster.restart(master)
                 rejoined = True
-            resumed = _wait_for(lambda: writer.acked_after(killed_at) > 0, FAILOVER_BUDGET_S)
-            first_ack = min((at for at, _ in writer.acked if at > killed_at), default=killed_at)
+            resumed = _wait_for(lambda: writer.acked_after(killed_by) > 0, FAILOVER_BUDGET_S)
+            first_ack = min((done for sent, done, _ in writer.acked if sent > killed_by),
+                            default=killed_at)  # fmt: skip
             time.sleep(LOAD_AFTER_FAILOVER_S)
             writer.stop.set()
             writer.thread.join(timeout=FAILOVER_BUDGET_S)
-            before = [keys for at, keys in writer.acked if at <= killed_at]
-            after = [keys for at, keys in writer.acked if at > killed_at]
+            # acknowledged before the kill began / sent after it ended (those in flight across
+            # the kill may have reached either master: neither promised nor counted)
+            before = [keys for _, done, keys in writer.acked if done <= killed_at]
+            after = [keys for sent, _, keys in writer.acked if sent > killed_by]
             kept = sum(len(c.lookup("t", keys).holders) == BATCH_KEYS for keys in before)
             kept_after = sum(len(c.lookup("t", keys).holders) == BATCH_KEYS for keys in after)
         finally:
