@@ -6,7 +6,7 @@
 #   --editable       pip install -e (CI); default: a regular install (images)
 #   --torch VERSION  the torch to install first (default 2.13.0, the CPU build); `none` keeps the
 #                    environment's torch (the CUDA image's, which vLLM brings)
-#   --extras LIST    the project's extras, comma-separated (test, ucx, vllm)
+#   --extras LIST    the project's extras, comma-separated (test, ucx, vllm, plan)
 #   --dry-run        print the commands, run nothing
 #   SOURCE           the project directory (default: this script's parent)
 set -euo pipefail
@@ -26,7 +26,7 @@ while (($#)); do
   shift
 done
 if [[ ! $extras =~ ^[a-z,]*$ ]]; then
-  echo "install.sh: --extras is a comma-separated list of test, ucx, vllm" >&2; exit 2
+  echo "install.sh: --extras is a comma-separated list of test, ucx, vllm, plan" >&2; exit 2
 fi
 if [[ ! -f $src/pyproject.toml ]]; then
   echo "install.sh: $src has no pyproject.toml" >&2; exit 2

@@ -78,6 +78,10 @@ def _metadata_problems(config: MetadataConfig) -> Problems:
         problems.attempt(check_writable_dir, config.data_dir, "data_dir")
     if config.backend == "redis":
         problems.attempt(check_redis_url, config.redis_url)
+    if config.backend == "redis-cluster":
+        from kvstore.metadata.redis_cluster import cluster_seeds
+
+        problems.attempt(cluster_seeds, config.redis_url)
     if config.token_file is not None:
         problems.attempt(check_token_file, config.token_file)
     if config.tls_cert is not None:

@@ -34,6 +34,12 @@ def _replay(args: argparse.Namespace) -> dict:
     return run_replay(args.trace, args.policy, args.capacity_blocks, progress=sys.stderr.isatty())
 
 
+def _plan(args: argparse.Namespace) -> dict | int:
+    from kvstore.plan.command import run_plan_command
+
+    return run_plan_command(args)
+
+
 def _bench_micro(args: argparse.Namespace) -> dict:
     from kvstore.bench.micro import run_micro
 
@@ -54,7 +60,8 @@ def _metadata_config(args: argparse.Namespace, backend: str | None = None):
 _METADATA_FLAGS = (
     "listen", "backend", "data_dir", "redis_url", "token_file", "tls_cert", "tls_key",
     "tls_client_ca", "key_quota_per_tenant", "metrics_listen", "max_watch_streams_per_tenant",
-    "lmdb_map_size_bytes",
+    "lmdb_map_size_bytes", "redis_wait_replicas", "redis_wait_timeout_ms",
+    "max_watch_streams_all_tenants",
 )  # fmt: skip
 
 
@@ -63,7 +70,7 @@ _NODE_FLAGS = (
     "disk_capacity_bytes", "host_policy", "disk_policy", "metadata_address",
     "metadata_token_file", "worker_credentials", "cluster_secret_file", "max_workers",
     "max_pins_per_worker", "private_buffer_bytes", "transfer", "transfer_host", "transfer_port",
-    "advertise_host", "node_metrics_listen",
+    "advertise_host", "node_metrics_listen", "view_max_keys",
 )  # fmt: skip
 
 
@@ -134,8 +141,14 @@ def _add_metadata_flags(parser: argparse.ArgumentParser, with_backend: bool) -> 
     parser.add_argument("--config", type=Path, help="TOML file; settings under [metadata]")
     parser.add_argument("--listen", help="gRPC host:port (default 127.0.0.1:50051)")
     if with_backend:
-        parser.add_argument("--backend", choices=["lmdb", "memory", "redis"])
-        parser.add_argument("--redis-url", help="redis://host:port/db for --backend redis")
+        parser.add_argument("--backend", choices=["lmdb", "memory", "redis", "redis-cluster"])
+        parser.add_argument(
+            "--redis-url", help="redis://host:port/db; redis-cluster: redis://h1:p1,h2:p2 (seeds)"
+        )
+        parser.add_argument(
+            "--redis-wait-replicas", type=int, help="WAIT for N replicas after each write (0)"
+        )
+        parser.add_argument("--redis-wait-timeout-ms", type=int, help="WAIT timeout (100)")
     parser.add_argument("--data-dir", type=Path, help="where LMDB keeps the index")
     parser.add_argument("--token-file", type=Path, help="'TOKEN TENANT' lines; enables auth")
     parser.add_argument("--tls-cert", type=Path)
@@ -143,8 +156,12 @@ def _add_metadata_flags(parser: argparse.ArgumentParser, with_backend: bool) -> 
     parser.add_argument("--tls-client-ca", type=Path, help="require client certificates")
     parser.add_argument("--key-quota-per-tenant", type=int)
     parser.add_argument(
-        "--max-watch-streams-per-tenant", type=int, help="WatchEvents streams per token (16)"
+        "--max-watch-streams-per-tenant", type=int, help="WatchEvents streams per tenant (16)"
     )
+    parser.add_argument(
+        "--max-watch-streams-all-tenants", type=int,
+        help="WatchEvents streams of all-tenant tokens: node agents hold one each (4096)",
+    )  # fmt: skip
     parser.add_argument("--lmdb-map-size-bytes", help="LMDB map of the index, e.g. 8GiB")
     parser.add_argument("--metrics-listen", help="host:port of the Prometheus endpoint")
 
@@ -194,6 +211,11 @@ def _add_node_flags(parser: argparse.ArgumentParser, standalone: bool) -> None:
     parser.add_argument("--max-workers", type=int, help="worker connections at once (256)")
     parser.add_argument("--max-pins-per-worker", type=int, help="pages one worker may hold")
     parser.add_argument("--private-buffer-bytes", help="buffer of each private worker (256MiB)")
+    parser.add_argument(
+        "--view-max-keys",
+        type=int,
+        help="keys the cluster view holds (1000000; 0: ask the service)",
+    )
 
 
 def _bench_transfer(args: argparse.Namespace) -> dict:
@@ -242,6 +264,20 @@ def _bench_soak(args: argparse.Namespace) -> dict:
     )  # fmt: skip
 
 
+def _bench_scale(args: argparse.Namespace) -> dict:
+    from kvstore.bench.scale import ScaleSpec, run_scale
+
+    seconds = args.seconds if args.seconds is not None else args.minutes * 60
+    options = {"trace": args.trace} if args.trace else {}
+    return run_scale(
+        ScaleSpec(
+            nodes=args.nodes, keys=args.keys, seconds=seconds, backend=args.backend,
+            agent_processes=args.agent_processes, max_rss_mib=args.max_rss_mib,
+            lease_ttl_ms=args.lease_ttl_ms, **options,
+        )
+    )  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvstore.eviction import policy_names
 
@@ -280,6 +316,12 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--capacity-blocks", type=int, required=True)
     replay.add_argument("--json", action="store_true", help="print one JSON object")
     replay.set_defaults(handler=_replay)
+
+    from kvstore.plan.command import add_plan_flags
+
+    plan = commands.add_parser("plan", help="hit ratio, TTFT and $/Mtok per tier configuration")
+    add_plan_flags(plan)
+    plan.set_defaults(handler=_plan)
 
     bench = commands.add_parser("bench", help="benchmarks; each prints JSON with --json")
     benches = bench.add_subparsers(dest="bench", required=True)
@@ -332,6 +374,18 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--shared-shm", action="store_true", help=_SHARED_SHM_HELP)
     soak.add_argument("--json", action="store_true")
     soak.set_defaults(handler=_bench_soak)
+    scale = benches.add_parser("scale", help="one metadata service under a simulated cluster")
+    scale.add_argument("--nodes", type=int, default=100)
+    scale.add_argument("--keys", type=int, default=1_000_000, help="preloaded before the run")
+    scale.add_argument("--minutes", type=float, default=1.0, help="of trace-rate load")
+    scale.add_argument("--seconds", type=float, help="instead of --minutes")
+    scale.add_argument("--backend", choices=["memory", "lmdb"], default="memory")
+    scale.add_argument("--agent-processes", type=int, default=3, help="simulated agents' procs")
+    scale.add_argument("--max-rss-mib", type=int, default=6144, help="stop preloading here")
+    scale.add_argument("--lease-ttl-ms", type=int, default=10_000, help="of every node")
+    scale.add_argument("--trace", type=Path, help="Mooncake JSONL (default: ../shared/traces)")
+    scale.add_argument("--json", action="store_true")
+    scale.set_defaults(handler=_bench_scale)
     return parser
 
 

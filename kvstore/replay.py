@@ -65,7 +65,9 @@ def _parse_request(line: str, where: str) -> TraceRequest:
             float(record["timestamp"]), int(record["input_length"]),
             tuple(int(hash_id) for hash_id in record["hash_ids"]),
         )  # fmt: skip
-    except (ValueError, KeyError, TypeError) as exc:
+    except KeyError as exc:
+        raise ConfigError(f"{where}: missing field {exc} of a Mooncake trace record") from None
+    except (ValueError, TypeError) as exc:
         raise ConfigError(f"{where}: not a Mooncake trace record ({exc})") from None
     if len(request.hash_ids) != math.ceil(request.input_tokens / TRACE_BLOCK_TOKENS):
         raise ConfigError(

@@ -34,6 +34,7 @@ def _announce_metadata(server: MetadataServer) -> None:
     config = server.config
     host = config.listen.rpartition(":")[0]
     where = {"lmdb": f" (data dir {config.data_dir})", "redis": f" ({config.redis_url})"}
+    where["redis-cluster"] = where["redis"]
     print(
         f"kvstore metadata service listening on {host}:{server.port}, "
         f"backend {config.backend}{where.get(config.backend, '')}, "

@@ -152,13 +152,17 @@ def kv_shape(vllm_config) -> tuple[int, int, int, str]:
 
 def kv_affecting_settings(vllm_config) -> dict:
     """The engine settings beside the model's files that change the KV of a token prefix; they
-    enter the model fingerprint (kv cache dtype is already in the layout)."""
+    enter the model fingerprint. Only those set away from their defaults are named, so a plain
+    engine's fingerprint is the model files' alone, as the SGLang backend computes it (the KV
+    dtype is in the block layout; the model's dtype is too, unless the cache dtype differs)."""
     model, cache = vllm_config.model_config, vllm_config.cache_config
     overrides = model.hf_overrides
     if callable(overrides):  # a function rewrites the config: name it, it cannot be hashed
         overrides = f"{overrides.__module__}.{overrides.__qualname__}"
-    return {
-        "dtype": str(model.dtype), "kv_cache_dtype": str(cache.cache_dtype),
+    kv_cache_dtype = str(cache.cache_dtype)
+    settings = {
+        "dtype": str(model.dtype) if kv_cache_dtype != "auto" else None,
+        "kv_cache_dtype": kv_cache_dtype,
         "calculate_kv_scales": bool(getattr(cache, "calculate_kv_scales", False)),
         "quantization": model.quantization, "quantization_config": model.quantization_config,
         "hf_overrides": overrides, "hf_config_path": model.hf_config_path,
@@ -167,6 +171,10 @@ def kv_affecting_settings(vllm_config) -> dict:
         "disable_sliding_window": model.disable_sliding_window,
         "model_class_overrides": model.model_class_overrides,
     }  # fmt: skip
+    return {name: value for name, value in settings.items() if value not in _DEFAULTS}
+
+
+_DEFAULTS = (None, False, "", "auto", {}, [])
 
 
 def _weights_fingerprint(model_weights: str) -> str:

@@ -31,7 +31,7 @@ class LookupQueue:
     leaves. Each scheduler step may spend at most INLINE_WAIT_S waiting, in total."""
 
     def __init__(self, lookup) -> None:
-        self._lookup = lookup  # (rank keys) -> LookupCounts, raises KVStoreError
+        self._lookup = lookup  # (request id, chain keys) -> LookupCounts, raises KVStoreError
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvstore-lookup")
         self._futures: dict[str, Future] = {}
         self._answers: dict[str, Answer] = {}
@@ -47,7 +47,7 @@ class LookupQueue:
         if future is None:
             if len(self._futures) >= IN_FLIGHT_MAX:
                 return None
-            future = self._futures[req_id] = self._executor.submit(self._timed, keys)
+            future = self._futures[req_id] = self._executor.submit(self._timed, req_id, keys)
         if not future.done() and self._wait_left_s > 0:
             started = time.monotonic()
             wait([future], timeout=self._wait_left_s)
@@ -58,10 +58,10 @@ class LookupQueue:
         answer = self._answers[req_id] = future.result()
         return answer
 
-    def _timed(self, keys: list[bytes]) -> Answer:
+    def _timed(self, req_id: str, keys: list[bytes]) -> Answer:
         started = time.perf_counter()
         try:
-            counts, error = self._lookup(keys), ""
+            counts, error = self._lookup(req_id, keys), ""
         except Exception as exc:  # KVStoreError, or a client broken under us: a miss
             counts, error = None, str(exc)
         return Answer(counts, error, time.perf_counter() - started, time.monotonic())

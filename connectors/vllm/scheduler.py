@@ -6,6 +6,7 @@ lookups (and the pull of other hosts' chunks into this host) run on its lookup t
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 from connectors.vllm import compat
@@ -16,6 +17,7 @@ from connectors.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpe
 from connectors.vllm.request_keys import RequestKeys
 from connectors.vllm.stats import LatencySamples
 from kvstore.client import LookupCounts
+from kvstore.costmodel import OnlineLoadPlanner
 from kvstore.errors import KVStoreError
 
 logger = logging.getLogger(__name__)
@@ -28,6 +30,7 @@ class RequestState:
     saved_chunks: int = 0  # chunks [0, saved_chunks) need no save (loaded or saved)
     load_chunks: int = 0
     computed_at_load: int = 0
+    prompt_tokens: int = 0
     local_hit_chunks: int = 0  # of the last lookup: leading chunks on this host (others remote)
     saves_scheduled: bool = False  # some worker may still be saving: delay the blocks' free
 
@@ -51,8 +54,10 @@ class SchedulerSide:
         self.delay_frees = compat.saves_outlive_steps()
         self.request_keys = RequestKeys(kv)
         self.stats = {"lookups": 0, "hit_tokens": 0, "lookup_failures": 0, "lookups_deferred": 0,
-                      "prefetched_blocks": 0, "saves_out_of_window": 0}  # fmt: skip
+                      "prefetched_blocks": 0, "recomputed_chunks": 0,
+                      "saves_out_of_window": 0}  # fmt: skip
         self.lookups = LookupQueue(self._lookup)
+        self.cost = OnlineLoadPlanner(kv.layout.chunk_tokens)  # load only what beats compute
         self.bypassed: dict[str, int] = {}  # reason -> requests (see RequestKeys.bypass_reason)
         self.samples = LatencySamples()
         self.longest_match_s = 0.0
@@ -81,7 +86,7 @@ class SchedulerSide:
             return 0
         state.computed_at_load = num_computed_tokens
         chunk = self.kv.layout.chunk_tokens
-        prompt_tokens = len(request.prompt_token_ids or [])
+        prompt_tokens = state.prompt_tokens = len(request.prompt_token_ids or [])
         usable = min(len(state.keys), (prompt_tokens - 1) // chunk)
         if usable * chunk <= num_computed_tokens:
             return 0
@@ -102,7 +107,7 @@ class SchedulerSide:
         self.samples.add("match_seconds", seconds)
         self.longest_match_s = max(self.longest_match_s, seconds)
 
-    def _lookup(self, chain_keys: list[bytes]) -> LookupCounts:
+    def _lookup(self, req_id: str, chain_keys: list[bytes]) -> LookupCounts:
         """On the lookup thread: the agent's answer for a prompt's chunk keys."""
         client = self.agent.client
         if client is None:
@@ -111,25 +116,45 @@ class SchedulerSide:
         block_keys = self.kv.lookup_keys(chain_keys)  # every rank's groups, chunk-major
         try:
             counts = client.lookup(self.settings.tenant, block_keys)
-            if counts.remote:
-                counts = self._prefetch(client, block_keys[: counts.total], counts.local)
+            chunks = counts.total // groups  # a chunk is a hit when every group's block is
+            local = min(counts.local // groups, chunks)
+            load = self._chunks_worth_loading(req_id, local, chunks - local)
+            if load <= local:
+                return LookupCounts(load, 0)
+            return self._prefetch(client, block_keys[: load * groups], local, groups)
         except KVStoreError:
             self.agent.drop()
             raise
-        chunks = counts.total // groups  # a chunk is a hit when every group's block is
-        local = min(counts.local // groups, chunks)
-        return LookupCounts(local, chunks - local)
 
-    def _prefetch(self, client, block_keys: list[bytes], local: int) -> LookupCounts:
+    def _chunks_worth_loading(self, req_id: str, local: int, remote: int) -> int:
+        """On the lookup thread: the leading cached chunks predicted faster to load than to
+        compute (kvstore.costmodel), decided before any is pulled from another host; the rest
+        are computed and counted in recomputed_chunks."""
+        state = self.requests.get(req_id)
+        if state is None:
+            return 0
+        chunk = self.kv.layout.chunk_tokens
+        skip = min(state.computed_at_load // chunk, local + remote)  # vLLM holds them already
+        tiers = (["local"] * local + ["remote"] * remote)[skip:]
+        load = self.cost.chunks_to_load(
+            req_id, tiers, state.prompt_tokens - skip * chunk, loaded_from="local"
+        )  # fmt: skip
+        self.stats["recomputed_chunks"] = self.cost.recomputed_chunks
+        return skip + load
+
+    def _prefetch(self, client, block_keys: list[bytes], local: int, groups: int) -> LookupCounts:
         """On the lookup thread: pull the chunks other hosts hold into this host's arena now,
         while vLLM is told to ask again, so the forward pass loads local pages only (a remote
-        fetch never runs inside it). What arrived is the answer; a chunk evicted again before
-        the workers load it is a load error, recomputed."""
+        fetch never runs inside it); the time it took teaches the cost model the remote tier.
+        What arrived is the answer; a chunk evicted again before the workers load it is a load
+        error, recomputed."""
+        started = time.perf_counter()
         loaded = client.load(self.settings.tenant, block_keys, verify=False,
                              timeout_s=self.settings.load_timeout_s)  # fmt: skip
         client.release(loaded)
-        got = len(loaded.payloads)
-        self.stats["prefetched_blocks"] += max(0, got - local)
+        got = len(loaded.payloads) // groups
+        self.cost.observe_fetch("remote", got - local, time.perf_counter() - started)
+        self.stats["prefetched_blocks"] += max(0, len(loaded.payloads) - local * groups)
         return LookupCounts(min(local, got), max(0, got - local))
 
     def _count(self, answer) -> None:
@@ -163,6 +188,9 @@ class SchedulerSide:
     def build_meta(self, scheduler_output) -> KVStoreConnectorMetadata:
         self.lookups.new_step()
         meta = KVStoreConnectorMetadata()
+        steps = [(s.req_id, s.num_scheduled_tokens, s.num_computed_tokens)
+                 for s in compat.scheduled_requests(scheduler_output)]  # fmt: skip
+        self.cost.step_started(steps, time.perf_counter())
         for scheduled in compat.scheduled_requests(scheduler_output):
             state = self.requests.get(scheduled.req_id)
             if state is None:
@@ -227,4 +255,6 @@ class SchedulerSide:
         self._bypassing.discard(request.request_id)
         self.lookups.discard(request.request_id)
         self._pending_loads.pop(request.request_id, None)
+        self.cost.step_ended(time.perf_counter())
+        self.cost.forget(request.request_id)
         return self.delay_frees and state is not None and state.saves_scheduled

@@ -36,6 +36,51 @@ class LookupResult:
     addresses: dict[str, tuple[str, str]]  # node id -> (tcp address, ucx address)
 
 
+@dataclass(frozen=True)
+class SnapshotPage:
+    last_seq: int
+    tenant: str
+    keys: list[bytes]
+    holders: LookupResult  # holders[i] hold keys[i]
+    truncated: bool  # the service's copy was cut at max_keys
+    incarnation: int  # of the index it was copied from (see StatsResponse)
+
+
+class EventStream:
+    """An open WatchEvents call: iterate its events; `cancel` (any thread) ends the iteration."""
+
+    def __init__(self, call) -> None:
+        self._call = call
+
+    def __iter__(self) -> Iterator[pb.Event]:
+        try:
+            yield from self._call
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.CANCELLED:
+                raise error_from_rpc(exc) from None
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+def lookup_result(response: pb.LookupResponse) -> LookupResult:
+    """Unflatten a LookupResponse's parallel arrays."""
+    nodes = response.nodes
+    addresses = {n.node_id: (n.tcp_address, n.ucx_address) for n in nodes}
+    made: dict[tuple[int, int], Holding] = {}  # one Holding per (node, tier): most repeat
+    flat = []
+    for pair in zip(response.holder_nodes, response.holder_tiers, strict=True):
+        holding = made.get(pair)
+        if holding is None:
+            holding = made[pair] = Holding(nodes[pair[0]].node_id, wire.PROTO_TO_TIER[pair[1]])
+        flat.append(holding)
+    holders, start = [], 0
+    for count in response.holder_counts:
+        holders.append(flat[start : start + count])
+        start += count
+    return LookupResult(response.prefix_length, holders, addresses)
+
+
 class MetadataClient:
     def __init__(
         self, address: str, token: str | None = None, tls_ca: Path | None = None,
@@ -105,18 +150,7 @@ class MetadataClient:
         request = pb.LookupRequest(
             tenant=tenant, keys=keys, caller_node_id=caller_node_id, chunk_tokens=chunk_tokens
         )
-        response = self._call("Lookup", request)
-        nodes = response.nodes
-        addresses = {n.node_id: (n.tcp_address, n.ucx_address) for n in nodes}
-        flat = [
-            Holding(nodes[index].node_id, wire.PROTO_TO_TIER[tier])
-            for index, tier in zip(response.holder_nodes, response.holder_tiers, strict=True)
-        ]
-        holders, start = [], 0
-        for count in response.holder_counts:
-            holders.append(flat[start : start + count])
-            start += count
-        return LookupResult(response.prefix_length, holders, addresses)
+        return lookup_result(self._call("Lookup", request))
 
     def route(
         self, tenant: str, keys: Sequence[bytes], candidates: Sequence[str] = ()
@@ -132,13 +166,30 @@ class MetadataClient:
     def watch_events(self, from_seq: int = 0, tenant: str = "") -> Iterator[pb.Event]:
         """Stream events from `from_seq` (0: only new). A KIND_GAP event means events up to its
         seq were lost: resync, then keep reading. Cancel by closing the iterator."""
-        request = pb.WatchEventsRequest(from_seq=from_seq, tenant=tenant)
-        stream = self._stub.WatchEvents(request, metadata=self._metadata)
+        stream = self.open_events(from_seq, tenant)
         try:
             yield from stream
+        finally:
+            stream.cancel()
+
+    def open_events(self, from_seq: int = 0, tenant: str = "") -> EventStream:
+        """As watch_events, as an object another thread can `cancel`."""
+        request = pb.WatchEventsRequest(from_seq=from_seq, tenant=tenant)
+        return EventStream(self._stub.WatchEvents(request, metadata=self._metadata))
+
+    def snapshot(self, tenant: str = "", max_keys: int = 0) -> Iterator[SnapshotPage]:
+        """The index's keys of `tenant` ("" every tenant) with their live holders, in pages;
+        apply the events after `last_seq` to it to follow the index (see node/view.py)."""
+        request = pb.SnapshotRequest(tenant=tenant, max_keys=max_keys)
+        stream = self._stub.Snapshot(request, metadata=self._metadata)
+        try:
+            for page in stream:
+                yield SnapshotPage(
+                    page.last_seq, page.tenant, list(page.keys), lookup_result(page.holders),
+                    page.truncated, page.incarnation,
+                )  # fmt: skip
         except grpc.RpcError as exc:
-            if exc.code() != grpc.StatusCode.CANCELLED:
-                raise error_from_rpc(exc) from None
+            raise error_from_rpc(exc) from None
         finally:
             stream.cancel()
 

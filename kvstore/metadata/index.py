@@ -12,6 +12,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvstore.errors import ConfigError
+
 TIERS = ("device", "host", "disk")  # fastest first; the proto's Tier enum in the same order
 
 
@@ -66,6 +68,7 @@ class MetadataIndex(ABC):
 
     backend: str = ""
     nonblocking_reads: bool = False  # lookup/live_nodes/stats do no I/O: safe on an event loop
+    incarnation: int = 0  # changes when the index restarts without its state; 0: unknown
 
     @abstractmethod
     def register_node(self, node: NodeRecord, lease_ttl_ms: int) -> NodeRecord:
@@ -117,6 +120,12 @@ class MetadataIndex(ABC):
     def stats(self) -> dict:
         """{"blocks": n, "blocks_per_tier": {...}, "blocks_per_node": {id: {tier: n}},
         "last_event_seq": n, "keys_per_tenant": {...}}"""
+
+    def snapshot(self, tenant: str) -> tuple[int, dict[str, NodeRecord], list]:
+        """(last event seq, live nodes, [(tenant, [(key, {slot: Holding})])]) of `tenant`
+        ("" every tenant): a copy for node agents' views, consistent with the events after
+        that seq. Backends without one raise ConfigError; agents then ask the service."""
+        raise ConfigError(f"the {self.backend} index serves no snapshots")
 
     def close(self) -> None:  # noqa: B027 (optional hook)
         """Release connections and files. Idempotent."""

@@ -1,13 +1,16 @@
 """The embedded metadata index: dictionaries in memory, written through to LMDB when given a
 data directory. Runs inside the metadata service process (`kvstore serve` / `kvstore metadata`).
-One lock guards everything; a condition wakes event watchers. Every mutation is committed to the
-journal first and applied to memory only once that succeeded; stats are kept as counters.
+One lock serialises writers; a condition wakes event watchers. Reads (lookup, live nodes) take
+no lock: they read dictionaries in single C-level steps (atomic under the GIL), so a writer
+committing to LMDB never delays a lookup. Every mutation is committed to the journal first and
+applied to memory only once that succeeded; stats are kept as counters.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import secrets
 import threading
 import time
 from collections import Counter
@@ -31,6 +34,8 @@ logger = logging.getLogger(__name__)
 
 Slot = tuple[str, str]  # (node_id, tier)
 Held = tuple[str, bytes, str]  # (tenant, key, tier)
+Holders = dict[bytes, dict[Slot, Holding]]  # one tenant's keys
+SnapshotCopy = tuple[int, dict[str, NodeRecord], list[tuple[str, list[tuple[bytes, dict]]]]]
 
 
 class MemoryIndex(MetadataIndex):
@@ -50,7 +55,9 @@ class MemoryIndex(MetadataIndex):
         self._clock = clock
         self._cond = threading.Condition(threading.RLock())
         self._nodes: dict[str, NodeRecord] = {}
-        self._holders: dict[tuple[str, bytes], dict[Slot, Holding]] = {}
+        self._holders: dict[str, Holders] = {}  # tenant -> key -> holders
+        self._alive: tuple[int, float, frozenset[str]] = (-1, 0.0, frozenset())
+        self._nodes_version = 0  # bumped by every change of membership (not by heartbeats)
         self._by_node: dict[str, set[Held]] = {}
         self._tenant_keys: Counter[str] = Counter()
         self._tier_blocks: Counter[str] = Counter()
@@ -58,9 +65,19 @@ class MemoryIndex(MetadataIndex):
         self._events = EventRing(max_events)
         self._journal = Journal(data_dir, map_size_bytes) if data_dir else None
         self._last_seq = self._journal.counter("last_seq") if self._journal else 0
+        self.incarnation = self._incarnation()
         first_lease = self._journal.counter("last_lease") + 1 if self._journal else 1
         self._lease_ids = itertools.count(first_lease)
         self._load()
+
+    def _incarnation(self) -> int:
+        """Random per index; kept in the journal, whose events keep their numbers."""
+        existing = self._journal.counter("incarnation") if self._journal else 0
+        if existing:
+            return existing
+        incarnation = secrets.randbits(63) | 1
+        self._commit(lambda txn: txn.put_counter("incarnation", incarnation))
+        return incarnation
 
     def _load(self) -> None:
         if self._journal is None:
@@ -93,6 +110,7 @@ class MemoryIndex(MetadataIndex):
 
             self._commit(write)
             self._nodes[node.node_id] = record
+            self._nodes_version += 1
             self._by_node.setdefault(node.node_id, set())
             return record
 
@@ -126,9 +144,8 @@ class MemoryIndex(MetadataIndex):
             return self._drop_node(node_id)
 
     def live_nodes(self) -> dict[str, NodeRecord]:
-        with self._cond:
-            now = self._clock()
-            return {n: r for n, r in self._nodes.items() if r.expires_at > now}
+        now = self._clock()
+        return {r.node_id: r for r in list(self._nodes.values()) if r.expires_at > now}
 
     def expire_leases(self) -> list[str]:
         with self._cond:
@@ -148,6 +165,7 @@ class MemoryIndex(MetadataIndex):
         self._commit(write)
         self._forget_holdings(node_id, held)
         self._nodes.pop(node_id, None)
+        self._nodes_version += 1
         self._by_node.pop(node_id, None)
         self._node_blocks.pop(node_id, None)
         return len(held)
@@ -161,7 +179,7 @@ class MemoryIndex(MetadataIndex):
             fresh = {
                 (e.key, e.tier): Holding(node_id, e.tier, e.size_bytes, e.checksum)
                 for e in entries
-                if (node_id, e.tier) not in self._holders.get((tenant, e.key), {})
+                if (node_id, e.tier) not in self._holders.get(tenant, {}).get(e.key, {})
             }
             self._check_quota(tenant, {key for key, _ in fresh})
 
@@ -179,7 +197,8 @@ class MemoryIndex(MetadataIndex):
     def _check_quota(self, tenant: str, keys: set[bytes]) -> None:
         if not self._quota:
             return
-        new_keys = sum(1 for key in keys if (tenant, key) not in self._holders)
+        held = self._holders.get(tenant, {})
+        new_keys = sum(1 for key in keys if key not in held)
         if self._tenant_keys[tenant] + new_keys > self._quota:
             raise QuotaExceededError(
                 f"tenant {tenant!r} holds {self._tenant_keys[tenant]} keys; {new_keys} more "
@@ -200,9 +219,10 @@ class MemoryIndex(MetadataIndex):
             return len(gone)
 
     def _add_holding(self, tenant: str, key: bytes, holding: Holding) -> None:
-        holders = self._holders.get((tenant, key))
+        keys = self._holders.setdefault(tenant, {})
+        holders = keys.get(key)
         if holders is None:
-            holders = self._holders[(tenant, key)] = {}
+            holders = keys[key] = {}
             self._tenant_keys[tenant] += 1
         holders[(holding.node_id, holding.tier)] = holding
         self._by_node.setdefault(holding.node_id, set()).add((tenant, key, holding.tier))
@@ -219,33 +239,66 @@ class MemoryIndex(MetadataIndex):
         """Memory only: the journal already dropped them. Emits one removed event each."""
         node_blocks = self._node_blocks.get(node_id, Counter())
         for tenant, key, tier in held:
-            holders = self._holders.get((tenant, key), {})
+            keys = self._holders.get(tenant, {})
+            holders = keys.get(key, {})
             holders.pop((node_id, tier), None)
             if not holders:
-                self._holders.pop((tenant, key), None)
+                keys.pop(key, None)
                 self._tenant_keys[tenant] -= 1
                 if not self._tenant_keys[tenant]:
                     del self._tenant_keys[tenant]
+                    self._holders.pop(tenant, None)
             self._by_node.get(node_id, set()).discard((tenant, key, tier))
             _decrement(self._tier_blocks, tier)
             _decrement(node_blocks, tier)
             self._emit("removed", tenant, key, node_id, tier)
 
     def lookup(self, tenant: str, keys: Sequence[bytes]) -> list[list[Holding]]:
-        with self._cond:
-            alive = self._alive_ids()
-            found: list[list[Holding]] = []
-            for key in keys:
-                holders = self._holders.get((tenant, key))
-                live = [h for h in holders.values() if h.node_id in alive] if holders else None
-                if not live:
-                    break
-                found.append(live)
+        """Lock-free: each dictionary is read in one C-level step (`get`, `tuple(values())`),
+        which no writer thread can interleave; a concurrent write is seen whole or not at all
+        per key, as under the lock."""
+        alive = self._alive_ids()
+        held = self._holders.get(tenant)
+        found: list[list[Holding]] = []
+        if held is None:
             return found
+        for key in keys:
+            holders = held.get(key)
+            if not holders:
+                break
+            values = tuple(holders.values())
+            if len(values) == 1:  # the common case, without a comprehension's frame
+                live = list(values) if values[0].node_id in alive else None
+            else:
+                live = [h for h in values if h.node_id in alive]
+            if not live:
+                break
+            found.append(live)
+        return found
 
-    def _alive_ids(self) -> set[str]:
+    def _alive_ids(self) -> frozenset[str]:
+        """Ids of live nodes, recomputed only when membership changed or the earliest lease
+        of the cached set ran out: O(1) per lookup, not O(nodes). Heartbeats only extend
+        leases, so they cannot make the cached set wrong before its earliest expiry."""
+        version, valid_until, alive = self._alive
         now = self._clock()
-        return {node_id for node_id, node in self._nodes.items() if node.expires_at > now}
+        if version == self._nodes_version and now < valid_until:
+            return alive
+        version = self._nodes_version
+        records = [r for r in list(self._nodes.values()) if r.expires_at > now]
+        valid_until = min((r.expires_at for r in records), default=float("inf"))
+        alive = frozenset(r.node_id for r in records)
+        self._alive = (version, valid_until, alive)
+        return alive
+
+    def snapshot(self, tenant: str) -> SnapshotCopy:
+        """(last seq, live nodes, [(tenant, [(key, holders)])]) copied under the lock in
+        C-level steps only (a few ms per million keys), for a node agent's view."""
+        with self._cond:
+            tenants = [tenant] if tenant else sorted(self._holders)
+            copies = [(t, list(self._holders.get(t, {}).items())) for t in tenants]
+            last_seq, nodes = self._last_seq, self.live_nodes()
+        return last_seq, nodes, copies
 
     # ---- events ---------------------------------------------------------------------------
     def _emit(self, kind: str, tenant: str, key: bytes, node_id: str, tier: str) -> None:

@@ -1,24 +1,22 @@
 """The Redis metadata index: all state in one Redis server, shared by metadata-service replicas.
 
 Runs inside each `kvstore metadata --backend redis` process. Multi-key mutations are Lua scripts
-(atomic); lease time comes from the injected clock, never from Redis TTLs. Standalone Redis only.
+(atomic); lease time comes from the injected clock, never from Redis TTLs. Standalone Redis or a
+Redis Cluster (redis_cluster.py: all keys in one hash slot, so every script runs on one master).
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import secrets
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from urllib.parse import urlsplit, urlunsplit
+from collections.abc import Callable, Sequence
 
 import redis
-from redis.backoff import ExponentialWithJitterBackoff
-from redis.retry import Retry
+from redis.commands.core import Script
 
 from kvstore.errors import (
-    ConfigError,
     LeaseError,
     NotFoundError,
     QuotaExceededError,
@@ -32,35 +30,28 @@ from kvstore.metadata.index import (
     MetadataIndex,
     NodeRecord,
 )
-from kvstore.metadata.redis_scripts import SCRIPTS
+from kvstore.metadata.redis_cluster import ClusterLink, Durability, StandaloneLink
+from kvstore.metadata.redis_scripts import SCRIPTS, WRITES
 
-CONNECT_TIMEOUT_S = 2.0
-COMMAND_TIMEOUT_S = 10.0  # scripts over large batches stay well below this
+NO_WAIT = Durability()
 WAIT_CHUNK_S = 2.0  # XREAD BLOCK slices, so a blocked read never meets the socket timeout
+SNAPSHOT_SCAN_COUNT = 512  # keys asked of each SCAN page of a snapshot (one bounded reply each)
 
 
-# Keys, after the prefix P (bytes): :seq, :lease (counters), :ev (event stream, ids 0-<seq>),
-# :exp (zset node -> expires_at: the node registry), :node:<id> (hash lease, ttl, info),
-# :held:<id> (set of tier\0tenant\0key), :ncount:<id> / :tiers / :tenants (count hashes),
-# :h:<tenant>\0<key> (string of node\0tier\0size\0checksum\0 records: one MGET serves a lookup).
+# Keys, after the prefix P (bytes; `{prefix}` on a cluster, so all share one slot): :seq, :lease
+# (counters), :ev (event stream, ids 0-<seq>), :exp (zset node -> expires_at: the node
+# registry), :node:<id> (hash lease, ttl, info), :held:<id> (set of tier\0tenant\0key),
+# :ncount:<id> / :tiers / :tenants (count hashes), :h:<tenant>\0<key> (string of
+# node\0tier\0size\0checksum\0 records: one MGET serves a lookup), :inc (the incarnation).
 # Keys may hold NUL; tenants, node ids and tiers don't.
 def _pairs(flat: list[bytes]) -> dict[str, int]:
     return {flat[i].decode(): int(flat[i + 1]) for i in range(0, len(flat), 2)}
 
 
-def _redacted(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = f"{parts.username or ''}:***@{parts.hostname}" + (
-        f":{parts.port}" if parts.port else ""
-    )
-    return urlunsplit(parts._replace(netloc=netloc))
-
-
 class RedisIndex(MetadataIndex):
     """MetadataIndex over Redis. Thread-safe (a connection pool); any number of replicas may
-    share one server and prefix. Connection failures raise UnavailableError naming the URL."""
+    share one server (or cluster) and prefix. Connection failures raise UnavailableError naming
+    the URL; on a cluster, after `failover_timeout_s` of retries."""
 
     backend = "redis"
 
@@ -71,36 +62,40 @@ class RedisIndex(MetadataIndex):
         key_quota_per_tenant: int = 0,
         max_events: int = 100_000,
         clock: Callable[[], float] = time.time,
+        *,
+        cluster: bool = False,
+        durability: Durability = NO_WAIT,
+        failover_timeout_s: float = 10.0,
     ) -> None:
-        self._url = _redacted(url)
-        self._prefix = prefix.encode()
+        if cluster:
+            self._link: ClusterLink | StandaloneLink = ClusterLink(url, prefix, failover_timeout_s)
+        else:
+            self._link = StandaloneLink(url)
+        self.backend = "redis-cluster" if cluster else "redis"
+        self._url = self._link.url
+        self._prefix = self._link.key_prefix(prefix)
         self._quota = key_quota_per_tenant
         self._max_events = max_events
         self._clock = clock
-        self._redis = self._connect(url)
-        self._scripts = {name: self._redis.register_script(body) for name, body in SCRIPTS.items()}
+        self._durability = durability
+        self._scripts = {name: Script(None, body.encode())
+                         for name, body in SCRIPTS.items()}  # fmt: skip
 
-    @staticmethod
-    def _connect(url: str) -> redis.Redis:
-        try:
-            return redis.Redis.from_url(
-                url, decode_responses=False, protocol=2,
-                socket_connect_timeout=CONNECT_TIMEOUT_S, socket_timeout=COMMAND_TIMEOUT_S,
-                retry=Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.2), retries=3),
-            )  # fmt: skip
-        except ValueError as exc:
-            raise ConfigError(f"redis url {_redacted(url)!r} is invalid: {exc}") from exc
-
-    @contextmanager
-    def _guard(self) -> Iterator[None]:
-        try:
-            yield
-        except (redis.ConnectionError, redis.TimeoutError, redis.ReadOnlyError) as exc:
-            raise UnavailableError(f"redis at {self._url} is unavailable: {exc}") from exc
-
-    def _run(self, name: str, args: Sequence[bytes | str | int | float], keys=()) -> list:
-        with self._guard():
-            return self._scripts[name](keys=keys, args=args)
+    def _run(self, name: str, args: Sequence[bytes | str | int | float]) -> list:
+        """Run script `name` (keyed on P:seq, so a cluster routes and checks its slot); writes
+        wait for `durability.wait_replicas` replicas when asked to."""
+        script, keys = self._scripts[name], [self._prefix + b":seq"]
+        wait = self._durability.wait_replicas if name in WRITES else 0
+        if not wait:
+            return self._link.call(lambda client: script(keys=keys, args=args, client=client))
+        reply, acked = self._link.call(lambda client: _run_and_wait(client, script, keys, args,
+                                                                   self._durability))  # fmt: skip
+        if acked < wait:
+            raise UnavailableError(
+                f"redis at {self._url}: a write reached {acked} of {wait} replicas within "
+                f"{self._durability.wait_timeout_ms} ms; it may not survive a failover (retry)"
+            )
+        return reply
 
     def _leased(self, name: str, node_id: str, lease_id: int, *extra) -> list:
         """Run a script that checks the lease first; raise for unknown/stale/expired leases."""
@@ -149,8 +144,9 @@ class RedisIndex(MetadataIndex):
         so concurrent callers (other replicas) purge a node exactly once; this returns the
         nodes this call purged."""
         now = self._clock()
-        with self._guard():
-            due = self._redis.zrangebyscore(self._prefix + b":exp", "-inf", repr(now))
+        due = self._link.call(
+            lambda client: client.zrangebyscore(self._prefix + b":exp", "-inf", repr(now))
+        )
         expired = []
         for node in due:
             args = [self._prefix, repr(now), self._max_events, node]
@@ -201,35 +197,66 @@ class RedisIndex(MetadataIndex):
             found.append(holders)
         return found
 
+    def snapshot(self, tenant: str) -> tuple[int, dict[str, NodeRecord], list]:
+        """The seq first, then SCAN pages of holder records (each page one script: SCAN + MGET).
+        Not a point-in-time copy, but replay-safe: a key no event after that seq touched reads
+        as it was at the seq, and a key one did is set by replaying those events (idempotent
+        adds and removes, in order) whatever the copy read. The seq and every page are read on
+        one master: a failover mid-way (an error) restarts the whole copy on the new one."""
+        stem = self._prefix + b":h:"
+        pattern = _glob_escape(stem + (tenant.encode() + b"\0" if tenant else b"")) + b"*"
+        last_seq, held = self._link.call(lambda client: self._scan(client, pattern, len(stem)))
+        copies = [(name, list(held[name].items())) for name in sorted(held)]
+        return last_seq, self.live_nodes(), copies
+
+    def _scan(self, client: redis.Redis, pattern: bytes, stem_len: int) -> tuple[int, dict]:
+        last_seq = int(client.get(self._prefix + b":seq") or 0)
+        script, keys, held, cursor = self._scripts["scan"], [self._prefix + b":seq"], {}, b"0"
+        while True:
+            args = [self._prefix, cursor, pattern, SNAPSHOT_SCAN_COUNT]
+            cursor, names, blobs = script(keys=keys, args=args, client=client)
+            for name, blob in zip(names, blobs, strict=True):
+                if blob:  # gone between SCAN and MGET: its removal is an event after last_seq
+                    tenant, _, key = name[stem_len:].partition(b"\0")
+                    pairs = _parse_holders.__wrapped__(blob)[2]  # uncached: a copy is read once
+                    held.setdefault(tenant.decode(), {})[key] = {
+                        (h.node_id, h.tier): h for _, h in pairs
+                    }
+            if cursor in (b"0", 0):
+                return last_seq, held
+
+    @property
+    def incarnation(self) -> int:  # type: ignore[override]
+        """Random, kept at P:inc by whichever replica reads it first, so replicas over one Redis
+        agree; a Redis that lost its data (FLUSHALL, a restart without persistence) gets a new
+        one, as its events are numbered afresh. One round trip (Stats and Snapshot ask)."""
+        return int(self._run("incarnation", [self._prefix, secrets.randbits(63) | 1]))
+
     def _round_trip(self, *commands: tuple) -> list:
         """Send `commands` back to back on one pooled connection and read their raw replies:
         the lookup hot path, without the pipeline machinery (about 60 µs less per call)."""
-        pool = self._redis.connection_pool
-        with self._guard():
-            conn = pool.get_connection()
-            try:
-                return conn.retry.call_with_retry(
-                    lambda: _send_and_read(conn, commands), lambda _error: conn.disconnect()
-                )
-            except BaseException:
-                conn.disconnect()  # replies may be left unread on it
-                raise
-            finally:
-                pool.release(conn)
+        return self._link.call(lambda client: _round_trip_on(client.connection_pool, commands))
 
     # ---- events ---------------------------------------------------------------------------
     def events_since(self, from_seq: int, max_events: int) -> EventPage:
         stream = self._prefix + b":ev"
-        with self._guard(), self._redis.pipeline(transaction=True) as pipe:
-            pipe.get(self._prefix + b":seq")
-            pipe.xrange(stream, count=1)
-            if max_events > 0:
-                pipe.xrange(stream, min=f"0-{max(from_seq, 0)}", count=max_events)
-            last, first, *page = pipe.execute()
+
+        def read(client: redis.Redis) -> list:
+            with client.pipeline(transaction=True) as pipe:
+                pipe.get(self._prefix + b":seq")
+                pipe.xrange(stream, count=1)
+                if max_events > 0:
+                    pipe.xrange(stream, min=f"0-{max(from_seq, 0)}", count=max_events)
+                return pipe.execute()
+
+        last, first, *page = self._link.call(read)
         last_seq = int(last or 0)
         oldest = _seq(first[0][0]) if first else last_seq + 1
         events = [_event(event_id, fields) for event_id, fields in (page[0] if page else [])]
-        return EventPage(events, from_seq < oldest and from_seq <= last_seq, last_seq)
+        # Ahead of the index: a failover lost the newest events (replication is asynchronous),
+        # and their seqs will be issued again for other events. The reader must resync.
+        ahead = from_seq > last_seq + 1
+        return EventPage(events, ahead or (from_seq < oldest and from_seq <= last_seq), last_seq)
 
     def wait_for_events(self, after_seq: int, timeout_s: float) -> bool:
         """XREAD BLOCK on a pooled connection of its own, in slices of WAIT_CHUNK_S."""
@@ -238,15 +265,14 @@ class RedisIndex(MetadataIndex):
         while True:
             remaining_s = deadline - time.monotonic()
             block_ms = int(min(remaining_s, WAIT_CHUNK_S) * 1000)
-            with self._guard():
-                if self._redis.xread(streams, count=1, block=block_ms if block_ms > 0 else None):
-                    return True
+            block = block_ms if block_ms > 0 else None
+            if self._link.call(lambda client, b=block: client.xread(streams, count=1, block=b)):
+                return True
             if remaining_s <= WAIT_CHUNK_S:
                 return self._last_seq() > after_seq
 
     def _last_seq(self) -> int:
-        with self._guard():
-            return int(self._redis.get(self._prefix + b":seq") or 0)
+        return int(self._link.call(lambda client: client.get(self._prefix + b":seq")) or 0)
 
     # ---- stats ----------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -265,7 +291,7 @@ class RedisIndex(MetadataIndex):
         }
 
     def close(self) -> None:
-        self._redis.close()
+        self._link.close()
 
 
 @functools.lru_cache(maxsize=1 << 14)  # at most ~20 MB of decoded holder lists
@@ -282,9 +308,38 @@ def _parse_holders(blob: bytes) -> tuple[frozenset[bytes], tuple[Holding, ...], 
     return frozenset(node for node, _ in pairs), tuple(h for _, h in pairs), pairs
 
 
+def _glob_escape(text: bytes) -> bytes:
+    """`text` matched literally in a SCAN MATCH pattern."""
+    for special in (b"\\", b"*", b"?", b"[", b"]"):
+        text = text.replace(special, b"\\" + special)
+    return text
+
+
+def _round_trip_on(pool: redis.ConnectionPool, commands: tuple) -> list:
+    conn = pool.get_connection()
+    try:
+        return conn.retry.call_with_retry(
+            lambda: _send_and_read(conn, commands), lambda _error: conn.disconnect()
+        )
+    except BaseException:
+        conn.disconnect()  # replies may be left unread on it
+        raise
+    finally:
+        pool.release(conn)
+
+
 def _send_and_read(conn: redis.Connection, commands: tuple) -> list:
     conn.send_packed_command(conn.pack_commands(commands))
     return [conn.read_response() for _ in commands]
+
+
+def _run_and_wait(client: redis.Redis, script, keys, args, durability: Durability) -> tuple:
+    """The script, then WAIT on the same connection: (script reply, replicas that have it)."""
+    with client.pipeline(transaction=False) as pipe:
+        script(keys=keys, args=args, client=pipe)
+        pipe.execute_command("WAIT", durability.wait_replicas, durability.wait_timeout_ms)
+        reply, acked = pipe.execute()
+    return reply, int(acked)
 
 
 def _seq(event_id: bytes) -> int:

@@ -1,7 +1,8 @@
 """Lua scripts of the Redis metadata index: each multi-key mutation runs atomically in Redis.
 
 Loaded by `RedisIndex` (kvstore/metadata/redis_index.py) in each metadata-service replica.
-ARGV[1] is always the key prefix; scripts that check a lease share `_COMMON`'s check_lease().
+ARGV[1] is always the key prefix and KEYS[1] is P:seq (routes the call on a cluster); scripts
+that check a lease share `_COMMON`'s check_lease().
 """
 
 _COMMON = r"""
@@ -160,12 +161,28 @@ if ARGV[3] ~= "stats" then return {out, {}, "0"} end
 return {out, redis.call("HGETALL", P .. ":tenants"), redis.call("GET", P .. ":seq") or "0"}
 """
 
+# ARGV: P, cursor, MATCH pattern, COUNT. Read-only: one SCAN page with each key's holder records.
+_SCAN = r"""
+local page = redis.call("SCAN", ARGV[2], "MATCH", ARGV[3], "COUNT", ARGV[4])
+local blobs = {}
+if #page[2] > 0 then blobs = redis.call("MGET", unpack(page[2])) end
+return {page[1], page[2], blobs}
+"""
+
+# ARGV: P, a fresh random incarnation, kept only when P:inc is missing (a new or emptied index)
+_INCARNATION = r"""
+local current = redis.call("GET", ARGV[1] .. ":inc")
+if current then return current end
+redis.call("SET", ARGV[1] .. ":inc", ARGV[2])
+return ARGV[2]
+"""
 
 _BODIES = {
     "register": _REGISTER, "heartbeat": _HEARTBEAT, "deregister": _DEREGISTER,
     "expire": _EXPIRE, "publish": _PUBLISH, "unpublish": _UNPUBLISH,
-    "nodes": _NODES,
+    "nodes": _NODES, "scan": _SCAN, "incarnation": _INCARNATION,
 }  # fmt: skip
+WRITES = {"register", "heartbeat", "deregister", "expire", "publish", "unpublish"}
 _CHECKS_LEASE = {"heartbeat", "deregister", "expire", "publish", "unpublish"}
 SCRIPTS = {
     name: (_COMMON + body if name in _CHECKS_LEASE else body) for name, body in _BODIES.items()

@@ -30,7 +30,7 @@ from kvstore.metadata.watch import EventStreams
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("lmdb", "memory", "redis")
+BACKENDS = ("lmdb", "memory", "redis", "redis-cluster")
 START_TIMEOUT_S = 30.0
 MIN_MESSAGE_BYTES = 1 << 20  # a full Publish batch (4096 entries) is ~150 KiB
 
@@ -43,7 +43,10 @@ class MetadataConfig:
     backend: str = "lmdb"
     data_dir: Path = Path("./kvstore-data")
     redis_url: str = "redis://127.0.0.1:6379/0"
-    redis_prefix: str = "kvstore"
+    redis_prefix: str = "kvstore"  # on a cluster, the hash tag: the whole index in one slot
+    redis_wait_replicas: int = 0  # WAIT for this many replicas after each write; 0: async
+    redis_wait_timeout_ms: int = 100
+    redis_failover_timeout_s: float = 10.0  # redis-cluster: retry this long for a new master
     token_file: Path | None = None
     tls_cert: Path | None = None
     tls_key: Path | None = None
@@ -53,7 +56,10 @@ class MetadataConfig:
     metrics_listen: str = ""  # host:port of the Prometheus endpoint; empty: none
     max_workers: int = 32  # threads for unary RPCs; streams do not use them
     max_message_bytes: int = 16 << 20  # received and sent; larger is RESOURCE_EXHAUSTED
-    max_watch_streams_per_tenant: int = 16  # per token scope ("*" tokens share one count)
+    max_watch_streams_per_tenant: int = 16  # per tenant token
+    # streams of all-tenant ("*") tokens, which every node agent's view holds one of (and every
+    # client when auth is off); they run on the loop, not on threads: the bound is memory
+    max_watch_streams_all_tenants: int = 4096
     lmdb_map_size_bytes: int = DEFAULT_MAP_SIZE_BYTES  # the journal's ceiling (sparse file)
     limits: ServiceLimits = field(default_factory=ServiceLimits)
 
@@ -68,19 +74,25 @@ class MetadataConfig:
             raise ConfigError("max_workers must be at least 4 (threads for unary RPCs)")
         if self.max_message_bytes < MIN_MESSAGE_BYTES:
             raise ConfigError(f"max_message_bytes must be at least {MIN_MESSAGE_BYTES}")
-        if self.max_watch_streams_per_tenant < 1:
-            raise ConfigError("max_watch_streams_per_tenant must be at least 1")
+        if self.max_watch_streams_per_tenant < 1 or self.max_watch_streams_all_tenants < 1:
+            raise ConfigError("max_watch_streams_per_tenant and _all_tenants must be at least 1")
+        if self.redis_failover_timeout_s <= 0:
+            raise ConfigError("redis_failover_timeout_s must be positive")
         if self.lmdb_map_size_bytes < MIN_MAP_SIZE_BYTES:
             raise ConfigError(f"lmdb_map_size_bytes must be at least {MIN_MAP_SIZE_BYTES}")
 
 
 def open_index(config: MetadataConfig) -> MetadataIndex:
-    if config.backend == "redis":
+    if config.backend.startswith("redis"):
+        from kvstore.metadata.redis_cluster import Durability
         from kvstore.metadata.redis_index import RedisIndex
 
+        durability = Durability(config.redis_wait_replicas, config.redis_wait_timeout_ms)
         return RedisIndex(
             config.redis_url, prefix=config.redis_prefix,
             key_quota_per_tenant=config.key_quota_per_tenant, max_events=config.max_events,
+            cluster=config.backend == "redis-cluster", durability=durability,
+            failover_timeout_s=config.redis_failover_timeout_s,
         )  # fmt: skip
     data_dir = config.data_dir if config.backend == "lmdb" else None
     return MemoryIndex(
@@ -99,7 +111,7 @@ class MetadataServer:
         limits = config.limits
         self.streams = EventStreams(
             self.index, config.max_watch_streams_per_tenant, limits.event_batch,
-            limits.watch_poll_s,
+            limits.watch_poll_s, config.max_watch_streams_all_tenants,
         )  # fmt: skip
         self._pool = futures.ThreadPoolExecutor(config.max_workers, thread_name_prefix="rpc")
         self.servicer = MetadataServicer(

@@ -104,8 +104,9 @@ def _wrap_unary(request_cls: type[Message], read: bool, method: Callable) -> Cal
             logger.exception("%s failed", name)
             await context.abort(code, f"internal error in {name}; see the service log")
         finally:
-            self.metrics.rpcs.labels(name, code.name).inc()
-            self.metrics.latency.labels(name).observe(time.perf_counter() - started)
+            rpcs, latency = self._children(name, code)
+            rpcs.inc()
+            latency.observe(time.perf_counter() - started)
 
     return handler
 
@@ -121,6 +122,16 @@ class MetadataServicer:
         self.streams = streams
         self.pool = pool
         self.limits = limits
+        self._metric_children: dict[tuple[str, grpc.StatusCode], tuple] = {}
+
+    def _children(self, name: str, code: grpc.StatusCode) -> tuple:
+        """The (rpcs, latency) series of one method and status: `labels` costs microseconds
+        per call, a dictionary hit far less (every lookup pays it)."""
+        children = self._metric_children.get((name, code))
+        if children is None:
+            children = self.metrics.rpcs.labels(name, code.name), self.metrics.latency.labels(name)
+            self._metric_children[(name, code)] = children
+        return children
 
     # ---- membership -----------------------------------------------------------------------
     @_unary(pb.RegisterNodeRequest)
@@ -233,6 +244,7 @@ class MetadataServicer:
             blocks_per_tier=stats["blocks_per_tier"],
             last_event_seq=stats["last_event_seq"],
             backend=self.index.backend,
+            incarnation=self.index.incarnation,
         )
         for node_id, record in sorted(self.index.live_nodes().items()):
             per_tier = stats["blocks_per_node"].get(node_id, {})
@@ -245,15 +257,23 @@ class MetadataServicer:
         return response
 
     # ---- events ---------------------------------------------------------------------------
+    def _stream_request(self, request_cls, payload: bytes, context, every_tenant: str):
+        """(scope, request) of a streaming call whose `tenant` ("" for every tenant, which
+        needs an all-tenant token: `every_tenant` says what for) the caller may read."""
+        scope = self.auth.authorize(context)
+        request = _parse(request_cls, payload)
+        if request.tenant:
+            self._tenant(request.tenant, scope)
+        else:
+            scope.require_all_tenants(every_tenant)
+        return scope, request
+
     async def WatchEvents(self, payload: bytes, context: grpc.aio.ServicerContext):
         """Runs on the loop: authorisation and the slot check are cheap and never block."""
         try:
-            scope = self.auth.authorize(context)
-            request = _parse(pb.WatchEventsRequest, payload)
-            if request.tenant:
-                self._tenant(request.tenant, scope)
-            else:
-                scope.require_all_tenants("watch every tenant's events")
+            scope, request = self._stream_request(
+                pb.WatchEventsRequest, payload, context, "watch every tenant's events"
+            )
             self.streams.acquire(scope.tenant)
         except errors.KVStoreError as exc:
             self.metrics.rpcs.labels("WatchEvents", status_for(exc).name).inc()
@@ -264,6 +284,33 @@ class MetadataServicer:
                 yield event
         finally:
             self.streams.release(scope.tenant)
+
+    async def Snapshot(self, payload: bytes, context: grpc.aio.ServicerContext):
+        """A copy of the index in pages, for node agents' views; copied and paged in the
+        unary pool (a big tenant's copy must not stall the loop)."""
+        try:
+            _, request = self._stream_request(
+                pb.SnapshotRequest, payload, context, "copy every tenant's index"
+            )
+            page_keys = min(request.page_keys or 1024, self.limits.max_batch)
+            loop = asyncio.get_running_loop()
+            copy, incarnation = await loop.run_in_executor(
+                self.pool, _copy_of, self.index, request.tenant
+            )
+        except errors.KVStoreError as exc:
+            self.metrics.rpcs.labels("Snapshot", status_for(exc).name).inc()
+            await context.abort(status_for(exc), str(exc))
+        self.metrics.rpcs.labels("Snapshot", "OK").inc()
+        pages = wire.snapshot_pages(copy, request.max_keys, page_keys, incarnation)
+        while (page := await loop.run_in_executor(self.pool, next, pages, None)) is not None:
+            yield page
+
+
+def _copy_of(index: MetadataIndex, tenant: str) -> tuple[tuple, int]:
+    """(the index's snapshot, its incarnation read first): a copy of a newer incarnation than
+    it says is one the agent's next Stats check resyncs (the Redis index's is a round trip)."""
+    incarnation = index.incarnation
+    return index.snapshot(tenant), incarnation
 
 
 _UNARY_METHODS = (
@@ -284,7 +331,8 @@ def rpc_handlers(servicer: MetadataServicer) -> grpc.GenericRpcHandler:
         )
         for name in _UNARY_METHODS
     }
-    methods["WatchEvents"] = grpc.unary_stream_rpc_method_handler(
-        servicer.WatchEvents, response_serializer=serialize
-    )
+    for name in ("WatchEvents", "Snapshot"):
+        methods[name] = grpc.unary_stream_rpc_method_handler(
+            getattr(servicer, name), response_serializer=serialize
+        )
     return grpc.method_handlers_generic_handler(SERVICE_NAME, methods)

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from kvstore.errors import CapacityError
 from kvstore.metadata import wire
+from kvstore.metadata.auth import ALL_TENANTS
 from kvstore.metadata.index import IndexEvent, MetadataIndex
 from kvstore.v1 import metadata_pb2 as pb
 
@@ -78,9 +79,13 @@ class EventNotifier:
 class EventStreams:
     """The open WatchEvents streams: per-tenant slots, the notifier and the page readers."""
 
-    def __init__(self, index: MetadataIndex, max_per_tenant: int, batch: int, poll_s: float):
+    def __init__(
+        self, index: MetadataIndex, max_per_tenant: int, batch: int, poll_s: float,
+        max_all_tenants: int = 4096,
+    ) -> None:  # fmt: skip
         self.index = index
         self.max_per_tenant = max_per_tenant
+        self.max_all_tenants = max_all_tenants
         self.batch = batch
         self.poll_s = poll_s
         self.notifier = EventNotifier(index, poll_s)
@@ -96,11 +101,14 @@ class EventStreams:
 
     def acquire(self, scope_tenant: str) -> None:
         """Take a stream slot of the caller's scope (loop thread); CapacityError at the cap."""
-        if self._open[scope_tenant] >= self.max_per_tenant:
+        every = scope_tenant == ALL_TENANTS
+        limit = self.max_all_tenants if every else self.max_per_tenant
+        if self._open[scope_tenant] >= limit:
+            setting = "max_watch_streams_all_tenants" if every else "max_watch_streams_per_tenant"
             raise CapacityError(
                 f"{self._open[scope_tenant]} WatchEvents streams are open for tenant "
-                f"{scope_tenant!r}: the limit is {self.max_per_tenant} per tenant "
-                "(max_watch_streams_per_tenant); close one or reuse it"
+                f"{scope_tenant!r}: the limit is {limit} per tenant ({setting}); close one or "
+                "reuse it"
             )
         self._open[scope_tenant] += 1
 

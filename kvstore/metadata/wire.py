@@ -7,7 +7,7 @@ raises ConfigError with a message saying which field is wrong and why: INVALID_A
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from kvstore.errors import ConfigError
 from kvstore.keys import KEY_BYTES
@@ -33,7 +33,8 @@ def check_keys(keys: Sequence[bytes], max_keys: int, field: str = "keys") -> lis
         raise ConfigError(f"{field} is empty: send at least one key")
     if len(keys) > max_keys:
         raise ConfigError(f"{field} has {len(keys)} entries; the limit is {max_keys} per call")
-    if any(len(key) != KEY_BYTES for key in keys):
+    lengths = set(map(len, keys))  # in C: this runs on every lookup
+    if lengths != {KEY_BYTES}:
         index, key = next((i, k) for i, k in enumerate(keys) if len(k) != KEY_BYTES)
         raise ConfigError(f"{field}[{index}] is {len(key)} bytes; keys are {KEY_BYTES} bytes")
     return list(keys)
@@ -122,3 +123,45 @@ def rank_holders(holders: list[Holding], caller_node_id: str) -> list[Holding]:
     return sorted(
         holders, key=lambda h: (h.node_id != caller_node_id, TIERS.index(h.tier), h.node_id)
     )
+
+
+def snapshot_pages(
+    copy: tuple[int, dict[str, NodeRecord], list], max_keys: int, page_keys: int,
+    incarnation: int,
+) -> Iterator[pb.SnapshotPage]:  # fmt: skip
+    """Pages of an index snapshot (MetadataIndex.snapshot): keys held on live nodes only, at
+    most `max_keys` of them (0: all); the last page says whether that cap cut it short."""
+    for page in _pages(copy, max_keys, page_keys):
+        page.incarnation = incarnation
+        yield page
+
+
+def _pages(copy, max_keys: int, page_keys: int) -> Iterator[pb.SnapshotPage]:
+    last_seq, nodes, tenants = copy
+    sent, page = 0, None
+    for tenant, items in tenants:
+        keys, found = [], []
+        for key, holders in items:
+            live = [h for h in tuple(holders.values()) if h.node_id in nodes]
+            if not live:
+                continue
+            if max_keys and sent == max_keys:
+                yield _page(last_seq, tenant, keys, found, nodes, truncated=True)
+                return
+            keys.append(key)
+            found.append(live)
+            sent += 1
+            if len(keys) == page_keys:
+                yield (page := _page(last_seq, tenant, keys, found, nodes))
+                keys, found = [], []
+        if keys:
+            yield (page := _page(last_seq, tenant, keys, found, nodes))
+    if page is None:  # nothing held: one empty page still carries last_seq
+        yield pb.SnapshotPage(last_seq=last_seq)
+
+
+def _page(last_seq, tenant, keys, found, nodes, truncated=False) -> pb.SnapshotPage:
+    return pb.SnapshotPage(
+        last_seq=last_seq, tenant=tenant, keys=keys, truncated=truncated,
+        holders=lookup_response(found, nodes, ""),
+    )  # fmt: skip

@@ -27,6 +27,8 @@ from kvstore.node.metrics import agent_registry
 from kvstore.node.private import PrivateBuffer
 from kvstore.node.remote import RemoteFetcher
 from kvstore.node.session import RequestCounters, WorkerSession
+from kvstore.node.view import ClusterView
+from kvstore.node.view_feed import ViewFeed
 from kvstore.store import TieredStore, TierSlot
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.host import HostTier, remove_stale_arenas
@@ -66,10 +68,14 @@ class NodeConfig:
     lease_ttl_ms: int = 10_000
     fetch_timeout_s: float = 5.0
     metrics_listen: str = ""
+    view_max_keys: int = 1_000_000  # keys of the cluster view (view.py); 0: no view
+    view_resync_min_interval_s: float = 30.0  # after an overflow, a snapshot at most this often
 
     def __post_init__(self) -> None:
         if self.transfer not in ("tcp", "ucx", "none"):
             raise ConfigError(f"transfer {self.transfer!r} unknown; use tcp, ucx or none")
+        if self.view_max_keys < 0 or self.view_resync_min_interval_s < 0:
+            raise ConfigError("view_max_keys and view_resync_min_interval_s must be >= 0")
         if self.page_size_bytes <= HEADER_BYTES:
             raise ConfigError(f"page_size_bytes must exceed the {HEADER_BYTES}-byte header")
         if self.transfer == "none" and self.metadata_address:
@@ -106,6 +112,8 @@ class NodeAgent:
         self.engine = None
         self.link: MetadataLink | None = None
         self.fetcher: RemoteFetcher | None = None
+        self.view: ClusterView | None = None
+        self.view_feed: ViewFeed | None = None
         self.control: ControlServer | None = None
         self.transfer_address = ""
         self.metrics_port = 0
@@ -166,13 +174,32 @@ class NodeAgent:
                 slot.tier.kind: slot.tier.capacity_bytes for slot in self.store.slots
             },
         )
-        client = MetadataClient(
-            config.metadata_address, token=config.metadata_token(), tls_ca=config.metadata_tls_ca
-        )
-        self.link = MetadataLink(client, node, self.store, config.lease_ttl_ms)
+        self.link = MetadataLink(self._metadata_client(), node, self.store, config.lease_ttl_ms)
         self.link.start()
         if self.engine is not None:
-            self.fetcher = RemoteFetcher(self.store, self.link, self.engine, config.node_id)
+            self._start_view()
+            self.fetcher = RemoteFetcher(
+                self.store, self.link, self.engine, config.node_id, self.view
+            )
+
+    def _metadata_client(self) -> MetadataClient:
+        config = self.config
+        return MetadataClient(
+            config.metadata_address, token=config.metadata_token(), tls_ca=config.metadata_tls_ca
+        )
+
+    def _start_view(self) -> None:
+        """The cluster view of this agent's tenants, on its own channel (a long stream and a
+        snapshot must not queue behind the link's publishes)."""
+        config = self.config
+        if not config.view_max_keys:
+            return
+        tenants = config.worker_table().tenants()
+        self.view = ClusterView(config.node_id, tenants, config.view_max_keys)
+        self.view_feed = ViewFeed(
+            self._metadata_client(), self.view, config.view_resync_min_interval_s
+        )
+        self.view_feed.start()
 
     def _hello(self):
         from kvstore.v1 import agent_pb2 as pb
@@ -219,6 +246,7 @@ class NodeAgent:
                 "bytes": fetch.bytes if fetch else 0,
                 "seconds": fetch.seconds if fetch else 0.0,
                 "failures": fetch.failures if fetch else 0,
+                "failed_fetches": fetch.failed_fetches if fetch else 0,
                 "engine_events": dataclasses.asdict(self.engine.stats) if self.engine else {},
             },
             "checksum_failures": self.store.checksum_failures,
@@ -232,7 +260,13 @@ class NodeAgent:
             "published_blocks": self.link.published if self.link else 0,
             "dropped_blocks": self.link.dropped_blocks if self.link else 0,
             "dropped_by_cause": dict(self.link.dropped_by_cause) if self.link else {},
+            "view": self._view_stats(),
         }
+
+    def _view_stats(self) -> dict:
+        if self.view is None:
+            return {}
+        return {**self.view.stats(), "seq": self.view_feed.seq, "disabled": self.view_feed.disabled}
 
     def stats_json(self) -> str:
         return json.dumps(self.stats())
@@ -240,6 +274,8 @@ class NodeAgent:
     def stop(self) -> None:
         if self.control is not None:
             self.control.stop()
+        if self.view_feed is not None:
+            self.view_feed.stop()
         if self.link is not None:
             self.link.stop()
         if self.engine is not None:

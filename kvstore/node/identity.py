@@ -82,6 +82,12 @@ class WorkerCredentials:
     def from_file(cls, path: Path) -> WorkerCredentials:
         return cls(*_parse(path))
 
+    def tenants(self) -> frozenset[str]:
+        """Every tenant some worker may act for ({ALL_TENANTS} if any may act for all)."""
+        grants = [g for _, g in self._tokens] + [*self._uids.values(), *self._gids.values()]
+        named = frozenset().union(*(grant.tenants for grant in grants))
+        return frozenset({ALL_TENANTS}) if ALL_TENANTS in named else named
+
     def identify(self, peer: PeerCredentials, token: str) -> WorkerIdentity:
         """The identity of a connected worker; AuthError if it proves nothing this agent
         accepts (a presented token must be valid; it is never ignored)."""

@@ -22,6 +22,7 @@ class AgentCollector(Collector):
         yield from self._tiers(stats["tiers"])
         yield from self._requests(stats["requests"])
         yield from self._counters(stats)
+        yield from self._view(stats.get("view") or {})
 
     def _tiers(self, tiers: dict):
         blocks = GaugeMetricFamily(
@@ -115,6 +116,27 @@ class AgentCollector(Collector):
         for event, count in stats["transfer"].get("engine_events", {}).items():
             engine.add_metric([event], count)
         yield engine
+
+    def _view(self, view: dict):
+        """The cluster view (node/view.py): its size and how lookups were answered."""
+        if not view:
+            return
+        yield GaugeMetricFamily("kvstore_agent_view_keys", "Keys in the cluster view",
+                                value=view["keys"])  # fmt: skip
+        yield GaugeMetricFamily("kvstore_agent_view_bytes", "Memory of the cluster view",
+                                value=view["bytes"])  # fmt: skip
+        yield GaugeMetricFamily("kvstore_agent_view_ready", "1 while the view follows the index",
+                                value=1 if view["ready"] else 0)  # fmt: skip
+        answers = CounterMetricFamily(
+            "kvstore_agent_view_lookups", "Remote lookups, by who answered", labels=["answer"]
+        )
+        for answer in ("answered", "fallback_not_ready", "fallback_overflow"):
+            answers.add_metric([answer], view.get(answer, 0))
+        yield answers
+        yield CounterMetricFamily(
+            "kvstore_agent_view_corrections", "View entries dropped after a failed fetch",
+            value=view.get("corrections", 0),
+        )  # fmt: skip
 
 
 def agent_registry(snapshot: Callable[[], dict]) -> CollectorRegistry:

@@ -2,7 +2,8 @@
 
 Runs in the node agent, on the control-server thread of the worker that asked for a load.
 Every received block is checksummed before it becomes readable; the first failure ends the
-prefix, so a load never has holes.
+prefix, so a load never has holes. Holders come from the agent's ClusterView when it can answer
+(no round trip), else from the metadata service; a failed fetch corrects the view.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from kvstore.errors import CapacityError, TransferError
 from kvstore.keys import BlockKey
 from kvstore.node.link import MetadataLink
+from kvstore.node.view import ClusterView
 from kvstore.store import TieredStore
 from kvstore.transfer.base import TransferEngine
 
@@ -26,53 +28,93 @@ class FetchStats:
     blocks: int = 0
     bytes: int = 0
     seconds: float = 0.0
-    failures: int = 0
+    failures: int = 0  # blocks that arrived but failed verification
+    failed_fetches: int = 0  # batched fetches from one holder that delivered less than asked
 
 
 class RemoteFetcher:
     def __init__(
-        self, store: TieredStore, link: MetadataLink, engine: TransferEngine, node_id: str
-    ) -> None:
+        self, store: TieredStore, link: MetadataLink, engine: TransferEngine, node_id: str,
+        view: ClusterView | None = None,
+    ) -> None:  # fmt: skip
         self.store = store
         self.link = link
         self.engine = engine
         self.node_id = node_id
+        self.view = view
         self.stats = FetchStats()
 
     def remote_prefix(self, tenant: str, keys: Sequence[BlockKey]) -> int:
-        """How many leading `keys` other live nodes hold (0 while the service is down)."""
+        """How many leading `keys` other live nodes hold: from the view when it can answer,
+        else from the service (0 while the service is down)."""
+        if self.view is not None:
+            answer = self.view.remote_prefix(tenant, keys)
+            if answer is not None:
+                return answer
         result = self.link.lookup(tenant, keys)
         if result is None:
             return 0
         return len(self._plan(result, keys))
 
     def fetch(self, tenant: str, keys: Sequence[BlockKey], timeout_s: float) -> int:
-        """Copy the leading `keys` from their holders into the store; returns how many arrived."""
-        result = self.link.lookup(tenant, keys)
-        if result is None:
-            return 0
-        plan = self._plan(result, keys)
+        """Copy the leading `keys` from their holders into the store; returns how many arrived.
+        A holder that failed to deliver keys is no longer named for them by the view."""
+        plan = self._holders(tenant, keys)
         deadline = time.monotonic() + timeout_s
         done = 0
-        for address, run in _runs(plan):
-            arrived = self._fetch_run(address, tenant, keys[done : done + len(run)], deadline)
+        for (node_id, address), run in _runs(plan):
+            wanted = keys[done : done + len(run)]
+            arrived, tried = self._fetch_run(address, tenant, wanted, deadline)
+            if arrived < tried:
+                self.stats.failed_fetches += 1
+                self._correct_view(tenant, wanted[arrived:tried], node_id, address)
             done += arrived
             if arrived < len(run):
                 break
         return done
 
-    def _plan(self, result, keys: Sequence[BlockKey]) -> list[str]:
-        """Per leading key, the address of the best other holder (stops where none is)."""
-        addresses = []
+    def _correct_view(
+        self, tenant: str, keys: Sequence[BlockKey], node_id: str, address: str
+    ) -> None:
+        """After a failed fetch, ask the service (the failure path only): a holder it names at
+        a new address restarted there (its keys came back by events), so the view learns the
+        address; otherwise the view stops naming that holder for `keys`."""
+        if self.view is None:
+            return
+        result = self.link.lookup(tenant, keys)
+        if result is not None:
+            current = self._address(result, node_id)
+            if current and current != address:
+                self.view.learn_addresses({node_id: result.addresses[node_id]})
+                return
+        self.view.forget(tenant, keys, node_id)
+
+    def _holders(self, tenant: str, keys: Sequence[BlockKey]) -> list[tuple[str, str]]:
+        """Per leading key, (node id, address) of its best other holder."""
+        ucx = self.engine.name == "ucx"
+        plan = self.view.plan(tenant, keys, ucx) if self.view is not None else None
+        if plan is not None:
+            return plan
+        result = self.link.lookup(tenant, keys)
+        if result is None:
+            return []
+        if self.view is not None:
+            self.view.learn_addresses(result.addresses)
+        return self._plan(result, keys)
+
+    def _plan(self, result, keys: Sequence[BlockKey]) -> list[tuple[str, str]]:
+        """Per leading key, the best other holder and its address (stops where none is)."""
+        plan = []
         for holders in result.holders:
-            address = next(
-                (self._address(result, h.node_id) for h in holders if h.node_id != self.node_id),
-                "",
-            )
-            if not address:
+            holder = next(
+                ((h.node_id, self._address(result, h.node_id)) for h in holders
+                 if h.node_id != self.node_id),
+                ("", ""),
+            )  # fmt: skip
+            if not holder[1]:
                 break
-            addresses.append(address)
-        return addresses[: len(keys)]
+            plan.append(holder)
+        return plan[: len(keys)]
 
     def _address(self, result, node_id: str) -> str:
         tcp, ucx = result.addresses.get(node_id, ("", ""))
@@ -80,7 +122,8 @@ class RemoteFetcher:
 
     def _fetch_run(
         self, address: str, tenant: str, keys: Sequence[BlockKey], deadline: float
-    ) -> int:
+    ) -> tuple[int, int]:
+        """(blocks that arrived and were committed, blocks asked of the holder)."""
         pages = []
         for key in keys:
             try:
@@ -103,7 +146,7 @@ class RemoteFetcher:
                 self.store.abort(key)
             raise
         self.stats.seconds += time.monotonic() - started
-        return self._commit(tenant, wanted, received)
+        return self._commit(tenant, wanted, received), len(wanted)
 
     def _commit(self, tenant: str, keys: Sequence[BlockKey], received: list[int]) -> int:
         """Verify (tenant included) and commit in order; at the first failure, free every
@@ -123,12 +166,12 @@ class RemoteFetcher:
         return len(keys)
 
 
-def _runs(plan: list[str]) -> list[tuple[str, list[int]]]:
-    """Group consecutive keys with the same holder address: one batched fetch each."""
-    runs: list[tuple[str, list[int]]] = []
-    for index, address in enumerate(plan):
-        if runs and runs[-1][0] == address:
+def _runs(plan: list[tuple[str, str]]) -> list[tuple[tuple[str, str], list[int]]]:
+    """Group consecutive keys with the same holder: one batched fetch each."""
+    runs: list[tuple[tuple[str, str], list[int]]] = []
+    for index, holder in enumerate(plan):
+        if runs and runs[-1][0] == holder:
             runs[-1][1].append(index)
         else:
-            runs.append((address, [index]))
+            runs.append((holder, [index]))
     return runs

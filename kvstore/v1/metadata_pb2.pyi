@@ -217,6 +217,32 @@ class Event(_message.Message):
     tenant: str
     def __init__(self, seq: _Optional[int] = ..., kind: _Optional[_Union[Event.Kind, str]] = ..., key: _Optional[bytes] = ..., tier: _Optional[_Union[Tier, str]] = ..., node_id: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
 
+class SnapshotRequest(_message.Message):
+    __slots__ = ("tenant", "max_keys", "page_keys")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    MAX_KEYS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_KEYS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    max_keys: int
+    page_keys: int
+    def __init__(self, tenant: _Optional[str] = ..., max_keys: _Optional[int] = ..., page_keys: _Optional[int] = ...) -> None: ...
+
+class SnapshotPage(_message.Message):
+    __slots__ = ("last_seq", "tenant", "keys", "holders", "truncated", "incarnation")
+    LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    last_seq: int
+    tenant: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    holders: LookupResponse
+    truncated: bool
+    incarnation: int
+    def __init__(self, last_seq: _Optional[int] = ..., tenant: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., holders: _Optional[_Union[LookupResponse, _Mapping]] = ..., truncated: _Optional[bool] = ..., incarnation: _Optional[int] = ...) -> None: ...
+
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -241,7 +267,7 @@ class NodeStats(_message.Message):
     def __init__(self, node: _Optional[_Union[NodeInfo, _Mapping]] = ..., blocks: _Optional[int] = ..., blocks_per_tier: _Optional[_Mapping[str, int]] = ..., lease_expires_in_ms: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("nodes", "blocks", "blocks_per_tier", "last_event_seq", "backend")
+    __slots__ = ("nodes", "blocks", "blocks_per_tier", "last_event_seq", "backend", "incarnation")
     class BlocksPerTierEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -254,9 +280,11 @@ class StatsResponse(_message.Message):
     BLOCKS_PER_TIER_FIELD_NUMBER: _ClassVar[int]
     LAST_EVENT_SEQ_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     nodes: _containers.RepeatedCompositeFieldContainer[NodeStats]
     blocks: int
     blocks_per_tier: _containers.ScalarMap[str, int]
     last_event_seq: int
     backend: str
-    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeStats, _Mapping]]] = ..., blocks: _Optional[int] = ..., blocks_per_tier: _Optional[_Mapping[str, int]] = ..., last_event_seq: _Optional[int] = ..., backend: _Optional[str] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeStats, _Mapping]]] = ..., blocks: _Optional[int] = ..., blocks_per_tier: _Optional[_Mapping[str, int]] = ..., last_event_seq: _Optional[int] = ..., backend: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...

@@ -79,6 +79,11 @@ class MetadataStub:
                 request_serializer=kvstore_dot_v1_dot_metadata__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_metadata__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Snapshot = channel.unary_stream(
+                '/kvstore.v1.Metadata/Snapshot',
+                request_serializer=kvstore_dot_v1_dot_metadata__pb2.SnapshotRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_metadata__pb2.SnapshotPage.FromString,
+                _registered_method=True)
 
 
 class MetadataServicer:
@@ -138,6 +143,12 @@ class MetadataServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Snapshot(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MetadataServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -185,6 +196,11 @@ def add_MetadataServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=kvstore_dot_v1_dot_metadata__pb2.StatsRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_metadata__pb2.StatsResponse.SerializeToString,
+            ),
+            'Snapshot': grpc.unary_stream_rpc_method_handler(
+                    servicer.Snapshot,
+                    request_deserializer=kvstore_dot_v1_dot_metadata__pb2.SnapshotRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_metadata__pb2.SnapshotPage.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -430,6 +446,33 @@ class Metadata:
             '/kvstore.v1.Metadata/Stats',
             kvstore_dot_v1_dot_metadata__pb2.StatsRequest.SerializeToString,
             kvstore_dot_v1_dot_metadata__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Snapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvstore.v1.Metadata/Snapshot',
+            kvstore_dot_v1_dot_metadata__pb2.SnapshotRequest.SerializeToString,
+            kvstore_dot_v1_dot_metadata__pb2.SnapshotPage.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,6 +25,13 @@ def test_transfer_benchmark_reports_every_path():
 def test_lookup_benchmark_reports_latency_qps_and_the_redis_baseline():
     result = run_lookup(runs=1, duration_s=0.2, concurrency=(1, 2))
     fields = ("lookup_64_p50_us", "lookup_512_p50_us", "lookup_qps_1_clients",
-              "lookup_qps_2_clients", "redis_exists_64_p50_us", "lookup_64_vs_redis")  # fmt: skip
+              "lookup_qps_2_clients", "redis_exists_64_p50_us", "lookup_64_vs_redis",
+              "grpc_echo_64_p50_us", "lookup_64_vs_grpc_echo", "view_bytes_per_key",
+              "publish_keys_per_s_batch_1", "publish_keys_per_s_batch_1024",
+              "view_lag_p50_ms", "view_lag_max_ms")  # fmt: skip
     for field in fields:
         assert positive(result[field]), field
+    agent = result["agent_lookup_64_p50_us"]
+    for prompt in ("all_local", "all_remote", "all_absent"):
+        assert positive(agent[prompt]), prompt
+    assert result["agent_view"]["ready"] and result["agent_view"]["answered"] > 0

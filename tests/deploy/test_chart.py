@@ -77,7 +77,10 @@ def test_service_monitor_only_where_the_api_exists():
     ("bad", "message"),
     [
         ("negative-capacity", "at '/node/hostCapacity': '-64Gi' does not match pattern"),
-        ("unknown-backend", "at '/metadata/backend': value must be one of 'lmdb', 'redis'"),
+        (
+            "unknown-backend",
+            "at '/metadata/backend': value must be one of 'lmdb', 'redis', 'redis-cluster'",
+        ),
         ("lmdb-replicas", "at '/metadata/replicas': value must be 1"),
         ("auth-without-secret", "at '/auth/existingSecret': minLength"),
     ],
@@ -127,6 +130,15 @@ def test_secrets_are_files_never_args_or_env():
                 assert "secretKeyRef" not in var.get("valueFrom", {}), var
             joined = " ".join(container["args"])
             assert "redis://:" not in joined and "s3cret" not in joined
+
+
+def test_redis_cluster_metadata_gets_its_seeds_and_wait():
+    metadata = [c for obj, c in containers_of(CHART / "ci" / "redis-cluster-values.yaml")
+                if c["name"] == "kvstore-metadata"]  # fmt: skip
+    args = " ".join(metadata[0]["args"])
+    assert "--backend redis-cluster" in args
+    assert "--redis-url redis://redis-0.redis:6379,redis-1.redis:6379" in args
+    assert "--redis-wait-replicas 1 --redis-wait-timeout-ms 100" in args
 
 
 def test_agent_pods_follow_the_deployment_contract():

@@ -1,4 +1,5 @@
-"""Fixtures for metadata tests: a controllable clock, a real redis-server, index factories."""
+"""Fixtures for metadata tests: a controllable clock, a real redis-server and Redis Cluster,
+index factories."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import uuid
 import pytest
 
 from kvstore.metadata.memory import MemoryIndex
+from tests.metadata.cluster import RedisClusterProcesses
 
 
 class FakeClock:
@@ -57,11 +59,36 @@ def redis_url(tmp_path_factory):
     process.wait(timeout=10)
 
 
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory):
+    """A real 3-master / 3-replica Redis Cluster on loopback ports for the whole session."""
+    for binary in ("redis-server", "redis-cli"):
+        assert shutil.which(binary), f"{binary} is required (apt-get install redis-server)"
+    cluster = RedisClusterProcesses(tmp_path_factory.mktemp("redis-cluster"))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def url_for(backend: str, request) -> str | None:
+    """The server (or cluster seeds) a redis backend talks to; None for the embedded ones."""
+    if backend == "redis":
+        return request.getfixturevalue("redis_url")
+    if backend == "redis-cluster":
+        return request.getfixturevalue("redis_cluster").url
+    return None
+
+
 def make_index(kind: str, tmp_path, clock, redis_url=None, **options):
+    """`redis_url`: a standalone server's for "redis", the cluster's seeds for "redis-cluster"."""
     if kind == "memory":
         return MemoryIndex(None, clock=clock, **options)
     if kind == "lmdb":
         return MemoryIndex(tmp_path / "meta", clock=clock, **options)
     from kvstore.metadata.redis_index import RedisIndex
 
-    return RedisIndex(redis_url, prefix=f"test-{uuid.uuid4().hex[:8]}", clock=clock, **options)
+    prefix = f"test-{uuid.uuid4().hex[:8]}"
+    cluster = kind == "redis-cluster"
+    return RedisIndex(redis_url, prefix=prefix, clock=clock, cluster=cluster, **options)

@@ -1,4 +1,4 @@
-"""The MetadataIndex contract, run against every backend (memory, lmdb, redis)."""
+"""The MetadataIndex contract, run against every backend (memory, lmdb, redis, redis-cluster)."""
 
 import random
 from collections import Counter
@@ -7,12 +7,12 @@ import pytest
 
 from kvstore.errors import LeaseError, NotFoundError, QuotaExceededError
 from kvstore.metadata.index import TIERS, BlockEntry, NodeRecord
-from tests.metadata.conftest import FakeClock, make_index
+from tests.metadata.conftest import FakeClock, make_index, url_for
 
 KEYS = [bytes([i]) * 16 for i in range(32)]
 
 
-@pytest.fixture(params=["memory", "lmdb", "redis"])
+@pytest.fixture(params=["memory", "lmdb", "redis", "redis-cluster"])
 def backend(request):
     return request.param
 
@@ -24,7 +24,7 @@ def clock():
 
 @pytest.fixture
 def index(backend, tmp_path, clock, request):
-    redis_url = request.getfixturevalue("redis_url") if backend == "redis" else None
+    redis_url = url_for(backend, request)
     made = make_index(backend, tmp_path, clock, redis_url)
     yield made
     made.close()
@@ -130,7 +130,7 @@ def test_deregister_removes_everything_of_the_node(index):
 
 
 def test_quota_rejects_a_whole_batch_that_would_exceed_it(backend, tmp_path, clock, request):
-    redis_url = request.getfixturevalue("redis_url") if backend == "redis" else None
+    redis_url = url_for(backend, request)
     index = make_index(backend, tmp_path, clock, redis_url, key_quota_per_tenant=3)
     lease = register(index)
     index.publish("n1", lease, "t", entries(KEYS[:2]))
@@ -154,7 +154,7 @@ def test_events_are_sequenced_and_resumable(index):
 
 
 def test_an_event_gap_is_signalled(backend, tmp_path, clock, request):
-    redis_url = request.getfixturevalue("redis_url") if backend == "redis" else None
+    redis_url = url_for(backend, request)
     index = make_index(backend, tmp_path, clock, redis_url, max_events=4)
     lease = register(index)
     index.publish("n1", lease, "t", entries(KEYS[:10]))
@@ -216,13 +216,16 @@ def test_stats_equal_a_full_recount_after_every_kind_of_change(backend, tmp_path
     """Stats are counters kept by each change (a scrape is O(1) in holdings): they must stay
     equal to a recount through publishes, unpublishes, node expiry and a restart."""
     clock, prefix = FakeClock(), "recount"
-    redis_url = request.getfixturevalue("redis_url") if backend == "redis" else None
+    redis_url = url_for(backend, request)
 
     def open_index():
-        if backend == "redis":
+        if backend.startswith("redis"):
             from kvstore.metadata.redis_index import RedisIndex
 
-            return RedisIndex(redis_url, prefix=f"{prefix}-{tmp_path.name}", clock=clock)
+            return RedisIndex(
+                redis_url, prefix=f"{prefix}-{tmp_path.name}", clock=clock,
+                cluster=backend == "redis-cluster",
+            )  # fmt: skip
         return make_index(backend, tmp_path, clock)
 
     index, rng, model = open_index(), random.Random(7), set()

@@ -81,6 +81,26 @@ def test_a_tenant_past_its_stream_cap_is_refused_naming_the_cap(tmp_path, token_
         assert next(open_stream(channel, TOKENS["tenant0"], "tenant0")).seq == 1
 
 
+def test_node_agents_streams_have_their_own_cap_beyond_a_tenants(tmp_path, token_file):
+    """Every node agent's view holds one all-tenant stream: a tenant's cap must not bound them."""
+    caps = {"max_watch_streams_per_tenant": 2, "max_watch_streams_all_tenants": 20}
+    with (
+        running_server(tmp_path, token_file=token_file, **caps) as server,
+        client_for(server, token=ADMIN) as admin,
+        grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel,
+    ):
+        lease, _ = admin.register_node(NodeRecord("n"))
+        admin.publish("n", lease, TENANTS[0], [BlockEntry(KEYS[0], "host")])
+        agents = [open_stream(channel, ADMIN, "") for _ in range(20)]
+        assert all(next(s).seq == 1 for s in agents)
+        with pytest.raises(grpc.RpcError) as refused:
+            next(open_stream(channel, ADMIN, ""))
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "(max_watch_streams_all_tenants)" in refused.value.details()
+        for stream in agents:
+            stream.cancel()
+
+
 # ---- resume sequences, fuzzed ------------------------------------------------------------
 RETAINED = 20  # the ring keeps seqs 31..50 of the 50 events published below
 PUBLISHED = 50

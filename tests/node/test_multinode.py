@@ -64,6 +64,13 @@ def write_prefix(socket_path, keys) -> list[torch.Tensor]:
     return payloads
 
 
+def sees(socket_path, keys) -> bool:
+    """Whether that agent's cluster view has caught up with the service's events for `keys`
+    (it follows them a few milliseconds behind: lookups there are answered on the host)."""
+    with KVStoreClient(socket_path, "probe") as probe:
+        return wait_until(lambda: probe.lookup("t", keys).remote == len(keys), timeout_s=10)
+
+
 def holders(address, keys) -> list[set[str]]:
     with MetadataClient(address) as metadata:
         return [{h.node_id for h in per_key} for per_key in metadata.lookup("t", keys).holders]
@@ -74,6 +81,7 @@ def test_a_prefix_saved_through_node_1_is_loaded_through_node_3(cluster):
     address, sockets, _ = cluster
     written = write_prefix(sockets[1], KEYS)
     assert wait_until(lambda: holders(address, KEYS) == [{"node-1"}] * 6, timeout_s=10)
+    assert sees(sockets[3], KEYS)
 
     with KVStoreClient(sockets[3], "reader") as reader:
         counts = reader.lookup("t", KEYS)
@@ -85,6 +93,7 @@ def test_a_prefix_saved_through_node_1_is_loaded_through_node_3(cluster):
         assert reader.lookup("t", KEYS).local == 6, "node 3 keeps a local replica"
 
     assert wait_until(lambda: holders(address, KEYS) == [{"node-1", "node-3"}] * 6)
+    assert sees(sockets[2], KEYS)
     with KVStoreClient(sockets[2], "second-reader") as reader:
         loaded = reader.load("t", KEYS, timeout_s=10)
         assert len(loaded) == 6 and loaded.remote_blocks == 6
@@ -122,6 +131,7 @@ def test_a_block_rotten_on_the_holders_disk_is_purged_unpublished_and_missed(clu
         handle.seek(offset + 100)
         handle.write(bytes([raw[offset + 100] ^ 0xFF]))
 
+    assert sees(sockets[3], KEYS[:2])
     with KVStoreClient(sockets[3], "reader") as reader:
         loaded = reader.load("t", KEYS[:2], timeout_s=5)
         assert len(loaded) == 1, "block 0 arrives; rotten block 1 is a miss"
@@ -147,6 +157,7 @@ def test_only_agents_that_share_the_cluster_secret_serve_each_other(cluster):
     address, sockets, _ = cluster
     written = write_prefix(sockets[1], KEYS)
     assert wait_until(lambda: holders(address, KEYS) == [{"node-1"}] * 6, timeout_s=10)
+    assert sees(sockets[2], KEYS) and sees(sockets[3], KEYS)
     with KVStoreClient(sockets[2], "impostor") as impostor:  # another secret: nothing
         assert impostor.lookup("t", KEYS).remote == 6, "the metadata service knows the holder"
         assert len(impostor.load("t", KEYS, timeout_s=3)) == 0

@@ -40,10 +40,17 @@ def agent_stats(socket) -> dict:
         return json.loads(client.stats())
 
 
+def seen_by_view(socket, keys: int) -> bool:
+    """The other agent's cluster view holds the published keys (lookups are answered from it)."""
+    view = agent_stats(socket)["view"]
+    return not view or (view["ready"] and view["keys"] >= keys)
+
+
 def test_two_engines_on_two_hosts_share_a_prefix(tmp_path, two_hosts, baselines, tiny_llama_fp32):
     _, (socket_1, socket_2) = two_hosts
     run_engine(tmp_path, tiny_llama_fp32, [PROMPT_A], socket_1)
     assert wait_until(lambda: agent_stats(socket_1)["published_blocks"] >= SHARED_CHUNKS, 10)
+    assert wait_until(lambda: seen_by_view(socket_2, SHARED_CHUNKS), 10)
     results, stats = run_engine(tmp_path, tiny_llama_fp32, [PROMPT_B], socket_2)
     assert results[0]["num_cached_tokens"] == SHARED_CHUNKS * CHUNK_TOKENS
     assert stats["loaded_blocks"] == SHARED_CHUNKS
@@ -127,6 +134,7 @@ def test_two_openai_servers_share_a_prefix_over_http(
             assert wait_until(
                 lambda: agent_stats(socket_1)["published_blocks"] >= SHARED_CHUNKS, 10
             )
+            assert wait_until(lambda: seen_by_view(socket_2, SHARED_CHUNKS), 10)
             assert complete(ports[1], PROMPT_B) == baselines["float32"][1]
             assert agent_stats(socket_2)["requests"]["load_remote"] == SHARED_CHUNKS
             shared_tokens = SHARED_CHUNKS * CHUNK_TOKENS

