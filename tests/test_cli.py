@@ -17,6 +17,10 @@ from kvstore.metadata.client import MetadataClient
 from kvstore.metadata.server import MetadataConfig
 from tests.metadata.servers import health_status, start_cli, wait_until
 
+# Kubernetes' default terminationGracePeriodSeconds: a stop must fit in it (it takes ~2 s on an
+# idle machine; a CI machine running other suites stretched it past 15 s once).
+SIGTERM_GRACE_S = 30
+
 
 def kvstore(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
@@ -51,7 +55,7 @@ def test_the_readme_serve_command_starts_answers_health_and_stops_on_sigterm(tmp
         assert as_json["blocks"] == "2" and as_json["nodes"][0]["node"]["node_id"] == "host-1"
     finally:
         process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=15) == 0
+        assert process.wait(timeout=SIGTERM_GRACE_S) == 0
     assert "shutting down" in process.stderr.read()
     assert (tmp_path / "data" / "metadata.lmdb").exists()
     assert (tmp_path / "data" / "disk" / "data.mdb").exists()
@@ -109,4 +113,4 @@ def test_the_readme_first_command_serves_metadata_and_an_agent(tmp_path):
             assert client.lookup("t", chunk_keys(Namespace("m", "l"), range(256), 256)).total == 0
     finally:
         process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=15) == 0
+        assert process.wait(timeout=SIGTERM_GRACE_S) == 0
