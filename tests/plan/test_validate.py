@@ -32,9 +32,9 @@ def test_validate_predicts_the_measured_hit_ratio(tmp_path):
     line = next(x for x in completed.stdout.splitlines() if x.startswith(MARK))
     result = json.loads(line[len(MARK) :])
     assert result["measured_token_hit_ratio"] > 0.05  # the slice shares prefixes, and evicts
-    # The goal (2 points) is for the full slice; in this 40-request miniature one chunk
-    # the connector's online cost model recomputes on a loaded CI machine (timing noise) moves
-    # the measured ratio by about 1.7 points, so the bound here is looser.
+    # The goal (2 points) is for the full slice. In this 40-request miniature a chunk the
+    # connector's online cost model recomputes under timing noise weighs more: a loaded CI run
+    # measured a 3.4-point gap once, so the bound here is looser.
     assert result["hit_ratio_gap_points"] < 5.0
     for field in ("predicted_ttft_p50_s", "measured_ttft_p50_s", "predicted_ttft_p90_s",
                   "measured_ttft_p90_s"):  # fmt: skip
