@@ -97,11 +97,18 @@ def chunk_keys(
     namespace: Namespace, token_ids: Sequence[int] | np.ndarray, chunk_tokens: int
 ) -> list[BlockKey]:
     """Keys of every full chunk of a prompt, in order. A trailing partial chunk has no key."""
+    return chained_keys(namespace.root_key(), token_ids, chunk_tokens)
+
+
+def chained_keys(
+    root: bytes, token_ids: Sequence[int] | np.ndarray, chunk_tokens: int
+) -> list[BlockKey]:
+    """Keys of every full chunk, chained from `root` (a namespace's, or a request's own)."""
     if chunk_tokens <= 0:
         raise ConfigError(f"chunk_tokens must be positive, got {chunk_tokens}")
     tokens = token_array(token_ids)
     keys: list[BlockKey] = []
-    parent: bytes = namespace.root_key()
+    parent: bytes = root
     for start in range(0, len(tokens) - chunk_tokens + 1, chunk_tokens):
         parent = chunk_key(parent, tokens[start : start + chunk_tokens])
         keys.append(parent)

@@ -19,7 +19,7 @@ from pathlib import Path
 from connectors.vllm.config import EngineKV
 from kvstore.errors import KVStoreError
 from kvstore.fingerprint import model_fingerprint
-from kvstore.keys import KEY_BYTES, BlockKey, chunk_key, token_array
+from kvstore.keys import KEY_BYTES, chained_keys
 from kvstore.keys_sglang import sglang_chain_seed
 
 logger = logging.getLogger(__name__)
@@ -41,16 +41,6 @@ def request_root(namespace_root: bytes, cache_salt: str, lora: tuple[str, str] |
     digest = hashlib.blake2b(namespace_root, digest_size=KEY_BYTES, person=_REQUEST_PERSON)
     digest.update(extras)
     return digest.digest()
-
-
-def chained_keys(root: bytes, token_ids, chunk_tokens: int) -> list[BlockKey]:
-    """Keys of every full chunk of `token_ids`, chained from `root`."""
-    tokens = token_array(token_ids)
-    keys, parent = [], root
-    for start in range(0, len(tokens) - chunk_tokens + 1, chunk_tokens):
-        parent = chunk_key(parent, tokens[start : start + chunk_tokens])
-        keys.append(parent)
-    return keys
 
 
 class RequestKeys:
