@@ -25,6 +25,7 @@ from kvstore.kvcopy.paged import PagedLayer, head_slice
 from kvstore.layout import KVLayout
 
 KEY_SCHEMES = ("vllm", "sglang")
+LOAD_THREADS = ("auto", "thread", "inline")
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class ConnectorSettings:
     verify_checksums: bool = True
     key_scheme: str = "vllm"  # vllm | sglang (shared with SGLang; chunk_tokens = its page size)
     head_group_size: int = 0  # kv heads per stored block, fleet-wide; 0: this rank's heads
+    load_thread: str = "auto"  # auto | thread | inline: where layer-wise loads copy (worker.py)
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -63,6 +65,9 @@ class ConnectorSettings:
             raise ConfigError(
                 f"key_scheme {settings.key_scheme!r} unknown; use one of {KEY_SCHEMES}"
             )
+        if settings.load_thread not in LOAD_THREADS:
+            raise ConfigError(f"load_thread {settings.load_thread!r} unknown; use one of "
+                              f"{LOAD_THREADS}")  # fmt: skip
         if settings.head_group_size < 0:
             raise ConfigError("head_group_size must be >= 0 (0: this TP rank's kv heads)")
         return settings

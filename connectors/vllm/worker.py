@@ -1,6 +1,6 @@
 """The worker half of the connector: copies chunks between the node agent's shared arena and
-vLLM's paged KV cache. Loads run layer by layer on a background thread, so layer i+1 loads
-while layer i computes; each layer is copied out of the shared page into a private buffer and
+vLLM's paged KV cache. Loads run layer by layer (LayerwiseLoad), so the attention of layer i
+waits only for layer i; each layer is copied out of the shared page into a private buffer and
 hashed in the same pass, and a chunk whose digest is not the checksum it was loaded with is a
 load error (recomputed), so a page reused under a stale view can never become KV. A chunk is
 one block per head group this rank owns (chunk-major, group-minor). Saves are saves.py's.
@@ -30,35 +30,51 @@ logger = logging.getLogger(__name__)
 
 
 class LayerwiseLoad:
-    """One step's loads: a thread fills layer after layer; `wait(layer)` blocks on one."""
+    """One step's loads, layer after layer: `wait(layer)` returns once that layer (and every
+    earlier one) is copied. With `background`, a thread copies ahead of the forward (CUDA: it
+    only submits copies and hashes, so the forward keeps its cores); without, each layer is
+    copied by the forward's own thread when it first waits for it (CPU: the forward's torch
+    threads use every core, and a copy thread beside them stalls its parallel regions)."""
 
-    def __init__(self, names: list[str], copy_layer) -> None:
+    def __init__(self, names: list[str], copy_layer, background: bool) -> None:
         self.index = {name: i for i, name in enumerate(names)}
         self.done = [threading.Event() for _ in names]
         self._copy_layer = copy_layer
+        self._next = 0  # the first layer not copied yet
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="kvstore-load", daemon=True)
-        self._thread.start()
+        self._thread = None
+        if background:
+            self._thread = threading.Thread(target=self._run, name="kvstore-load", daemon=True)
+            self._thread.start()
 
-    def _run(self) -> None:
+    def _run(self, stop: int | None = None) -> None:
+        stop = len(self.done) if stop is None else stop
         try:
-            for index, event in enumerate(self.done):
-                self._copy_layer(index)
-                event.set()
+            while self._next < stop:
+                self._copy_layer(self._next)
+                self.done[self._next].set()
+                self._next += 1
         except BaseException as exc:  # reported as load errors; never leave a waiter hanging
             self.error = exc
             logger.exception("layer-wise load failed")
-        finally:
             for event in self.done:
                 event.set()
+            self._next = len(self.done)
 
     def wait(self, layer_name: str) -> None:
         index = self.index.get(layer_name)
-        if index is not None:
-            self.done[index].wait()
+        if index is None:
+            return
+        if self._thread is None:
+            self._run(stop=index + 1)
+        self.done[index].wait()
 
     def join(self) -> None:
-        self._thread.join()
+        """Every layer copied (inline: the ones the forward did not wait for, now)."""
+        if self._thread is None:
+            self._run()
+        else:
+            self._thread.join()
 
 
 class WorkerSide:
@@ -79,6 +95,7 @@ class WorkerSide:
         self._loaded: list[tuple[LoadSpec, LoadedBlocks]] = []
         self._digests: list[list[xxhash.xxh3_64 | None]] = []  # per load, per block (None: unused)
         self._loader: ChunkCopier | None = None  # on the load thread
+        self._load_thread = False
         self.failed_block_ids: set[int] = set()
         self.stats = {"loaded_blocks": 0, "loaded_bytes": 0, "load_s": 0.0, "saved_blocks": 0,
                       "saved_bytes": 0, "load_failures": 0, "save_failures": 0,
@@ -116,6 +133,7 @@ class WorkerSide:
                                    first.shape[1], self.kv.layout.head_dim)  # fmt: skip
         device = first.device
         self._loader = ChunkCopier(self.kv.layout, self.kv.block_size, device)
+        self._load_thread = _load_thread(self.settings.load_thread, self._loader.on_cuda)
         self.saves.copier = ChunkCopier(self.kv.layout, self.kv.block_size, device)
 
     # ---- loads -----------------------------------------------------------------------------
@@ -130,7 +148,8 @@ class WorkerSide:
         self._digests = [self._new_digests(spec, loaded) for spec, loaded in self._loaded]
         names = list(self.kv_caches)
         tensors = [compat.paged_layer_view(self.kv_caches[name], self.kv.isa) for name in names]
-        self._load = LayerwiseLoad(names, lambda i: self._copy_layer_in(i, tensors[i]))
+        self._load = LayerwiseLoad(names, lambda i: self._copy_layer_in(i, tensors[i]),
+                                   background=self._load_thread)  # fmt: skip
         self.stats["load_s"] += time.perf_counter() - started
 
     def _fetch(self, spec: LoadSpec) -> LoadedBlocks | None:
@@ -266,3 +285,8 @@ class WorkerSide:
         self.finish_load()
         self.commit_all()
         self.agent.drop()
+
+
+def _load_thread(setting: str, on_cuda: bool) -> bool:
+    """Whether loads copy on a background thread ("auto": on CUDA, where it only submits)."""
+    return {"auto": on_cuda, "thread": True, "inline": False}[setting]

@@ -73,16 +73,18 @@ def build_tiny_llama(
     vocab_size: int = 512,
     seed: int = 0,
     head_dim: int = 32,
+    intermediate_size: int | None = None,
 ) -> Path:
     """Write config, safetensors weights and tokenizer files into `directory`; return it.
 
     `head_dim` is explicit because vLLM's CPU attention accepts only head sizes
     32, 64, 80, ... (hidden_size / num_heads would be 16 with the defaults).
+    `intermediate_size` defaults to 2 × hidden_size.
     """
     config = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
+        intermediate_size=intermediate_size or 2 * hidden_size,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,

@@ -17,9 +17,11 @@ def test_vllm_benchmark_reports_ttft_and_speedups():
     assert completed.returncode == 0, completed.stderr[-3000:]
     result = json.loads(completed.stdout)  # exactly one JSON object: vLLM's logs go to stderr
     for field in ("ttft_cold_s", "ttft_cached50_s", "ttft_cached90_s", "speedup50", "speedup90",
-                  "ttft_cold_no_connector_s"):  # fmt: skip
+                  "ttft_cold_no_connector_s", "ttft_cached90_engine_s",
+                  "speedup90_limit"):  # fmt: skip
         assert math.isfinite(result[field]) and result[field] > 0, field
     assert math.isfinite(result["save_overhead"])
     assert result["cached_tokens_cold"] == 0
     assert result["cached_tokens_cached50"] == 512
     assert result["cached_tokens_cached90"] == 768  # 921 shared tokens: 3 whole 256-token chunks
+    assert result["cached_tokens_cached90_engine"] == 768  # the same tokens, from vLLM's own cache
