@@ -42,6 +42,11 @@ class ConnectorSettings:
     verify_checksums: bool = True
     key_scheme: str = "vllm"  # vllm | sglang (shared with SGLang; chunk_tokens = its page size)
     head_group_size: int = 0  # kv heads per stored block, fleet-wide; 0: this rank's heads
+    # KV events (--kv-events-config): the metadata service whose event stream tells this
+    # host's evictions; its token file; how many announced chunks are remembered for them.
+    events_metadata_address: str = ""
+    events_token_file: str = ""
+    events_max_chunks: int = 65_536
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -63,6 +68,8 @@ class ConnectorSettings:
             raise ConfigError(
                 f"key_scheme {settings.key_scheme!r} unknown; use one of {KEY_SCHEMES}"
             )
+        if settings.events_max_chunks <= 0:
+            raise ConfigError("events_max_chunks must be positive")
         if settings.head_group_size < 0:
             raise ConfigError("head_group_size must be >= 0 (0: this TP rank's kv heads)")
         return settings
