@@ -78,8 +78,9 @@ def cluster(tmp_path):
 
 
 def start_publisher(address: str, endpoint: str, replay: str) -> subprocess.Popen:
-    command = [sys.executable, "-m", "kvstore", "events", "--zmq", endpoint, "--replay", replay,
-               "--metadata-address", address, "--model", "tiny", "--block-tokens", "16"]
+    command = [sys.executable, "-m", "kvstore", "events", "--zmq", endpoint, "--replay",
+               replay, "--metadata-address", address, "--model", "tiny", "--block-tokens",
+               "16"]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = process.stdout.readline()
     if "publishing on" not in line:
