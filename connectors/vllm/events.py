@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
@@ -40,6 +41,7 @@ from kvstore.metadata.client import MetadataClient
 from kvstore.metadata.follow import EventFollower
 
 logger = logging.getLogger(__name__)
+FOLLOW_START_TIMEOUT_S = 5.0
 MEDIUM_OF_TIER = {"device": MEDIUM_GPU, "host": MEDIUM_CPU, "disk": MEDIUM_STORAGE}
 
 
@@ -121,6 +123,8 @@ class KVEventTracker:
         self._out: deque[KVCacheEvent] = deque()
         self._inbox: queue.Queue = queue.Queue(limits.max_queued_events)
         self._lost = False  # node events were lost: retract everything announced
+        self._following = threading.Event()  # the follower's first resync is done
+        self._announced_any = False
         self.counters = {"announced": 0, "removed": 0, "forgotten": 0, "dropped_pending": 0,
                          "dropped_events": 0, "lost_node_events": 0}  # fmt: skip
 
@@ -129,6 +133,10 @@ class KVEventTracker:
         token = read_secret_file(Path(token_file), "metadata token") if token_file else None
         self.follower = EventFollower(MetadataClient(address, token=token), self, tenant)
         self.follower.start()
+        # Chunks announced before the stream is followed may be evicted unseen: wait a little
+        # (an absent service costs a retraction of those later, not a stalled engine).
+        if not self._following.wait(FOLLOW_START_TIMEOUT_S):
+            logger.warning("the metadata service's event stream is not followed yet (%s)", address)
 
     def close(self) -> None:
         if self.follower is not None:
@@ -197,6 +205,7 @@ class KVEventTracker:
                 self._unindex(chain, chunk)
                 continue
             self._chunks[chain] = chunk
+            self._announced_any = True
             chunk.held[MEDIUM_CPU] = set(range(len(chunk.block_keys)))
             self._emit(self._stored(chunk, MEDIUM_CPU))
             self._bound_chunks()
@@ -219,9 +228,11 @@ class KVEventTracker:
             self.counters["lost_node_events"] += 1
 
     def resync(self) -> int:
-        """Follower thread: events were lost (or this is the start): retract what was
-        announced from the node's changes, then follow only new events."""
-        self._lost = True
+        """Follower thread: events were lost (or this is the start, after announcements):
+        retract what was announced, then follow only new events."""
+        if self._following.is_set() or self._announced_any:
+            self._lost = True
+        self._following.set()
         return 0
 
     def _apply_node_events(self) -> None:

