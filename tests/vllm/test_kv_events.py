@@ -70,6 +70,25 @@ def start(tmp_path, model, socket, events_port: int, metadata: str) -> subproces
                             cwd=Path(__file__).parents[2])  # fmt: skip
 
 
+def dynamo_score(events, prompt) -> int:
+    """Blocks of `prompt` that Dynamo's own KV indexer (ai-dynamo-runtime's RadixTree) credits
+    to the engine after these events, converted as Dynamo's vLLM event listener does (a block's
+    tokens_hash is Dynamo's hash of its tokens; vLLM's hashes are the external block hashes)."""
+    from dynamo._core import RadixTree, compute_block_hash_for_seq
+
+    tree = RadixTree()
+    for event_id, event in enumerate(events):
+        if hasattr(event, "token_ids"):
+            local = compute_block_hash_for_seq(event.token_ids, event.block_size)
+            blocks = [{"block_hash": h, "tokens_hash": t}
+                      for h, t in zip(event.block_hashes, local, strict=True)]  # fmt: skip
+            data = {"stored": {"parent_hash": event.parent_block_hash, "blocks": blocks}}
+        else:
+            data = {"removed": {"block_hashes": event.block_hashes}}
+        tree.apply_event(1, json.dumps({"event_id": event_id, "data": data}).encode())
+    return tree.find_matches(compute_block_hash_for_seq(prompt, BLOCK)).scores.get((1, 0), 0)
+
+
 def host_removals(server) -> int:
     """How many blocks the node's host tier evicted, by the metadata service's journal."""
     client = client_for(server)
@@ -113,6 +132,7 @@ def test_stored_and_evicted_chunks_reach_vllms_publisher(
             assert event.parent_block_hash == (vllms[index * PER_CHUNK - 1] if index else None)
             assert event.token_ids == PROMPT_A[index * CHUNK_TOKENS : (index + 1) * CHUNK_TOKENS]
             assert (event.block_size, event.lora_id, event.lora_name) == (BLOCK, None, None)
+        assert dynamo_score(ours, PROMPT_A) == 4 * PER_CHUNK  # a router sees the held prefix
 
         resume(engine)  # PROMPT_C: 4 more chunks in a 6-page arena evict 2 of PROMPT_A's
         # the 8 stores and the evictions reached the metadata service; the connector follows it
@@ -133,9 +153,9 @@ def test_stored_and_evicted_chunks_reach_vllms_publisher(
         assert [e.token_ids for e in stored_c] == [
             PROMPT_C[i * CHUNK_TOKENS : (i + 1) * CHUNK_TOKENS] for i in range(4)
         ]
-        assert [e.token_ids for e in stored_c] == [
-            PROMPT_C[i * CHUNK_TOKENS : (i + 1) * CHUNK_TOKENS] for i in range(4)
-        ]
+        in_order = [e for e in subscriber.events if getattr(e, "medium", None) == MEDIUM_CPU]
+        held_a = next(i for i, e in enumerate(ours) if e.block_hashes in removed)  # prefix-aware
+        assert dynamo_score(in_order, PROMPT_A) == held_a * PER_CHUNK  # the evicted are not
     finally:
         engine.stdin.close()
         engine.wait(timeout=120)
