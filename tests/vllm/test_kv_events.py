@@ -106,6 +106,77 @@ def resume(engine: subprocess.Popen) -> dict:
     return next_result(engine)
 
 
+# ---- the tracker alone, on vLLM's own Request and block hasher (no engine) ------------------
+def tracker_and_request(workers: int = 1, max_chunks: int = 16):
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    from connectors.vllm.config import EngineKV
+    from connectors.vllm.events import EventLimits, KVEventTracker
+    from connectors.vllm.metadata import SaveSpec
+    from connectors.vllm.scheduler import RequestState
+    from kvstore.keys import Namespace, chunk_keys
+    from kvstore.layout import KVLayout
+
+    init_none_hash(sha256)
+    kv = EngineKV(KVLayout(2, 2, 32, "float32", CHUNK_TOKENS), Namespace("m", "l"), BLOCK)
+    request = Request("r", PROMPT_A, SamplingParams(max_tokens=1), None,
+                      block_hasher=get_request_block_hasher(BLOCK, sha256))  # fmt: skip
+    tracker = KVEventTracker(kv, BLOCK, BLOCK, workers, EventLimits(max_chunks=max_chunks))
+    keys = chunk_keys(kv.namespace, PROMPT_A, CHUNK_TOKENS)
+    tracker.seen(request)
+    tracker.scheduled([SaveSpec("r", keys, b"", [[]])], {"r": RequestState(keys=keys)})
+    return tracker, request, keys, kv
+
+
+def test_a_chunk_is_announced_once_every_worker_committed_it(vllm_inprocess_env):
+    from vllm.distributed.kv_events import MEDIUM_CPU, BlockStored
+
+    from connectors.vllm.events import CommittedChunks
+
+    tracker, request, keys, _ = tracker_and_request(workers=2)
+    tracker.committed(CommittedChunks(keys[1:2]))
+    assert list(tracker.take()) == []  # one rank of two holds its heads: not yet a hit
+    tracker.committed(CommittedChunks(keys[1:2]))
+    (event,) = tracker.take()
+    assert isinstance(event, BlockStored) and event.medium == MEDIUM_CPU
+    assert event.block_hashes == [
+        int.from_bytes(h, "big") & (2**64 - 1)
+        for h in request.block_hashes[PER_CHUNK : 2 * PER_CHUNK]
+    ]
+    assert event.token_ids == PROMPT_A[CHUNK_TOKENS : 2 * CHUNK_TOKENS]
+
+
+def test_node_events_move_chunks_between_media_and_losses_retract_them(vllm_inprocess_env):
+    from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, BlockStored
+
+    from connectors.vllm.events import CommittedChunks
+
+    tracker, _, keys, kv = tracker_and_request(max_chunks=2)
+    tracker.node_id = "host-1"
+    tracker.resync()  # the follower's start: nothing announced, nothing to retract
+    tracker.committed(CommittedChunks(keys[:3]))  # the cap is 2: the oldest is retracted
+    events = list(tracker.take())
+    assert [type(e) for e in events] == [BlockStored, BlockStored, BlockStored, BlockRemoved]
+    assert events[3].block_hashes == events[0].block_hashes
+    assert tracker.counters["forgotten"] == 1
+    (block_key,) = kv.lookup_keys(keys[1:2])
+    tracker.apply("stored", "t", block_key, "host-1", "disk")  # written back to disk
+    tracker.apply("removed", "t", block_key, "host-1", "host")  # then evicted from the host
+    tracker.apply("removed", "t", block_key, "host-2", "disk")  # another node's: not ours
+    moved = list(tracker.take())
+    assert [(type(e), e.medium) for e in moved] == [
+        (BlockStored, MEDIUM_STORAGE), (BlockRemoved, MEDIUM_CPU)]  # fmt: skip
+    tracker.resync()  # events were lost: whatever is announced is retracted
+    retracted = list(tracker.take())
+    assert {(e.medium, e.block_hashes[0]) for e in retracted} == {
+        (MEDIUM_STORAGE, moved[0].block_hashes[0]),
+        (MEDIUM_CPU, events[2].block_hashes[0]),
+    }
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_stored_and_evicted_chunks_reach_vllms_publisher(
