@@ -6,7 +6,7 @@
 #   --editable       pip install -e (CI); default: a regular install (images)
 #   --torch VERSION  the torch to install first (default 2.13.0, the CPU build); `none` keeps the
 #                    environment's torch (the CUDA image's, which vLLM brings)
-#   --extras LIST    the project's extras, comma-separated (test, ucx, vllm, plan)
+#   --extras LIST    the project's extras, comma-separated (test, ucx, vllm, plan, events)
 #   --dry-run        print the commands, run nothing
 #   SOURCE           the project directory (default: this script's parent)
 set -euo pipefail
@@ -26,7 +26,7 @@ while (($#)); do
   shift
 done
 if [[ ! $extras =~ ^[a-z,]*$ ]]; then
-  echo "install.sh: --extras is a comma-separated list of test, ucx, vllm, plan" >&2; exit 2
+  echo "install.sh: --extras is a comma-separated list of test, ucx, vllm, plan, events" >&2; exit 2
 fi
 if [[ ! -f $src/pyproject.toml ]]; then
   echo "install.sh: $src has no pyproject.toml" >&2; exit 2
@@ -60,5 +60,10 @@ if [[ ,$extras, == *,vllm,* && $torch != none ]]; then
   if ((!dry_run)); then
     python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>&1 | { grep -v "^WARNING" || true; }
   fi
+fi
+if [[ ,$extras, == *,test,* ]]; then
+  # Dynamo's KV indexer, for tests/vllm/test_kv_events.py: its runtime wheel pins
+  # pydantic<=2.13.5, older than vLLM's; its indexer needs none of its dependencies.
+  pip_install --no-deps "ai-dynamo-runtime==1.6.1"
 fi
 run python -c "import kvstore, torch; print('kvstore', kvstore.__version__, 'torch', torch.__version__)"

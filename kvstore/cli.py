@@ -137,6 +137,25 @@ def _stats(args: argparse.Namespace) -> dict | int:
     return 0
 
 
+def _events(args: argparse.Namespace) -> dict:
+    import signal
+    import threading
+
+    from kvstore.config import read_secret_file
+    from kvstore.events_zmq import EventsConfig, run_events
+
+    token = read_secret_file(args.token_file, "metadata token") if args.token_file else None
+    config = EventsConfig(
+        metadata_address=args.metadata_address, zmq_endpoint=args.zmq, model=args.model,
+        replay_endpoint=args.replay, tenant=args.tenant, token=token, tls_ca=args.tls_ca,
+        block_tokens=args.block_tokens, int_hashes=not args.bytes_hashes,
+    )  # fmt: skip
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    return run_events(config, stop)
+
+
 def _add_metadata_flags(parser: argparse.ArgumentParser, with_backend: bool) -> None:
     parser.add_argument("--config", type=Path, help="TOML file; settings under [metadata]")
     parser.add_argument("--listen", help="gRPC host:port (default 127.0.0.1:50051)")
@@ -309,6 +328,23 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--tls-ca", type=Path, help="CA certificate to verify the service")
     stats.add_argument("--json", action="store_true")
     stats.set_defaults(handler=_stats)
+
+    events = commands.add_parser(
+        "events", help="republish the metadata service's block events on ZMQ (vLLM's format)"
+    )
+    events.add_argument("--zmq", required=True, help="PUB endpoint, e.g. tcp://*:5557")
+    events.add_argument("--metadata-address", default="127.0.0.1:50051")
+    events.add_argument("--replay", default="", help="ROUTER endpoint for replays by seq")
+    events.add_argument("--model", default="kvstore", help="the <model> of kv@<node>@<model>")
+    events.add_argument("--tenant", default="", help="one tenant's events (default: every one)")
+    events.add_argument("--token-file", type=Path, help="file holding a metadata token")
+    events.add_argument("--tls-ca", type=Path, help="CA certificate to verify the service")
+    events.add_argument("--block-tokens", type=int, default=0, help="tokens per kvstore block")
+    events.add_argument("--bytes-hashes", action="store_true",
+                        help="block hashes as the keys' bytes (vLLM: VLLM_KV_EVENTS_USE_INT_"
+                             "BLOCK_HASHES=0); default: their last 8 bytes as an int")  # fmt: skip
+    events.add_argument("--json", action="store_true", help="counters as JSON at exit")
+    events.set_defaults(handler=_events)
 
     replay = commands.add_parser("replay", help="replay a Mooncake-format trace through the store")
     replay.add_argument("trace", help="path of a Mooncake JSONL trace")

@@ -32,6 +32,11 @@ class AgentConnection:
                 logger.warning("kvstore agent unavailable (%s); prefixes are computed", exc)
         return self._client
 
+    @property
+    def node_id(self) -> str | None:
+        """The agent's node id once connected (this never connects)."""
+        return self._client.info.node_id if self._client is not None else None
+
     def drop_if_broken(self) -> None:
         if self._client is not None and self._client.broken:
             self.drop()

@@ -44,6 +44,11 @@ class ConnectorSettings:
     key_scheme: str = "vllm"  # vllm | sglang (shared with SGLang; chunk_tokens = its page size)
     head_group_size: int = 0  # kv heads per stored block, fleet-wide; 0: this rank's heads
     load_thread: str = "auto"  # auto | thread | inline: where layer-wise loads copy (worker.py)
+    # KV events (--kv-events-config): the metadata service whose event stream tells this
+    # host's evictions; its token file; how many announced chunks are remembered for them.
+    events_metadata_address: str = ""
+    events_token_file: str = ""
+    events_max_chunks: int = 65_536
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -68,6 +73,8 @@ class ConnectorSettings:
         if settings.load_thread not in LOAD_THREADS:
             raise ConfigError(f"load_thread {settings.load_thread!r} unknown; use one of "
                               f"{LOAD_THREADS}")  # fmt: skip
+        if settings.events_max_chunks <= 0:
+            raise ConfigError("events_max_chunks must be positive")
         if settings.head_group_size < 0:
             raise ConfigError("head_group_size must be >= 0 (0: this TP rank's kv heads)")
         return settings

@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from connectors.vllm import compat
+from connectors.vllm import compat, events
 from connectors.vllm.compat import KVConnectorBase_V1, KVConnectorRole, SupportsHMA
 from connectors.vllm.config import ConnectorSettings, engine_kv
 from connectors.vllm.metadata import KVStoreConnectorMetadata
@@ -37,6 +37,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         is_scheduler, is_worker = role == KVConnectorRole.SCHEDULER, role == KVConnectorRole.WORKER
         self.scheduler = SchedulerSide(self.settings, self.kv, groups) if is_scheduler else None
         self.worker = WorkerSide(self.settings, self.kv, groups) if is_worker else None
+        # KV events (--kv-events-config): the scheduler announces what the workers committed
+        self.events = (events.scheduler_tracker(vllm_config, kv_cache_config, self.settings,
+                                                self.kv) if is_scheduler else None)  # fmt: skip
+        if self.worker is not None and events.worker_collects(vllm_config):
+            self.worker.saves.committed = []
         self._deltas = DeltaCounters()  # this half's counters, reported to vLLM's stat loggers
         self._samples = self.scheduler.samples if self.scheduler else LatencySamples()
         self._load_wait_s: float | None = None  # this step's waits for layer loads
@@ -59,6 +64,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         """(tokens, False): loads are synchronous (layer-wise, in the forward); (None, False)
         while the lookup is in flight: vLLM asks again on a later step."""
         started = time.perf_counter()
+        if self.events is not None:
+            self.events.seen(request)
         tokens = self.scheduler.matched_tokens(request, num_computed_tokens)
         self.scheduler.note_match_s(time.perf_counter() - started)
         return tokens, False
@@ -71,18 +78,33 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler.after_alloc(request, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> KVStoreConnectorMetadata:
-        return self.scheduler.build_meta(scheduler_output)
+        meta = self.scheduler.build_meta(scheduler_output)
+        if self.events is not None:
+            self.events.node_id = self.scheduler.agent.node_id
+            self.events.scheduled(meta.saves, self.scheduler.requests)
+        return meta
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # A request that had saves keeps its blocks until every worker committed them.
-        return self.scheduler.finished(request), None
+        return self._finished(request), None
 
     def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict | None]:
         """The hybrid KV cache manager's request_finished (every group's blocks at once)."""
-        return self.scheduler.finished(request), None
+        return self._finished(request), None
+
+    def _finished(self, request) -> bool:
+        if self.events is not None:
+            self.events.forget(request.request_id)
+        return self.scheduler.finished(request)
+
+    def update_connector_output(self, connector_output) -> None:
+        """The workers' reports of a step: the chunks they committed (KV events)."""
+        if self.events is not None:
+            self.events.committed(connector_output.kv_cache_events)
 
     def take_events(self) -> Iterable[Any]:
-        return ()
+        """vLLM's BlockStored / BlockRemoved for this host's kvstore blocks (events.py)."""
+        return self.events.take() if self.events is not None else ()
 
     # ---- worker side -----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches) -> None:
@@ -124,6 +146,14 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def handle_preemptions(self, kv_connector_metadata) -> None:
         self.worker.commit_all()  # a preempted request's blocks may be reused next
 
+    def get_kv_connector_kv_cache_events(self) -> events.CommittedChunks | None:
+        """The chunks this worker committed this step, for the scheduler's KV events."""
+        committed = self.worker.saves.committed if self.worker is not None else None
+        if not committed:
+            return None
+        self.worker.saves.committed = []
+        return events.CommittedChunks(committed)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_failed_block_ids() if self.worker else set()
 
@@ -149,5 +179,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self.scheduler is not None:
             self.scheduler.lookups.close()
+        if self.events is not None:
+            self.events.close()
         if self.worker is not None:
             self.worker.close()

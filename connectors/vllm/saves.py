@@ -17,6 +17,7 @@ import xxhash
 from connectors.vllm import compat
 from connectors.vllm.agent import AgentConnection
 from connectors.vllm.config import ConnectorSettings, EngineKV
+from connectors.vllm.events import stored_chunks
 from connectors.vllm.metadata import SaveSpec
 from kvstore.client import SaveReservation
 from kvstore.codec import CODEC_IDS
@@ -58,6 +59,7 @@ class SavePipeline:
         self._uncommitted: dict[str, int] = {}  # req id -> submitted steps not yet committed
         self._requests_with_saves: set[str] = set()
         self._finished: set[str] = set()  # finished by vLLM, waiting for their commits
+        self.committed: list[bytes] | None = None  # with KV events: chunks stored this step
 
     def expect(self, saves: list[SaveSpec]) -> None:
         """The step's save specs, seen before its forward: each request named is reported by
@@ -149,6 +151,9 @@ class SavePipeline:
                 self.stats["save_failures"] += len(reservation.reserved_keys())
                 continue
             self.stats["saved_blocks"] += committed
+            if self.committed is not None and committed == len(reservation.reserved_keys()):
+                groups = self.kv.groups.count
+                self.committed += stored_chunks(spec.keys, reservation.payloads, groups)
             self.stats["saved_bytes"] += committed * self.kv.layout.payload_bytes
 
     def finished_saving(self, finished_req_ids: set[str]) -> set[str]:

@@ -30,7 +30,8 @@ def build_llm(args):
     if args.socket:
         extra = {"socket_path": args.socket, "chunk_tokens": args.chunk_tokens,
                  "load_timeout_s": 5.0, "codec": args.codec, "key_scheme": args.key_scheme,
-                 "head_group_size": args.head_group_size}  # fmt: skip
+                 "head_group_size": args.head_group_size,
+                 **json.loads(args.extra_config)}  # fmt: skip
         transfer = KVTransferConfig(
             kv_connector="KVStoreConnector", kv_connector_module_path="connectors.vllm.connector",
             kv_role="kv_both", kv_connector_extra_config=extra, kv_load_failure_policy="recompute",
@@ -39,12 +40,22 @@ def build_llm(args):
         model=args.model, tokenizer=args.model, dtype=args.dtype, enforce_eager=True,
         gpu_memory_utilization=0.2, kv_cache_memory_bytes=64 << 20, block_size=args.block_size,
         kv_transfer_config=transfer, seed=0, disable_log_stats=not args.metrics,
-        **lora_options(args), **batch_options(args),
+        **lora_options(args), **batch_options(args), **events_options(args),
     )  # fmt: skip
 
 
 def lora_options(args) -> dict:
     return {"enable_lora": True, "max_lora_rank": 8, "max_loras": 2} if args.lora else {}
+
+
+def events_options(args) -> dict:
+    """vLLM's KV-event publisher (ZMQ, bound at the endpoint) when asked for."""
+    from vllm.config import KVEventsConfig
+
+    if not args.kv_events:
+        return {}
+    config = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=args.kv_events)
+    return {"kv_events_config": config}
 
 
 def batch_options(args) -> dict:
@@ -140,6 +151,8 @@ def main() -> None:
     parser.add_argument("--lora", action="store_true", help="enable LoRA (prompts may name one)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=0)
     parser.add_argument("--metrics", action="store_true", help="report vLLM's kvstore metrics")
+    parser.add_argument("--kv-events", default="", help="publish KV events (ZMQ endpoint)")
+    parser.add_argument("--extra-config", default="{}", help="more kv_connector_extra_config")
     args = parser.parse_args()
 
     from vllm import SamplingParams
