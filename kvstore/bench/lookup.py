@@ -69,7 +69,7 @@ def _service() -> Iterator[tuple[str, int]]:
         yield line.split("listening on ", 1)[1].split(",", 1)[0], process.pid
 
 
-def _latencies_s(address: str, num_keys: int, duration_s: float) -> list[float]:
+def _latencies_s(address: str, num_keys: int, duration_s: float, start=None) -> list[float]:
     keys = bench_keys(num_keys)
 
     def lookup() -> None:
@@ -79,11 +79,12 @@ def _latencies_s(address: str, num_keys: int, duration_s: float) -> list[float]:
 
     with MetadataClient(address) as client:
         client.wait_ready(READY_TIMEOUT_S)
-        return timed_calls(lookup, duration_s)
+        return timed_calls(lookup, duration_s, start)
 
 
-def _client_process(address: str, num_keys: int, duration_s: float, queue) -> None:
-    queue.put(_latencies_s(address, num_keys, duration_s))
+def _client_process(address: str, num_keys: int, duration_s: float, start, results) -> None:
+    """Child of concurrent_run: lookups of `num_keys` keys; puts the samples."""
+    results.put(_latencies_s(address, num_keys, duration_s, start))
 
 
 def _redis_exists_p50_us(num_keys: int, duration_s: float) -> float:
