@@ -4,21 +4,31 @@ worker's lookups through its node agent (another process, answering from its clu
 all-local, all-remote and all-absent prompts; the view's bytes per key; publish batching.
 
 Runs in the benchmark process; clients for the concurrent runs are separate processes so the
-service, not the client's GIL, is what is measured.
+service, not the client's GIL, is what is measured. They share the machine's cores with the
+service (on 2 cores they compete for them): the service's CPU per lookup is reported beside qps,
+and the echo floor (kvstore/bench/grpc_floor.py) is measured under the same clients.
 """
 
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import statistics
 import tempfile
 import time
 import tracemalloc
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from kvstore.bench import peers
+from kvstore.bench.grpc_floor import (
+    READY_TIMEOUT_S,
+    concurrent_run,
+    echo_floor,
+    summary,
+    timed_calls,
+)
 from kvstore.bench.timing import check_runs, machine_info
 from kvstore.errors import ConfigError
 from kvstore.metadata.client import MetadataClient
@@ -28,6 +38,12 @@ from kvstore.v1 import metadata_pb2 as pb
 
 TENANT = "bench"
 PREFIX_KEYS = 512
+QPS_CLIENTS = 8  # the client processes of the issue's qps goal
+_CONCURRENT_FIELDS = (
+    ("qps", "lookup_qps_{}_clients"), ("p50_us", "lookup_64_p50_us_{}_clients"),
+    ("p99_us", "lookup_64_p99_us_{}_clients"),
+    ("server_cpu_us_per_call", "lookup_server_cpu_us_{}_clients"),
+)  # fmt: skip
 
 
 def bench_keys(count: int = PREFIX_KEYS) -> list[bytes]:
@@ -43,48 +59,32 @@ def _populate(address: str) -> None:
         client.publish("bench-node", lease, TENANT, entries)
 
 
-def _latencies_s(address: str, num_keys: int, duration_s: float) -> list[float]:
+@contextmanager
+def _service() -> Iterator[tuple[str, int]]:
+    """A metadata service process (LMDB) on a free loopback port; yields (address, its pid)."""
+    with tempfile.TemporaryDirectory() as data_dir, peers.cli_process(
+        "metadata", "--backend", "lmdb", "--listen", "127.0.0.1:0", "--data-dir", data_dir,
+        ready="listening on",
+    ) as (process, line):  # fmt: skip
+        yield line.split("listening on ", 1)[1].split(",", 1)[0], process.pid
+
+
+def _latencies_s(address: str, num_keys: int, duration_s: float, start=None) -> list[float]:
     keys = bench_keys(num_keys)
-    samples = []
+
+    def lookup() -> None:
+        found = client.lookup(TENANT, keys).prefix_length
+        if found != num_keys:
+            raise ConfigError(f"lookup found {found} of {num_keys} keys")
+
     with MetadataClient(address) as client:
-        for _ in range(20):  # warm the channel
-            client.lookup(TENANT, keys)
-        deadline = time.perf_counter() + duration_s
-        while (start := time.perf_counter()) < deadline:
-            result = client.lookup(TENANT, keys)
-            samples.append(time.perf_counter() - start)
-            if result.prefix_length != num_keys:
-                raise ConfigError(f"lookup found {result.prefix_length} of {num_keys} keys")
-    return samples
+        client.wait_ready(READY_TIMEOUT_S)
+        return timed_calls(lookup, duration_s, start)
 
 
-def _client_process(address: str, num_keys: int, duration_s: float, queue) -> None:
-    queue.put(_latencies_s(address, num_keys, duration_s))
-
-
-def _concurrent_run(address: str, num_keys: int, clients: int, duration_s: float) -> dict:
-    context = multiprocessing.get_context("spawn")
-    queue = context.Queue()
-    workers = [
-        context.Process(target=_client_process, args=(address, num_keys, duration_s, queue))
-        for _ in range(clients)
-    ]
-    for worker in workers:
-        worker.start()
-    wait_s = duration_s + 600  # 32 spawned clients take minutes to start on a loaded machine
-    samples = [s for _ in workers for s in queue.get(timeout=wait_s)]
-    for worker in workers:
-        worker.join()
-    return _summary(samples, duration_s)
-
-
-def _summary(samples: list[float], duration_s: float) -> dict:
-    samples = sorted(samples)
-    return {
-        "p50_us": samples[len(samples) // 2] * 1e6,
-        "p99_us": samples[min(len(samples) - 1, int(len(samples) * 0.99))] * 1e6,
-        "qps": len(samples) / duration_s,
-    }
+def _client_process(address: str, num_keys: int, duration_s: float, start, results) -> None:
+    """Child of concurrent_run: lookups of `num_keys` keys; puts the samples."""
+    results.put(_latencies_s(address, num_keys, duration_s, start))
 
 
 def _redis_exists_p50_us(num_keys: int, duration_s: float) -> float:
@@ -100,7 +100,7 @@ def _redis_exists_p50_us(num_keys: int, duration_s: float) -> float:
                 pipe.exists(key)
             pipe.execute()
             samples.append(time.perf_counter() - start)
-    return _summary(samples, duration_s)["p50_us"]
+    return summary(samples, duration_s)["p50_us"]
 
 
 def _agent_lookups(address: str, runs: int, duration_s: float) -> dict:
@@ -167,7 +167,7 @@ def _agent_p50_us(worker, keys, expected: tuple[int, int], duration_s: float) ->
         samples.append(time.perf_counter() - start)
         if (counts.local, counts.remote) != expected:
             raise ConfigError(f"agent lookup gave {counts}, expected {expected}")
-    return _summary(samples, duration_s)["p50_us"]
+    return summary(samples, duration_s)["p50_us"]
 
 
 def view_bytes_per_key(num_keys: int = 200_000, num_nodes: int = 16) -> float:
@@ -199,84 +199,56 @@ def _publish_keys_per_s(address: str, batch: int) -> float:
     return total / elapsed
 
 
-def _echo_server(queue) -> None:
-    """Child: a grpc.aio server whose one method returns its request: the floor under any
-    unary RPC of the metadata service on this machine."""
-    import asyncio
-
-    import grpc
-
-    async def echo(payload: bytes, context) -> bytes:
-        return payload
-
-    async def serve() -> None:
-        server = grpc.aio.server()
-        handler = grpc.unary_unary_rpc_method_handler(echo)
-        server.add_generic_rpc_handlers(
-            [grpc.method_handlers_generic_handler("bench.Echo", {"Echo": handler})]
-        )
-        queue.put(server.add_insecure_port("127.0.0.1:0"))
-        await server.start()
-        await server.wait_for_termination()
-
-    asyncio.run(serve())
-
-
-def _echo_p50_us(payload: bytes, duration_s: float) -> float:
-    """p50 of a unary gRPC echo of `payload` (a 64-key LookupRequest's size) on loopback."""
-    import grpc
-
-    context = multiprocessing.get_context("spawn")
-    queue = context.Queue()
-    server = context.Process(target=_echo_server, args=(queue,), daemon=True)
-    server.start()
-    try:
-        port = queue.get(timeout=60)
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            call = channel.unary_unary("/bench.Echo/Echo")
-            for _ in range(20):
-                call(payload, timeout=5)
-            samples = []
-            deadline = time.perf_counter() + duration_s
-            while (start := time.perf_counter()) < deadline:
-                call(payload, timeout=5)
-                samples.append(time.perf_counter() - start)
-        return _summary(samples, duration_s)["p50_us"]
-    finally:
-        server.terminate()
-        server.join(timeout=10)
-
-
 def run_lookup(runs: int = 5, duration_s: float = 2.0, concurrency=(1, 8, 32)) -> dict:
     """Medians over `runs` runs of each measurement; see the module docstring."""
     check_runs(runs)
     result: dict = {"runs": runs, "duration_s": duration_s}
-    with peers.metadata_service() as address:
+    with _service() as (address, pid):
         _populate(address)
-        for num_keys in (64, 512):
-            single = [_summary(_latencies_s(address, num_keys, duration_s), duration_s)
-                      for _ in range(runs)]  # fmt: skip
-            result[f"lookup_{num_keys}_p50_us"] = statistics.median(s["p50_us"] for s in single)
-            result[f"lookup_{num_keys}_p99_us"] = statistics.median(s["p99_us"] for s in single)
-        for clients in concurrency:
-            many = [_concurrent_run(address, 64, clients, duration_s) for _ in range(runs)]
-            result[f"lookup_qps_{clients}_clients"] = statistics.median(m["qps"] for m in many)
-            result[f"lookup_64_p50_us_{clients}_clients"] = statistics.median(
-                m["p50_us"] for m in many
-            )
-            result[f"lookup_64_p99_us_{clients}_clients"] = statistics.median(
-                m["p99_us"] for m in many
-            )
+        result.update(_service_lookups(address, pid, runs, duration_s, concurrency))
         result.update(_agent_lookups(address, runs, duration_s))
         for batch in (1, 64, 1024):
             result[f"publish_keys_per_s_batch_{batch}"] = _publish_keys_per_s(address, batch)
     result["view_bytes_per_key"] = view_bytes_per_key()
-    request = pb.LookupRequest(tenant=TENANT, keys=bench_keys(64)).SerializeToString()
-    echo = [_echo_p50_us(request, duration_s) for _ in range(runs)]
-    result["grpc_echo_64_p50_us"] = statistics.median(echo)
+    clients = min(QPS_CLIENTS, max(concurrency))
+    result.update(_floors(runs, duration_s, clients))
     result["lookup_64_vs_grpc_echo"] = result["lookup_64_p50_us"] / result["grpc_echo_64_p50_us"]
+    result["lookup_64_vs_redis"] = result["lookup_64_p50_us"] / result["redis_exists_64_p50_us"]
+    if f"lookup_qps_{clients}_clients" in result:
+        result[f"lookup_qps_vs_grpc_echo_{clients}_clients"] = (
+            result[f"lookup_qps_{clients}_clients"] / result[f"grpc_echo_qps_{clients}_clients"]
+        )
+    result["machine"] = machine_info()
+    return result
+
+
+def _service_lookups(address: str, pid: int, runs: int, duration_s: float,
+                     concurrency) -> dict:  # fmt: skip
+    """Lookup latency with one client; qps, latency and the service's CPU per lookup with
+    each number of client processes."""
+    result = {}
+    for num_keys in (64, 512):
+        single = [summary(_latencies_s(address, num_keys, duration_s), duration_s)
+                  for _ in range(runs)]  # fmt: skip
+        result[f"lookup_{num_keys}_p50_us"] = statistics.median(s["p50_us"] for s in single)
+        result[f"lookup_{num_keys}_p99_us"] = statistics.median(s["p99_us"] for s in single)
+    for clients in concurrency:
+        many = [concurrent_run(_client_process, (address, 64), clients, duration_s, pid)
+                for _ in range(runs)]  # fmt: skip
+        for field, name in _CONCURRENT_FIELDS:
+            result[name.format(clients)] = statistics.median(m[field] for m in many)
+    return result
+
+
+def _floors(runs: int, duration_s: float, clients: int) -> dict:
+    """The gRPC echo floor and Redis beside the lookups of `result`, measured after them."""
+    request = pb.LookupRequest(tenant=TENANT, keys=bench_keys(64)).SerializeToString()
+    result = echo_floor(request, runs, duration_s, clients)
+    result["qps_note"] = (
+        f"client processes share this machine's {os.cpu_count()} CPUs with the server; "
+        "grpc_echo_qps_*_clients is the most any unary RPC reaches here with those clients, "
+        "and 1e6 / lookup_server_cpu_us_* the lookups one server core could answer"
+    )
     redis_runs = [_redis_exists_p50_us(64, duration_s) for _ in range(runs)]
     result["redis_exists_64_p50_us"] = statistics.median(redis_runs)
-    result["lookup_64_vs_redis"] = result["lookup_64_p50_us"] / result["redis_exists_64_p50_us"]
-    result["machine"] = machine_info()
     return result

@@ -105,6 +105,13 @@ class MetadataClient:
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self.timeout_s = timeout_s
 
+    def wait_ready(self, timeout_s: float) -> None:
+        """Block until the channel is connected; UnavailableError after `timeout_s`."""
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
+        except grpc.FutureTimeoutError:
+            raise errors.UnavailableError(f"no connection within {timeout_s} s") from None
+
     def _call(self, method: str, request):
         try:
             return getattr(self._stub, method)(

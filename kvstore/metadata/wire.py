@@ -33,11 +33,11 @@ def check_keys(keys: Sequence[bytes], max_keys: int, field: str = "keys") -> lis
         raise ConfigError(f"{field} is empty: send at least one key")
     if len(keys) > max_keys:
         raise ConfigError(f"{field} has {len(keys)} entries; the limit is {max_keys} per call")
-    lengths = set(map(len, keys))  # in C: this runs on every lookup
-    if lengths != {KEY_BYTES}:
+    keys = list(keys)  # one pass over a protobuf container; the check below runs on the list
+    if set(map(len, keys)) != {KEY_BYTES}:  # in C: this runs on every lookup
         index, key = next((i, k) for i, k in enumerate(keys) if len(k) != KEY_BYTES)
         raise ConfigError(f"{field}[{index}] is {len(key)} bytes; keys are {KEY_BYTES} bytes")
-    return list(keys)
+    return keys
 
 
 def tier_name(value: int, field: str = "tier") -> str:

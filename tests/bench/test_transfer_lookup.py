@@ -31,6 +31,17 @@ def test_lookup_benchmark_reports_latency_qps_and_the_redis_baseline():
               "view_lag_p50_ms", "view_lag_max_ms")  # fmt: skip
     for field in fields:
         assert positive(result[field]), field
+    floors = ("grpc_echo_sync_server_64_p50_us", "grpc_echo_qps_2_clients",
+              "grpc_echo_sync_server_qps_2_clients",
+              "lookup_qps_vs_grpc_echo_2_clients")  # fmt: skip
+    for field in floors:
+        assert positive(result[field]), field
+    for field in ("lookup_server_cpu_us_1_clients", "lookup_server_cpu_us_2_clients",
+                  "grpc_echo_server_cpu_us_per_call",
+                  "grpc_echo_sync_server_cpu_us_per_call"):  # fmt: skip
+        cpu = result[field]  # may round to 0 clock ticks on tiny durations
+        assert math.isfinite(cpu) and cpu >= 0, field
+    assert "share this machine" in result["qps_note"]
     agent = result["agent_lookup_64_p50_us"]
     for prompt in ("all_local", "all_remote", "all_absent"):
         assert positive(agent[prompt]), prompt

@@ -1,0 +1,173 @@
+"""The machine's floor under any unary RPC of the metadata service: a gRPC echo of a lookup-sized
+request on loopback, on a grpc.aio server (the service's kind) and a sync one, and the clients
+that measure it and the service alike (separate processes; the servers' CPU per call counted).
+
+Runs in the benchmark process; the echo servers and the clients are child processes it spawns.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from queue import Empty
+
+from kvstore.bench.transfer import _process_cpu_s
+from kvstore.errors import ConfigError
+
+WARMUP_CALLS = 20
+READY_TIMEOUT_S = 60.0  # a spawned client's first connection on a loaded machine
+START_TIMEOUT_S = 600.0  # 32 spawned clients take minutes to start on a loaded machine
+SERVER_KINDS = ("aio", "sync")
+SYNC_SERVER_THREADS = 4
+
+
+def summary(samples: list[float], duration_s: float) -> dict:
+    samples = sorted(samples)
+    return {
+        "p50_us": samples[len(samples) // 2] * 1e6,
+        "p99_us": samples[min(len(samples) - 1, int(len(samples) * 0.99))] * 1e6,
+        "qps": len(samples) / duration_s,
+    }
+
+
+def timed_calls(call: Callable[[], object], duration_s: float, start=None) -> list[float]:
+    """Seconds of each call of `call` for `duration_s`, after WARMUP_CALLS untimed ones and,
+    with `start` (concurrent_run's), once every client is warm (their windows overlap)."""
+    for _ in range(WARMUP_CALLS):
+        call()
+    if start is not None:
+        ready, go = start
+        ready.put(None)
+        if not go.wait(START_TIMEOUT_S):
+            raise ConfigError("the bench never opened the timed window")
+    samples = []
+    deadline = time.perf_counter() + duration_s
+    while (begun := time.perf_counter()) < deadline:
+        call()
+        samples.append(time.perf_counter() - begun)
+    return samples
+
+
+def concurrent_run(client: Callable, args: tuple, clients: int, duration_s: float,
+                   server_pid: int) -> dict:  # fmt: skip
+    """`clients` processes each running `client(*args, duration_s, start, results)`, which
+    times calls through `timed_calls(..., start)` and puts its samples in `results`: p50/p99/qps
+    over all of them, and the server's CPU µs per call over the common timed window."""
+    context = multiprocessing.get_context("spawn")
+    results, ready, go = context.Queue(), context.Queue(), context.Event()
+    workers = [
+        context.Process(target=client, args=(*args, duration_s, (ready, go), results))
+        for _ in range(clients)
+    ]
+    for worker in workers:
+        worker.start()
+    for _ in workers:
+        _next(ready, workers, START_TIMEOUT_S)
+    go.set()
+    cpu_before_s = _process_cpu_s(server_pid)
+    samples = [s for _ in workers for s in _next(results, workers, duration_s + READY_TIMEOUT_S)]
+    cpu_s = _process_cpu_s(server_pid) - cpu_before_s
+    for worker in workers:
+        worker.join()
+    result = summary(samples, duration_s)
+    result["server_cpu_us_per_call"] = cpu_s / len(samples) * 1e6
+    return result
+
+
+def _next(queue, workers: list, timeout_s: float):
+    """The next item of `queue`; ConfigError once a worker failed, or after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            return queue.get(timeout=1.0)
+        except Empty:
+            failed = [w.exitcode for w in workers if w.exitcode not in (None, 0)]
+            if failed:
+                message = f"a bench client exited with {failed[0]}; its log is above"
+                raise ConfigError(message) from None
+    raise ConfigError(f"the bench clients sent nothing within {timeout_s} s")
+
+
+def _echo_server(kind: str, queue) -> None:
+    """Child: a server whose one method returns its request."""
+    import asyncio
+    from concurrent import futures
+
+    import grpc
+
+    def handlers(echo) -> list:
+        handler = grpc.unary_unary_rpc_method_handler(echo)
+        return [grpc.method_handlers_generic_handler("bench.Echo", {"Echo": handler})]
+
+    if kind == "sync":
+        server = grpc.server(futures.ThreadPoolExecutor(SYNC_SERVER_THREADS))
+        server.add_generic_rpc_handlers(handlers(lambda payload, context: payload))
+        queue.put(server.add_insecure_port("127.0.0.1:0"))
+        server.start()
+        server.wait_for_termination()
+        return
+
+    async def echo(payload: bytes, context) -> bytes:
+        return payload
+
+    async def serve() -> None:
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers(handlers(echo))
+        queue.put(server.add_insecure_port("127.0.0.1:0"))
+        await server.start()
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
+@contextmanager
+def echo_server(kind: str) -> Iterator[tuple[str, int]]:
+    """An echo server process of `kind` ("aio" or "sync"); yields (address, its pid)."""
+    if kind not in SERVER_KINDS:
+        raise ConfigError(f"echo server kind {kind!r} unknown; use one of {SERVER_KINDS}")
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    server = context.Process(target=_echo_server, args=(kind, queue), daemon=True)
+    server.start()
+    try:
+        yield f"127.0.0.1:{queue.get(timeout=READY_TIMEOUT_S)}", server.pid
+    finally:
+        server.terminate()
+        server.join(timeout=10)
+
+
+def echo_samples(address: str, payload: bytes, duration_s: float, start=None) -> list[float]:
+    import grpc
+
+    with grpc.insecure_channel(address) as channel:
+        grpc.channel_ready_future(channel).result(timeout=READY_TIMEOUT_S)
+        call = channel.unary_unary("/bench.Echo/Echo")
+        return timed_calls(lambda: call(payload, timeout=5), duration_s, start)
+
+
+def echo_client(address: str, payload: bytes, duration_s: float, start, results) -> None:
+    """Child of concurrent_run: echo calls for `duration_s`; puts the samples."""
+    results.put(echo_samples(address, payload, duration_s, start))
+
+
+def echo_floor(payload: bytes, runs: int, duration_s: float, clients: int) -> dict:
+    """Medians over `runs` of the echo's p50 (one client) on each server kind, and the aio
+    echo's qps and server CPU per call with `clients` client processes."""
+    result = {}
+    for kind in SERVER_KINDS:
+        with echo_server(kind) as (address, pid):
+            p50s = [summary(echo_samples(address, payload, duration_s), duration_s)["p50_us"]
+                    for _ in range(runs)]  # fmt: skip
+            many = [concurrent_run(echo_client, (address, payload), clients, duration_s, pid)
+                    for _ in range(runs)]  # fmt: skip
+        name = "grpc_echo" if kind == "aio" else "grpc_echo_sync"
+        server = "" if kind == "aio" else "_server"
+        result[f"{name}{server}_64_p50_us"] = statistics.median(p50s)
+        result[f"{name}{server}_qps_{clients}_clients"] = statistics.median(m["qps"] for m in many)
+        result[f"{name}_server_cpu_us_per_call"] = statistics.median(
+            m["server_cpu_us_per_call"] for m in many
+        )
+    return result
