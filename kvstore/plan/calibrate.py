@@ -1,6 +1,6 @@
 """Calibration of the cost model on a live engine: prefill time vs prompt length (fixed, linear
-and attention's quadratic term), the connector's lookup, the seconds a cached chunk costs to
-load, and how much slower than its fitted speed the shared machine ran at each moment of the run.
+and attention's quadratic term), what a save costs, what loading cached chunks costs, and how
+much slower than its fitted speed the shared machine ran at each moment of the run.
 Runs in the `kvstore plan --validate` process; fits numbers it is given, measures nothing.
 """
 
@@ -21,14 +21,15 @@ SPEED_ROUNDS = 4  # alternations of (fit the rate on de-trended times, re-measur
 @dataclass(frozen=True)
 class Calibration:
     """What the validation predicts with, on a steady machine (this one at its median speed
-    over the run): the engine's prefill rate; `lookup_s`, what a prompt holding a full chunk
-    pays for the connector's lookup (asked on a lookup thread while vLLM's scheduler steps
-    again: a cost shorter prompts never pay); the host-tier link; and `slowdown[i]`: how much
+    over the run): the engine's prefill rate; `save_s`, what a prompt that stores a new chunk
+    pays once (its saves are committed and vLLM frees its blocks a step later, delayed free,
+    before the request is done: a cost fully loaded or sub-chunk prompts never pay); the
+    host-tier link; and `slowdown[i]`: how much
     slower than that the machine ran at run i, measured by the cold runs nearest to it (other
     tenants' load comes and goes)."""
 
     rate: PrefillRate
-    lookup_s: float
+    save_s: float
     link: TierLink
     slowdown: np.ndarray
 
@@ -37,12 +38,12 @@ class Calibration:
         cached = loaded_chunks * chunk_tokens
         load_s = self.link.latency_s + self.link.load_s(loaded_chunks * chunk_bytes)
         seconds = self.rate.compute_s(tokens - cached, cached) + (load_s if cached else 0.0)
-        return seconds + (self.lookup_s if looks_up(tokens, chunk_tokens) else 0.0)
+        return seconds + (self.save_s if saves(tokens, loaded_chunks, chunk_tokens) else 0.0)
 
 
-def looks_up(tokens: int | np.ndarray, chunk_tokens: int):
-    """Whether the connector looks a prompt up: it holds a full chunk before its last token."""
-    return (tokens - 1) // chunk_tokens >= 1
+def saves(tokens, loaded_chunks, chunk_tokens: int):
+    """Whether the connector stores a chunk of the prompt: a full one beyond those loaded."""
+    return tokens // chunk_tokens > loaded_chunks
 
 
 def engine_layout_bytes(dims: dict, chunk_tokens: int, itemsize: int = 4) -> int:
@@ -62,18 +63,18 @@ def calibrate(
     slowdown = np.ones(len(seconds))
     positions = np.flatnonzero(cold)
     for _ in range(SPEED_ROUNDS):
-        rate, lookup_s = fit_cold(lengths[cold], (seconds / slowdown)[cold], chunk_tokens)
+        rate, save_s = fit_cold(lengths[cold], (seconds / slowdown)[cold], chunk_tokens)
         fitted = [
-            rate.compute_s(int(n)) + lookup_s * looks_up(n, chunk_tokens) for n in lengths[cold]
+            rate.compute_s(int(n)) + save_s * saves(n, 0, chunk_tokens) for n in lengths[cold]
         ]
         slowdown = machine_slowdown(positions, seconds[cold] / np.array(fitted), len(seconds))
         slowdown /= np.median(slowdown[cold])  # 1: the machine's median speed over the run
     steady = seconds / slowdown
-    hits = [
-        (int(lengths[i]), int(cached[i]), float(steady[i] - lookup_s)) for i in np.flatnonzero(hit)
-    ]
+    save_paid = save_s * saves(lengths, cached // chunk_tokens, chunk_tokens)
+    hits = [(int(lengths[i]), int(cached[i]), float(steady[i] - save_paid[i]))
+            for i in np.flatnonzero(hit)]  # fmt: skip
     link = fit_load_link(rate, hits, chunk_tokens, chunk_bytes)
-    return Calibration(rate, lookup_s, link, slowdown)
+    return Calibration(rate, save_s, link, slowdown)
 
 
 def machine_slowdown(positions: np.ndarray, ratios: np.ndarray, runs: int) -> np.ndarray:
@@ -88,12 +89,12 @@ def machine_slowdown(positions: np.ndarray, ratios: np.ndarray, runs: int) -> np
 def fit_cold(
     lengths: np.ndarray, seconds: np.ndarray, chunk_tokens: int
 ) -> tuple[PrefillRate, float]:
-    """`fit_prefill` with one more term: the lookup every prompt holding a full chunk pays."""
+    """`fit_prefill` with one more term: the save every prompt of a full chunk or more pays."""
     n = np.asarray(lengths, dtype=float)
-    columns = {**_prefill_columns(n), "lookup_s": looks_up(n, chunk_tokens).astype(float)}
+    columns = {**_prefill_columns(n), "save_s": saves(n, 0, chunk_tokens).astype(float)}
     values = _median_fit(columns, np.asarray(seconds, dtype=float))
-    lookup_s = values.pop("lookup_s")
-    return PrefillRate(**values), lookup_s
+    save_s = values.pop("save_s")
+    return PrefillRate(**values), save_s
 
 
 def fit_prefill(lengths: list[int], seconds: list[float]) -> PrefillRate:

@@ -112,7 +112,8 @@ def schedule(slice_: ScaledSlice, seed: int = 1) -> list[Run]:
             runs.append(_run("cold", tokens(next(cold))))
         if number % HIT_EVERY == HIT_EVERY // 2:
             stored = tokens(CHUNK_TOKENS * next(loads))
-            runs += [_run("prime", [*stored, 4]), _run("hit", stored + tokens(next(extend)))]
+            more = max(1, min(next(extend), MAX_PROMPT_TOKENS - len(stored)))
+            runs += [_run("prime", [*stored, 4]), _run("hit", stored + tokens(more))]
     return runs
 
 
@@ -231,7 +232,7 @@ def _summary(slice_, runs, arena_pages, measured, predicted, calibration, starte
     slowdown = calibration.slowdown[trace]
     result["calibration"] = {
         **vars(calibration.rate),
-        "lookup_s": calibration.lookup_s,
+        "save_s": calibration.save_s,
         "host_load_bytes_per_s": calibration.link.bandwidth_bytes_per_s,
         "host_load_latency_s": calibration.link.latency_s,
         "machine_slowdown_p10_p50_p90": np.quantile(slowdown, [0.1, 0.5, 0.9]).round(3).tolist(),

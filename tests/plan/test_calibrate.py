@@ -1,6 +1,6 @@
-"""The validation's calibration on synthetic timings: a prefill rate and a host link recovered
-through a machine whose speed changes mid-run (other tenants' load), and the cold prompts'
-lengths follow what the trace computes (short continuations included)."""
+"""The validation's calibration on synthetic timings: a prefill rate, the cost of a save and a
+host link recovered through a machine whose speed changes mid-run (other tenants' load); the
+calibration prompts load what trace requests load."""
 
 import numpy as np
 import pytest
@@ -12,6 +12,7 @@ from kvstore.plan.validate import CHUNK_TOKENS, ScaledSlice, stored_prefixes
 
 TRUTH = PrefillRate(per_token_s=3e-5, per_token_pair_s=2e-8, fixed_s=0.008)
 LINK = TierLink(bandwidth_bytes_per_s=1e9, latency_s=0.001)
+SAVE_S = 0.004
 CHUNK_BYTES = 524288
 
 
@@ -19,7 +20,9 @@ def _timings(runs: int = 400, seed: int = 0):
     """Every 3rd run cold, every 10th a full hit of 1-8 chunks, the rest load one chunk (as
     most trace requests do); the machine runs 4x slower over the middle third; 5 % jitter."""
     rng = np.random.default_rng(seed)
-    lengths = rng.integers(20, 4096, runs)
+    lengths = np.where(
+        rng.random(runs) < 0.3, rng.integers(2, 200, runs), rng.integers(20, 4096, runs)
+    )
     cold = np.arange(runs) % 3 == 0
     hit = (np.arange(runs) % 10 == 5) & ~cold
     cached = np.where(cold, 0, np.minimum(lengths - 1, 64) // 64 * 64)
@@ -33,13 +36,15 @@ def _timings(runs: int = 400, seed: int = 0):
 
 def _ttft(tokens: int, cached: int) -> float:
     load_s = LINK.latency_s + LINK.load_s(cached // 64 * CHUNK_BYTES) if cached else 0.0
-    return load_s + TRUTH.compute_s(tokens - cached, cached)
+    save_s = SAVE_S if tokens // 64 > cached // 64 else 0.0  # a new full chunk is stored
+    return load_s + save_s + TRUTH.compute_s(tokens - cached, cached)
 
 
 def test_calibration_follows_the_machine_speed_through_a_load_burst():
     lengths, cached, seconds, cold, hit, truth = _timings()
     fitted = cal.calibrate(lengths, cached, seconds, cold, hit, 64, CHUNK_BYTES)
     assert fitted.rate.compute_s(1000) == pytest.approx(TRUTH.compute_s(1000), rel=0.05)
+    assert fitted.save_s == pytest.approx(SAVE_S, rel=0.25)
     chunk_s = CHUNK_BYTES / fitted.link.bandwidth_bytes_per_s
     assert chunk_s + fitted.link.latency_s == pytest.approx(
         LINK.latency_s + LINK.load_s(CHUNK_BYTES), rel=0.2
@@ -52,9 +57,10 @@ def test_calibration_follows_the_machine_speed_through_a_load_burst():
     ])  # fmt: skip
     predicted = steady * fitted.slowdown
     trace = ~cold & ~hit
+    assert np.median(predicted[trace] / truth[trace]) == pytest.approx(1, abs=0.03)
     for quantile in (0.5, 0.9):
         expected = np.quantile(truth[trace], quantile)
-        assert np.quantile(predicted[trace], quantile) == pytest.approx(expected, rel=0.05)
+        assert np.quantile(predicted[trace], quantile) == pytest.approx(expected, rel=0.1)
 
 
 def test_a_global_fit_misses_the_burst():
