@@ -39,7 +39,7 @@ POLICY = "lru"
 MAX_PROMPT_TOKENS = 4096
 ENGINE_THREADS = 1  # one intra-op thread: on a shared CPU a thread barrier waits for the slowest
 COLD_EVERY = 3  # trace requests between two cold prompts (prefill rate, machine speed)
-HIT_EVERY = 4  # trace requests between two load calibration pairs
+HIT_EVERY = 6  # trace requests between two load calibration pairs
 CONVERSATION_STRIDE = 25  # 240 requests of every 25th conversation: ~30 % of tokens hit
 
 
@@ -91,29 +91,27 @@ def schedule(slice_: ScaledSlice, seed: int = 1) -> list[Run]:
     """Warm-up, then the trace with calibration runs between its requests, so machine load
     drifts over both alike. Calibration prompts do what trace requests do (`stored_prefixes`):
     after every COLD_EVERY requests a cold prompt (fresh tokens) as long as what a trace
-    request computes, short continuations included, so the fixed cost is measured, not
-    extrapolated; after every HIT_EVERY a fresh prompt of as many chunks as a trace request
-    loads, then its continuation by as many tokens as a trace request computes (the first
-    chunks served from the store). The replay sees every run, as the store does."""
+    request computes, short continuations included, so the fixed and save costs are measured,
+    not extrapolated; after every HIT_EVERY a fresh prompt of as many chunks as a trace request
+    loads (and part of one more) run twice, the second served from the store (little left to
+    compute: its time is the load's). The replay sees every run, as the store does."""
     rng = np.random.default_rng(seed)
 
-    def tokens(length: int) -> list[int]:
-        return rng.integers(4, 512, length).tolist()
+    def fresh(role: str, length: int) -> Run:
+        return _run(role, rng.integers(4, 512, length).tolist())
 
-    runs = [_run("warmup", tokens(length)) for length in cal.WARMUP_LENGTHS]
+    runs = [fresh("warmup", length) for length in cal.WARMUP_LENGTHS]
     shared = stored_prefixes(slice_)
     computed = [len(p) - CHUNK_TOKENS * s for p, s in zip(slice_.prompts, shared, strict=True)]
     cold = iter(rng.permutation(computed).tolist())
     loads = itertools.cycle(rng.permutation([s for s in shared if s] or [1]).tolist())
-    extend = iter(rng.permutation(computed).tolist())
     for number, (prompt, keyed) in enumerate(zip(slice_.prompts, slice_.keyed, strict=True)):
         runs.append(Run("trace", prompt, keyed))
         if number % COLD_EVERY == COLD_EVERY - 1:
-            runs.append(_run("cold", tokens(next(cold))))
+            runs.append(fresh("cold", next(cold)))
         if number % HIT_EVERY == HIT_EVERY // 2:
-            stored = tokens(CHUNK_TOKENS * next(loads))
-            more = max(1, min(next(extend), MAX_PROMPT_TOKENS - len(stored)))
-            runs += [_run("prime", [*stored, 4]), _run("hit", stored + tokens(more))]
+            primed = fresh("prime", CHUNK_TOKENS * next(loads) + int(rng.integers(1, CHUNK_TOKENS)))
+            runs += [primed, Run("hit", primed.prompt, primed.keyed)]
     return runs
 
 
