@@ -22,11 +22,10 @@ SPEED_ROUNDS = 4  # alternations of (fit the rate on de-trended times, re-measur
 class Calibration:
     """What the validation predicts with, on a steady machine (this one at its median speed
     over the run): the engine's prefill rate; `save_s`, what a prompt that stores a new chunk
-    pays once (its saves are committed and vLLM frees its blocks a step later, delayed free,
-    before the request is done: a cost fully loaded or sub-chunk prompts never pay); the
-    host-tier link; and `slowdown[i]`: how much
-    slower than that the machine ran at run i, measured by the cold runs nearest to it (other
-    tenants' load comes and goes)."""
+    pays once beyond its tokens (the connector's commit, and vLLM's delayed free of the
+    request's blocks; prompts that store none, fully loaded or under a chunk, are measured
+    not to pay it); the host-tier link; and `slowdown[i]`: how much slower than that the
+    machine ran at run i, measured by the cold runs nearest to it (other tenants' load)."""
 
     rate: PrefillRate
     save_s: float

@@ -8,7 +8,6 @@ Runs in the `kvstore plan` process (the engine in-process, as `kvstore bench vll
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import sys
@@ -39,7 +38,7 @@ POLICY = "lru"
 MAX_PROMPT_TOKENS = 4096
 ENGINE_THREADS = 1  # one intra-op thread: on a shared CPU a thread barrier waits for the slowest
 COLD_EVERY = 3  # trace requests between two cold prompts (prefill rate, machine speed)
-HIT_EVERY = 6  # trace requests between two load calibration pairs
+HIT_EVERY = 12  # trace requests between two load calibration pairs
 CONVERSATION_STRIDE = 25  # 240 requests of every 25th conversation: ~30 % of tokens hit
 
 
@@ -89,28 +88,29 @@ class Run:
 
 def schedule(slice_: ScaledSlice, seed: int = 1) -> list[Run]:
     """Warm-up, then the trace with calibration runs between its requests, so machine load
-    drifts over both alike. Calibration prompts do what trace requests do (`stored_prefixes`):
-    after every COLD_EVERY requests a cold prompt (fresh tokens) as long as what a trace
-    request computes, short continuations included, so the fixed and save costs are measured,
-    not extrapolated; after every HIT_EVERY a fresh prompt of as many chunks as a trace request
-    loads (and part of one more) run twice, the second served from the store (little left to
-    compute: its time is the load's). The replay sees every run, as the store does."""
+    drifts over both alike: after every COLD_EVERY requests a cold prompt (fresh tokens) as
+    long as what a trace request computes (`stored_prefixes`: short continuations included, so
+    the fixed and save costs are measured, not extrapolated); after every HIT_EVERY a prompt as
+    long as a trace prompt run twice, the second served from the store (little left to
+    compute: its time is the load's, which the connector's online model learns from too). The
+    replay sees every run, as the store does."""
     rng = np.random.default_rng(seed)
 
     def fresh(role: str, length: int) -> Run:
         return _run(role, rng.integers(4, 512, length).tolist())
 
     runs = [fresh("warmup", length) for length in cal.WARMUP_LENGTHS]
+    lengths = [len(p) for p in slice_.prompts]
     shared = stored_prefixes(slice_)
-    computed = [len(p) - CHUNK_TOKENS * s for p, s in zip(slice_.prompts, shared, strict=True)]
+    computed = [n - CHUNK_TOKENS * s for n, s in zip(lengths, shared, strict=True)]
     cold = iter(rng.permutation(computed).tolist())
-    loads = itertools.cycle(rng.permutation([s for s in shared if s] or [1]).tolist())
+    hit = iter([max(n, 2 * CHUNK_TOKENS + 1) for n in rng.permutation(lengths).tolist()])
     for number, (prompt, keyed) in enumerate(zip(slice_.prompts, slice_.keyed, strict=True)):
         runs.append(Run("trace", prompt, keyed))
         if number % COLD_EVERY == COLD_EVERY - 1:
             runs.append(fresh("cold", next(cold)))
         if number % HIT_EVERY == HIT_EVERY // 2:
-            primed = fresh("prime", CHUNK_TOKENS * next(loads) + int(rng.integers(1, CHUNK_TOKENS)))
+            primed = fresh("prime", next(hit))
             runs += [primed, Run("hit", primed.prompt, primed.keyed)]
     return runs
 

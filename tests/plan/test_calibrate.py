@@ -1,6 +1,6 @@
 """The validation's calibration on synthetic timings: a prefill rate, the cost of a save and a
 host link recovered through a machine whose speed changes mid-run (other tenants' load); the
-calibration prompts load what trace requests load."""
+cold calibration prompts compute what trace requests compute."""
 
 import numpy as np
 import pytest
@@ -8,7 +8,7 @@ import pytest
 from kvstore.costmodel import PrefillRate, TierLink
 from kvstore.plan import calibrate as cal
 from kvstore.plan.scaled import keyed_prompt
-from kvstore.plan.validate import CHUNK_TOKENS, ScaledSlice, stored_prefixes
+from kvstore.plan.validate import CHUNK_TOKENS, ScaledSlice, schedule, stored_prefixes
 
 TRUTH = PrefillRate(per_token_s=3e-5, per_token_pair_s=2e-8, fixed_s=0.008)
 LINK = TierLink(bandwidth_bytes_per_s=1e9, latency_s=0.001)
@@ -73,9 +73,11 @@ def test_a_global_fit_misses_the_burst():
     assert np.quantile(predicted, 0.9) < 0.7 * np.quantile(truth[trace], 0.9)
 
 
-def test_calibration_prompts_load_what_trace_requests_load():
+def test_cold_prompts_compute_what_trace_requests_compute():
     base = list(range(4, 4 + 3 * CHUNK_TOKENS))  # three chunks
     prompts = [base[:100], base + [7] * 10, list(range(600, 700))]
     slice_ = ScaledSlice("x", prompts, [keyed_prompt(p, CHUNK_TOKENS) for p in prompts])
     # the second prompt finds the first one's single full chunk; the third shares nothing
     assert stored_prefixes(slice_) == [0, 1, 0]
+    cold = [r for r in schedule(slice_) if r.role == "cold"]  # after every COLD_EVERY requests
+    assert len(cold) == 1 and len(cold[0].prompt) in (100, len(base) + 10 - CHUNK_TOKENS)
