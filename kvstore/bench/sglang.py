@@ -10,8 +10,10 @@ The memcpy baseline is fair: the same pool pages and the same bytes, copied into
 of (get) pages of the same agent's arena, reserved through a client of its own (one mapping of
 the same /dev/shm file), with numpy.copyto in the longest contiguous runs the two memories
 allow, single-threaded like the backend. Its samples alternate with the backend's, so load on
-the machine hits both alike; `*_vs_memcpy` are medians of the paired ratios. Every arena page
-is written before timing starts (a first write to a /dev/shm page faults it in).
+the machine hits both alike: `*_vs_memcpy` are medians of the paired wall-clock ratios,
+`*_vs_memcpy_cpu` of the calling thread's CPU seconds (which leave out a loaded machine's
+scheduling waits, and the agent's share of the work). Every arena page is written before
+timing starts (a first write to a /dev/shm page faults it in).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import itertools
 import statistics
 import sys
 import tempfile
+import time
 import types
 from collections.abc import Callable
 from pathlib import Path
@@ -75,45 +78,58 @@ def storage_config(extra: dict, tp_rank: int = 0, tp_size: int = 1, mla: bool = 
 
 
 def host_pool(layout: str, pages: int, layers: int, heads: int, head_dim: int,
-              page_tokens: int, mla: bool = False, dtype=torch.bfloat16):  # fmt: skip
+              page_tokens: int, mla: bool = False, dtype=torch.bfloat16,
+              start_layer: int = 0):  # fmt: skip
     """A real SGLang host pool on CPU over small stand-in device buffers (SGLang's own
-    buffer-info structs; the host pool only reads their geometry and pointers)."""
+    buffer-info structs; the host pool only reads their geometry and pointers), of layers
+    [start_layer, start_layer + layers) of the model (a pipeline stage's)."""
     _allow_sglang_imports()
-    from sglang.srt.mem_cache.device_pool_info import (
-        KVBufferLayout,
-        KVBuffers,
-        MHABufferInfo,
-        MLABufferInfo,
-    )
+    from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
-    cpu, tokens = torch.device("cpu"), page_tokens
-
-    def pointers(tensors):
-        return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.uint64)
-
+    tokens = page_tokens
     common = dict(host_to_device_ratio=1.0, host_size=0, page_size=page_tokens, layout=layout,
                   pin_memory=False, device="cpu", device_capacity_tokens=pages * page_tokens,
-                  start_layer=0, end_layer=layers)  # fmt: skip
-    if mla:
-        rows = tuple(torch.zeros(tokens, 1, head_dim, dtype=dtype) for _ in range(layers))
-        info = MLABufferInfo(
-            buffers=rows, data_ptrs=pointers(rows), layer_indices=tuple(range(layers)),
-            device_layer_num=layers, page_size=page_tokens, kv_lora_rank=head_dim - 64 if
-            head_dim > 64 else head_dim // 2, qk_rope_head_dim=64 if head_dim > 64 else
-            head_dim - head_dim // 2, kv_cache_dim=head_dim, dtype=dtype, device=cpu,
+                  start_layer=start_layer, end_layer=start_layer + layers)  # fmt: skip
+    with _memory_budget():
+        if mla:
+            return _mla_pool(common, layers, head_dim, page_tokens, dtype)
+        k = tuple(torch.zeros(tokens, heads, head_dim, dtype=dtype) for _ in range(layers))
+        v = tuple(torch.zeros(tokens, heads, head_dim, dtype=dtype) for _ in range(layers))
+        buffers = KVBuffers(k=k, v=v, k_data_ptrs=_pointers(k), v_data_ptrs=_pointers(v),
+                            layout=KVBufferLayout.NHD)  # fmt: skip
+        info = MHABufferInfo(
+            buffers=buffers, page_size=page_tokens, head_num=heads, head_dim=head_dim,
+            v_head_dim=head_dim, dtype=dtype, device=torch.device("cpu"),
         )  # fmt: skip
-        return MLATokenToKVPoolHost(info, **common, target_layer_num=layers)
-    k = tuple(torch.zeros(tokens, heads, head_dim, dtype=dtype) for _ in range(layers))
-    v = tuple(torch.zeros(tokens, heads, head_dim, dtype=dtype) for _ in range(layers))
-    buffers = KVBuffers(k=k, v=v, k_data_ptrs=pointers(k), v_data_ptrs=pointers(v),
-                        layout=KVBufferLayout.NHD)  # fmt: skip
-    info = MHABufferInfo(
-        buffers=buffers, page_size=page_tokens, head_num=heads, head_dim=head_dim,
-        v_head_dim=head_dim, dtype=dtype, device=cpu,
+        return MHATokenToKVPoolHost(info, **common)
+
+
+def _mla_pool(common: dict, layers: int, head_dim: int, page_tokens: int, dtype):
+    from sglang.srt.mem_cache.device_pool_info import MLABufferInfo
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    rows = tuple(torch.zeros(page_tokens, 1, head_dim, dtype=dtype) for _ in range(layers))
+    info = MLABufferInfo(
+        buffers=rows, data_ptrs=_pointers(rows), layer_indices=tuple(range(layers)),
+        device_layer_num=layers, page_size=page_tokens, kv_lora_rank=head_dim - 64 if
+        head_dim > 64 else head_dim // 2, qk_rope_head_dim=64 if head_dim > 64 else
+        head_dim - head_dim // 2, kv_cache_dim=head_dim, dtype=dtype, device=torch.device("cpu"),
     )  # fmt: skip
-    return MHATokenToKVPoolHost(info, **common)
+    return MLATokenToKVPoolHost(info, **common, target_layer_num=layers)
+
+
+def _pointers(tensors) -> torch.Tensor:
+    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.uint64)
+
+
+def _memory_budget():
+    """The host's available memory as SGLang's pool budget: SGLang keeps 10 GiB back for the
+    rest of a serving host, which refuses even a small pool on a busy CI machine."""
+    import psutil
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+
+    return host_memory_budget_scope(psutil.virtual_memory().available)
 
 
 def backend_for(socket_path: Path, pool, **extra):
@@ -191,22 +207,32 @@ def _timed(backend, pool, socket_path: Path, pages: int, runs: int) -> dict:
     return {"set_gbps": gbps(total, sets["backend_s"]), "get_gbps": gbps(total, gets["backend_s"]),
             "memcpy_set_gbps": memcpy_set, "memcpy_get_gbps": memcpy_get,
             "memcpy_gbps": min(memcpy_set, memcpy_get), "set_vs_memcpy": sets["ratio"],
-            "get_vs_memcpy": gets["ratio"], "bytes_equal": intact,
+            "get_vs_memcpy": gets["ratio"], "set_vs_memcpy_cpu": sets["cpu_ratio"],
+            "get_vs_memcpy_cpu": gets["cpu_ratio"], "bytes_equal": intact,
             "exists": backend.batch_exists(keys)}  # fmt: skip
 
 
 def _paired(backend_call: Callable[[], object], memcpy_call: Callable[[], object], runs: int,
             warmup: int) -> dict:  # fmt: skip
-    """Alternate samples of the backend and the baseline: their medians, and the median of
-    each pair's throughput ratio (memcpy seconds / backend seconds)."""
+    """Alternate samples of the backend and the baseline: their median wall-clock seconds,
+    the median of each pair's throughput ratio (memcpy seconds / backend seconds), and the
+    same ratio of this thread's CPU seconds (which a loaded machine's waits do not enter;
+    it leaves out the agent's share of the backend's work)."""
     pairs = []
     for index in range(warmup + runs):
-        memcpy_s, backend_s = time_s(memcpy_call), time_s(backend_call)
+        sample = (*_wall_and_cpu_s(memcpy_call), *_wall_and_cpu_s(backend_call))
         if index >= warmup:
-            pairs.append((memcpy_s, backend_s))
-    return {"memcpy_s": statistics.median(m for m, _ in pairs),
-            "backend_s": statistics.median(b for _, b in pairs),
-            "ratio": statistics.median(m / b for m, b in pairs)}  # fmt: skip
+            pairs.append(sample)
+    return {"memcpy_s": statistics.median(p[0] for p in pairs),
+            "backend_s": statistics.median(p[2] for p in pairs),
+            "ratio": statistics.median(p[0] / p[2] for p in pairs),
+            "cpu_ratio": statistics.median(p[1] / p[3] for p in pairs)}  # fmt: skip
+
+
+def _wall_and_cpu_s(call: Callable[[], object]) -> tuple[float, float]:
+    cpu_s = time.thread_time()
+    wall_s = time_s(call)
+    return wall_s, time.thread_time() - cpu_s
 
 
 class ArenaMemcpy:
