@@ -65,7 +65,9 @@ def load_page(
 ) -> bool:
     """Copy the blocks of every head group into the host page at `token_index`: False when a
     copy is not the block that was loaded (its arena page changed meanwhile); the host page
-    then holds no usable KV and must be reported a miss."""
+    then holds no usable KV and must be reported a miss. So is a block of another size."""
+    if any(p.numel() != fmt.payload_bytes for p in payloads):
+        return False
     if fmt.kv_layout is not None and fmt.kv_layout.codec == "fp8":
         return all(_load_fp8(fmt, token_index, p, c, g)
                    for g, (p, c) in enumerate(zip(payloads, checksums, strict=True)))  # fmt: skip

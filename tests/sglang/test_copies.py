@@ -67,6 +67,7 @@ def test_a_block_changed_after_it_was_hashed_is_a_miss(layout, group_heads):
     assert not copies.load_page(fmt, TOKENS, payloads, checksums)
     payloads[-1][fmt.payload_bytes // 2] ^= 1
     assert copies.load_page(fmt, TOKENS, payloads, checksums)
+    assert not copies.load_page(fmt, TOKENS, [*payloads[:-1], payloads[-1][:-1]], checksums)
 
 
 def test_save_skips_blocks_that_were_not_reserved():
