@@ -24,7 +24,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageExtraInfo,
 )
 
-from connectors.sglang import pages
+from connectors.sglang import copies, pages
 from connectors.sglang.config import BackendSettings
 from connectors.sglang.stats import BackendStats
 from kvstore import errors
@@ -191,12 +191,9 @@ class KVStoreHiCacheStorage(HiCacheStorage):
 
     def _load_page(self, loaded, page: int, token_index: int) -> bool:
         """Every group of one page, each verified as it is copied."""
-        fmt, first = self._format, page * self._groups.count
-        for group in range(self._groups.count):
-            payload, checksum = loaded.payloads[first + group], loaded.checksums[first + group]
-            if not pages.load_page(fmt, payload, checksum, token_index, group):
-                return False
-        return True
+        blocks = slice(page * self._groups.count, (page + 1) * self._groups.count)
+        return copies.load_page(self._format, token_index, loaded.payloads[blocks],
+                                loaded.checksums[blocks])  # fmt: skip
 
     @property
     def _page_bytes(self) -> int:
@@ -227,7 +224,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         return results
 
     def _save(self, client, keys, host_indices, extra_info) -> list[bool]:
-        fmt, store_keys, count = self._format, self._store_keys(keys), self._groups.count
+        fmt, store_keys = self._format, self._store_keys(keys)
         prefix = extra_info.prefix_keys if extra_info is not None else None
         parent = self._store_keys(prefix[-1:])[-1] if prefix else None
         starts = host_indices[:: fmt.page_tokens].tolist()
@@ -237,12 +234,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
                 self.settings.tenant, store_keys, fmt.payload_bytes, first_parent=parent,
                 layout_hash=fmt.layout_hash, codec_id=CODEC_IDS[self.settings.codec],
             )  # fmt: skip
-            written, checksums = [], []
-            for j, (key, view) in enumerate(zip(store_keys, reservation.payloads, strict=True)):
-                if view is not None:
-                    page, group = divmod(j, count)
-                    checksums.append(pages.save_page(fmt, starts[page], view, group))
-                    written.append(key)
+            written, checksums = self._write(starts, store_keys, reservation.payloads)
             if written:
                 client.commit(reservation, keys=written, checksums=checksums)
             return [True] * len(keys)
@@ -251,6 +243,18 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             if reservation is not None:
                 self._abort(client, reservation)
             return [False] * len(keys)
+
+    def _write(self, starts: list[int], store_keys, payloads) -> tuple[list, list[int]]:
+        """Copy every reserved block out of its host page: the keys written, their checksums."""
+        count, written, checksums = self._groups.count, [], []
+        for page, start in enumerate(starts):
+            blocks = slice(page * count, (page + 1) * count)
+            sums = copies.save_page(self._format, start, payloads[blocks])
+            for key, checksum in zip(store_keys[blocks], sums, strict=True):
+                if checksum is not None:
+                    written.append(key)
+                    checksums.append(checksum)
+        return written, checksums
 
     def _abort(self, client: KVStoreClient, reservation) -> None:
         try:

@@ -1,5 +1,5 @@
-"""Between SGLang host-pool pages and kvstore payloads: the page format of a host pool, and
-copies that checksum in the same pass. Runs in SGLang's scheduler processes (storage threads).
+"""Between SGLang host-pool pages and kvstore payloads: the page format of a host pool and its
+views of a page (the copies are in copies.py). Runs in SGLang's scheduler processes.
 
 A payload is kvstore's canonical layer-major block of one kv-head group: per layer, each
 component's [page_size tokens, row] bytes (MHA: K then V, row = the group's heads × head_dim;
@@ -14,15 +14,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import xxhash
 
-from kvstore.block import payload_checksum
-from kvstore.codec import decode_layer, encode_layer
 from kvstore.errors import ConfigError
 from kvstore.layout import DTYPES, KVLayout
 
 SUPPORTED_LAYOUTS = ("page_first", "page_first_direct")
-SLICE_BYTES = 256 << 10  # copy and hash about this much at a time: it stays in cache
 
 
 @dataclass(frozen=True)
@@ -89,6 +85,16 @@ class PageFormat:
         width = self.group_row_bytes
         return [view[..., group * width : (group + 1) * width] for view in views]
 
+    def grouped(self, token_index: int) -> np.ndarray:
+        """The page at `token_index` as one [components, layers, page_tokens, groups, group
+        row bytes] view of the pool's memory."""
+        if self.layout == "page_first_direct":
+            page = self.buffer[:, token_index // self.page_tokens]
+        else:
+            page = self.buffer[:, token_index : token_index + self.page_tokens].swapaxes(1, 2)
+        shape = (*page.shape[:-1], self.groups, self.group_row_bytes)
+        return np.reshape(page, shape, copy=False)  # a view: it raises rather than copy
+
 
 def page_format(pool, mla: bool, codec: str, group_heads: int = 0) -> PageFormat:
     """The format of a real SGLang host pool (MHATokenToKVPoolHost / MLATokenToKVPoolHost),
@@ -128,75 +134,3 @@ def _kv_layout(pool, codec: str, heads: int) -> KVLayout | None:
     if name not in DTYPES:
         return None
     return KVLayout(pool.layer_num, heads, pool.head_dim, name, pool.page_size, codec)
-
-
-def _layer_groups(fmt: PageFormat):
-    step = max(1, SLICE_BYTES // fmt.layer_bytes)
-    for start in range(0, fmt.num_layers, step):
-        yield start, min(start + step, fmt.num_layers)
-
-
-def save_page(fmt: PageFormat, token_index: int, payload: torch.Tensor, group: int = 0) -> int:
-    """Copy head group `group` of one host page into a reserved payload (flat uint8); returns
-    the payload's xxh3-64, hashed slice by slice right after each slice is written."""
-    comps = fmt.page(token_index, group)
-    if fmt.kv_layout is not None and fmt.kv_layout.codec == "fp8":
-        return _save_fp8(fmt, comps, payload)
-    shape = (fmt.num_layers, fmt.components, fmt.page_tokens, fmt.group_row_bytes)
-    out = payload.numpy().reshape(shape)
-    hasher = xxhash.xxh3_64()
-    for start, stop in _layer_groups(fmt):
-        for c, comp in enumerate(comps):
-            np.copyto(out[start:stop, c], comp[start:stop])
-        hasher.update(out[start:stop])
-    return hasher.intdigest()
-
-
-def load_page(
-    fmt: PageFormat, payload: torch.Tensor, checksum: int, token_index: int, group: int = 0
-) -> bool:
-    """Copy a loaded payload into head group `group` of one host page through a private
-    slice, hashing the slice: False when the bytes are not the block that was loaded (the
-    page is then a miss)."""
-    comps = fmt.page(token_index, group)
-    if fmt.kv_layout is not None and fmt.kv_layout.codec == "fp8":
-        return _load_fp8(fmt, payload, checksum, comps)
-    source = payload.numpy().reshape(fmt.num_layers, -1)
-    layers = max(1, SLICE_BYTES // fmt.layer_bytes)
-    scratch = np.empty((layers, fmt.components, fmt.page_tokens, fmt.group_row_bytes), np.uint8)
-    hasher = xxhash.xxh3_64()
-    for start, stop in _layer_groups(fmt):
-        private = scratch[: stop - start]
-        np.copyto(private.reshape(stop - start, -1), source[start:stop])
-        hasher.update(private)
-        for c, comp in enumerate(comps):
-            np.copyto(comp[start:stop], private[:, c])
-    return hasher.intdigest() == checksum
-
-
-def _typed_layer(fmt: PageFormat, comps: list[np.ndarray], layer: int) -> list[torch.Tensor]:
-    shape = (fmt.page_tokens, fmt.kv_layout.num_kv_heads, fmt.kv_layout.head_dim)
-    return [torch.from_numpy(comp[layer]).view(fmt.dtype).view(shape) for comp in comps]
-
-
-def _save_fp8(fmt: PageFormat, comps: list[np.ndarray], payload: torch.Tensor) -> int:
-    """fp8 quantises while it copies, so the checksum is a second pass over the payload."""
-    for layer in range(fmt.num_layers):
-        start, stop = fmt.kv_layout.layer_range(layer)
-        encode_layer(
-            fmt.kv_layout, torch.stack(_typed_layer(fmt, comps, layer)), payload[start:stop]
-        )
-    return payload_checksum(payload)
-
-
-def _load_fp8(fmt: PageFormat, payload: torch.Tensor, checksum: int, comps) -> bool:
-    private = payload.clone()
-    if payload_checksum(private) != checksum:
-        return False
-    kv = torch.empty(fmt.kv_layout.layer_shape, dtype=fmt.dtype)
-    for layer in range(fmt.num_layers):
-        start, stop = fmt.kv_layout.layer_range(layer)
-        decode_layer(fmt.kv_layout, private[start:stop], kv)
-        for component, target in zip(kv, _typed_layer(fmt, comps, layer), strict=True):
-            target.copy_(component)
-    return True

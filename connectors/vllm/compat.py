@@ -150,6 +150,17 @@ def kv_shape(vllm_config) -> tuple[int, int, int, str]:
     )  # fmt: skip
 
 
+def pipeline_stages(vllm_config) -> tuple[list[tuple[int, int]], int]:
+    """Every pipeline stage's layer range [start, stop) of the model (vLLM's own split,
+    VLLM_PP_LAYER_PARTITION included) and this process's stage (the scheduler's: 0)."""
+    from vllm.distributed.utils import get_pp_indices
+
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    size, layers = parallel.pipeline_parallel_size, model.get_total_num_hidden_layers()
+    stage = (parallel.rank // parallel.tensor_parallel_size) % size  # vLLM's DP x PP x TP order
+    return [get_pp_indices(layers, s, size) for s in range(size)], stage
+
+
 def kv_affecting_settings(vllm_config) -> dict:
     """The engine settings beside the model's files that change the KV of a token prefix; they
     enter the model fingerprint. Only those set away from their defaults are named, so a plain

@@ -11,7 +11,7 @@ vLLM's paged layout: SGLang's HiCache backend reads and writes the same blocks.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -99,6 +99,7 @@ class EngineKV:
     all_groups: HeadGroups | None = None  # None: this rank's
     key_scheme: str = "vllm"
     isa: str = ""  # vLLM's CPU attention ISA ("" off the CPU): see compat.paged_layer_view
+    stage_roots: tuple[bytes, ...] = ()  # every pipeline stage's namespace root; (): this one
 
     def __post_init__(self) -> None:
         if self.groups is None:
@@ -130,8 +131,16 @@ class EngineKV:
         return [key for chain in chain_keys for key in self.groups.keys(self.root, chain)]
 
     def lookup_keys(self, chain_keys: Sequence[bytes]) -> list[bytes]:
-        """Every rank's block keys of the chunks: a chunk is a hit when all its groups are."""
-        return [key for chain in chain_keys for key in self.all_groups.keys(self.root, chain)]
+        """Every rank's block keys of the chunks, of every pipeline stage (its layer range's
+        namespace), chunk-major: a chunk is a hit when all its blocks are."""
+        roots = self.stage_roots or (self.root,)
+        return [key for chain in chain_keys for root in roots
+                for key in self.all_groups.keys(root, chain)]  # fmt: skip
+
+    @property
+    def lookup_blocks_per_chunk(self) -> int:
+        """How many of `lookup_keys` one chunk has."""
+        return len(self.stage_roots or (self.root,)) * self.all_groups.count
 
     def parent_key(self, chain_key: bytes) -> bytes:
         """The block a chunk's first block chains on: the last group of the chunk before."""
@@ -167,12 +176,14 @@ def engine_kv(vllm_config, settings: ConnectorSettings) -> EngineKV:
         Path(model.model), settings.model_revision or model.revision or "",
         compat.kv_affecting_settings(vllm_config),
     )  # fmt: skip
-    namespace = shared_namespace(
-        fingerprint, layout, total_heads, (0, num_layers), settings.tenant, settings.salt,
-        _engine_layout(vllm_config, settings, isa),
-    )  # fmt: skip
-    return EngineKV(layout, namespace, block_size, groups, every,
-                    settings.key_scheme, isa)  # fmt: skip
+    engine_layout = _engine_layout(vllm_config, settings, isa)
+    stages, stage = compat.pipeline_stages(vllm_config)
+    namespaces = [shared_namespace(
+        fingerprint, replace(layout, num_layers=stop - start), total_heads, (start, stop),
+        settings.tenant, settings.salt, engine_layout,
+    ) for start, stop in stages]  # fmt: skip
+    return EngineKV(layout, namespaces[stage], block_size, groups, every, settings.key_scheme,
+                    isa, tuple(n.root_key() for n in namespaces))  # fmt: skip
 
 
 def _engine_layout(vllm_config, settings: ConnectorSettings, isa: str) -> str:
@@ -186,6 +197,4 @@ def _engine_layout(vllm_config, settings: ConnectorSettings, isa: str) -> str:
             f"tiles its blocks (use a dtype/block size giving {compat.CPU_CANONICAL_ISAS}, "
             'or key_scheme "vllm")'
         )
-    if vllm_config.parallel_config.pipeline_parallel_size > 1:
-        raise ConfigError("key_scheme sglang does not support vLLM pipeline parallelism yet")
     return ""

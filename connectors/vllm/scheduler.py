@@ -112,8 +112,8 @@ class SchedulerSide:
         client = self.agent.client
         if client is None:
             return LookupCounts(0, 0)  # no agent: nothing to load
-        groups = self.kv.all_groups.count
-        block_keys = self.kv.lookup_keys(chain_keys)  # every rank's groups, chunk-major
+        groups = self.kv.lookup_blocks_per_chunk  # every rank's groups of every PP stage
+        block_keys = self.kv.lookup_keys(chain_keys)  # chunk-major
         try:
             counts = client.lookup(self.settings.tenant, block_keys)
             chunks = counts.total // groups  # a chunk is a hit when every group's block is
