@@ -7,13 +7,13 @@ which bounds what any external store can give (`speedup90_limit`).
 Runs in the benchmark process: a node agent (shared arena, no metadata service) and an
 in-process vLLM engine over a random Llama built here, big enough that CPU prefill of the
 prompt takes seconds; the engine without a connector runs in a child process (an in-process
-engine leaves vLLM's KV-transfer group behind). Every measurement uses a fresh prompt and an
-empty engine prefix cache, so only the store can supply a hit.
+engine leaves vLLM's KV-transfer group behind), alive beside it, so the two take turns. Every
+measurement uses a fresh prompt and an empty engine prefix cache, so only the store can supply
+a hit.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import subprocess
@@ -88,7 +88,9 @@ class TTFTBench:
 
 
 def run_vllm(runs: int = 5, prompt_tokens: int = 4096) -> dict:
-    """Medians over `runs` of TTFT cold, 50 % cached and 90 % cached."""
+    """Medians over `runs` of TTFT cold, 50 % cached and 90 % cached; cold TTFTs with and without
+    the connector are measured in turns (one each, the same prompt), and `save_overhead` is the
+    median of the paired ratios, so a machine that drifts between them moves both alike."""
     check_runs(runs)
     from kvstore.bench.tiny_llama import build_tiny_llama
     from kvstore.node.agent import NodeAgent, NodeConfig
@@ -96,7 +98,6 @@ def run_vllm(runs: int = 5, prompt_tokens: int = 4096) -> dict:
     with tempfile.TemporaryDirectory() as directory:
         root = Path(directory)
         model = build_tiny_llama(root / "model", **MODEL)
-        without = _cold_without_connector(model, runs, prompt_tokens)
         layout_bytes = (
             MODEL["num_layers"] * 2 * CHUNK_TOKENS * MODEL["num_kv_heads"] * MODEL["head_dim"] * 4
         )
@@ -106,14 +107,25 @@ def run_vllm(runs: int = 5, prompt_tokens: int = 4096) -> dict:
         ))  # fmt: skip
         agent.start()
         try:
-            bench = TTFTBench(_engine(model, agent.config.socket_path), prompt_tokens, 512)
-            bench.measure(0.0)  # warm-up: first-call costs are not part of any figure
-            fractions = (("cold", 0.0), ("cached50", 0.5), ("cached90", 0.9))
-            samples = {name: [bench.measure(f) for _ in range(runs)] for name, f in fractions}
+            with NoConnectorEngine(model, prompt_tokens, root / "no-connector.log") as without:
+                bench = TTFTBench(_engine(model, agent.config.socket_path), prompt_tokens, 512)
+                bench.measure(0.0)  # warm-up: first-call costs are not part of any figure
+                paired = [(without.cold_ttft_s(), bench.measure(0.0)) for _ in range(runs)]
+            samples = {"cold": [with_ for _, with_ in paired]}
+            fractions = (("cached50", 0.5), ("cached90", 0.9))
+            samples |= {name: [bench.measure(f) for _ in range(runs)] for name, f in fractions}
             samples["cached90_engine"] = [bench.measure(0.9, engine_cache=True)
                                           for _ in range(runs)]  # fmt: skip
         finally:
             agent.stop()
+    result = _summary(runs, prompt_tokens, samples)
+    result["ttft_cold_no_connector_s"] = statistics.median(s for s, _ in paired)
+    result["save_overhead"] = statistics.median(w[0] / s for s, w in paired) - 1
+    result["machine"] = machine_info()
+    return result
+
+
+def _summary(runs: int, prompt_tokens: int, samples: dict) -> dict:
     result: dict = {"runs": runs, "prompt_tokens": prompt_tokens, "chunk_tokens": CHUNK_TOKENS,
                     "model": MODEL}  # fmt: skip
     for name, values in samples.items():
@@ -123,37 +135,62 @@ def run_vllm(runs: int = 5, prompt_tokens: int = 4096) -> dict:
     result["speedup90"] = result["ttft_cold_s"] / result["ttft_cached90_s"]
     result["speedup90_limit"] = result["ttft_cold_s"] / result["ttft_cached90_engine_s"]
     result["speedup90_vs_limit"] = result["speedup90"] / result["speedup90_limit"]
-    result["ttft_cold_no_connector_s"] = statistics.median(without)
-    result["save_overhead"] = result["ttft_cold_s"] / result["ttft_cold_no_connector_s"] - 1
-    result["machine"] = machine_info()
     return result
 
 
-def _cold_without_connector(model: Path, runs: int, prompt_tokens: int) -> list[float]:
-    """Cold TTFTs of an engine without the connector, measured in a child process."""
-    code = (
-        "import json, sys; from pathlib import Path; from kvstore.bench.vllm import cold_ttfts;"
-        " print(json.dumps(cold_ttfts(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))))"
-    )
-    child = subprocess.run(
-        [sys.executable, "-c", code, str(model), str(runs), str(prompt_tokens)],
-        capture_output=True, text=True, timeout=1800,
-    )  # fmt: skip
-    if child.returncode != 0:
-        raise RuntimeError(f"the no-connector engine failed: {child.stderr[-2000:]}")
-    return json.loads(child.stdout.strip().splitlines()[-1])
+class NoConnectorEngine:
+    """An engine without the connector in a child process (an in-process engine leaves vLLM's
+    KV-transfer group behind), measuring one cold TTFT per request: its prompts are the same
+    random prompts, in the same order, as the bench's own."""
+
+    def __init__(self, model: Path, prompt_tokens: int, log_path: Path) -> None:
+        code = (
+            "import sys; from pathlib import Path; from kvstore.bench.vllm import serve_cold_ttfts;"
+            " serve_cold_ttfts(Path(sys.argv[1]), int(sys.argv[2]))"
+        )
+        self.log_path = log_path
+        self._log = open(log_path, "w")  # noqa: SIM115 (closed in __exit__)
+        self._child = subprocess.Popen(
+            [sys.executable, "-c", code, str(model), str(prompt_tokens)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
+        )  # fmt: skip
+        self._answer()  # its warm-up is done
+
+    def cold_ttft_s(self) -> float:
+        self._child.stdin.write("cold\n")
+        self._child.stdin.flush()
+        return self._answer()
+
+    def _answer(self) -> float:
+        line = self._child.stdout.readline()
+        if not line:
+            self._child.wait(timeout=60)
+            log = self.log_path.read_text()[-2000:]
+            raise RuntimeError(f"the no-connector engine failed ({self._child.returncode}): {log}")
+        return float(line)
+
+    def __enter__(self) -> NoConnectorEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._child.stdin.close()
+        try:
+            self._child.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self._child.kill()
+            self._child.wait()
+        self._log.close()
 
 
-def cold_ttfts(model: Path, runs: int, prompt_tokens: int) -> list[float]:
-    """Child process: `runs` cold TTFTs (after one warm-up) of an engine without a connector.
-    Its stdout carries only the result: vLLM's logs go to stderr."""
-    saved = os.dup(1)
+def serve_cold_ttfts(model: Path, prompt_tokens: int) -> None:
+    """Child process: after a warm-up (answered 0), one cold TTFT per line read. Its stdout
+    carries only the answers: vLLM's logs go to stderr."""
+    answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
-    try:
-        bench = TTFTBench(_engine(model, None), prompt_tokens, 512)
-        bench.measure(0.0)
-        return [bench.measure(0.0)[0] for _ in range(runs)]
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
+    bench = TTFTBench(_engine(model, None), prompt_tokens, 512)
+    bench.measure(0.0)
+    answers.write("0\n")
+    answers.flush()
+    for _ in sys.stdin:
+        answers.write(f"{bench.measure(0.0)[0]}\n")
+        answers.flush()
