@@ -1,7 +1,8 @@
 """The chaos and soak benchmarks run end to end, briefly, as `kvstore bench ... --json` child
 processes: the JSON has every field, no load returns wrong bytes, chaos really kills, nothing
 (process or arena file) is left behind, and a worker that corrupts one expected payload is
-caught, so the comparison can fail."""
+caught, so the comparison can fail. The soak's metadata slopes are fitted after its event ring
+filled, and a real metadata service's heap stops growing once that ring is full."""
 
 import json
 import os
