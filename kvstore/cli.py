@@ -279,7 +279,7 @@ def _bench_soak(args: argparse.Namespace) -> dict:
 
     return run_soak(
         args.minutes, ops_per_s=args.ops_per_s, sample_s=args.sample_s,
-        shared_shm=args.shared_shm,
+        shared_shm=args.shared_shm, metadata_max_events=args.metadata_max_events,
     )  # fmt: skip
 
 
@@ -408,6 +408,8 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--ops-per-s", type=float, default=20.0, help="per worker")
     soak.add_argument("--sample-s", type=float, default=5.0, help="seconds between samples")
     soak.add_argument("--shared-shm", action="store_true", help=_SHARED_SHM_HELP)
+    soak.add_argument("--metadata-max-events", type=int, default=0,
+                      help="the metadata service's event ring size (0: its default)")  # fmt: skip
     soak.add_argument("--json", action="store_true")
     soak.set_defaults(handler=_bench_soak)
     scale = benches.add_parser("scale", help="one metadata service under a simulated cluster")
