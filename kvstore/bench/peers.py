@@ -113,15 +113,16 @@ def block_holder(
 
 
 def _send_forever(page_bytes: int, count: int, queue) -> None:
-    """Child: for every 1-byte request, send `count` pages of `page_bytes` with sendall."""
-    data = np.ones(page_bytes, dtype=np.uint8)
+    """Child: for every 1-byte request, send its `count` pages of `page_bytes` with sendall,
+    each page from its own memory, as a holder sends its arena's (not one hot buffer again)."""
+    pages = np.ones((count, page_bytes), dtype=np.uint8)
     listener = socket.create_server(("127.0.0.1", 0))
     queue.put(f"127.0.0.1:{listener.getsockname()[1]}")
     conn, _ = listener.accept()
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     while conn.recv(1):
-        for _ in range(count):
-            conn.sendall(memoryview(data))
+        for page in pages:
+            conn.sendall(memoryview(page))
 
 
 @contextmanager
