@@ -144,7 +144,14 @@ def tcp_vs_socket_results(block_bytes: int, batch: int, runs: int) -> dict[str, 
     """(b) beside its limit, round by round: with a holder and a raw sender both up, each run
     fetches the batch over the authenticated tcp engine, then recv_into's it raw; the ratio is
     the median of the runs' ratios (a loaded machine slows both alike), and each end's CPU
-    seconds per GiB say what the data plane costs whatever the scheduler does."""
+    seconds per GiB say what the data plane costs whatever the scheduler does.
+
+    The baseline moves the same bytes between comparable memory, and nothing else: the raw
+    sender sends `batch` distinct pages (as cold as the holder's arena pages, not one hot
+    buffer again) with plain sendall, and the receiver recv_into's `batch` distinct pages (as
+    the reader's arena pages). What tcp adds on top is the data plane's own cost: the
+    handshake, framing, deadlines, a GMAC per block at each end and, at the reader, the xxh3
+    the store checks (hashed as the bytes land), commit included."""
     page_bytes = block_bytes + HEADER_BYTES
     gib = page_bytes * batch / (1 << 30)
     keys, secret = _keys(0, batch), os.urandom(32)
