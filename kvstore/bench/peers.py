@@ -6,6 +6,7 @@ Runs in the benchmark process (context managers) and in the children they spawn.
 
 from __future__ import annotations
 
+import mmap
 import multiprocessing
 import os
 import shutil
@@ -115,7 +116,8 @@ def block_holder(
 def _send_forever(page_bytes: int, count: int, queue) -> None:
     """Child: for every 1-byte request, send its `count` pages of `page_bytes` with sendall,
     each page from its own memory, as a holder sends its arena's (not one hot buffer again)."""
-    pages = np.ones((count, page_bytes), dtype=np.uint8)
+    pages = shared_pages(count, page_bytes)
+    pages.fill(1)
     listener = socket.create_server(("127.0.0.1", 0))
     queue.put(f"127.0.0.1:{listener.getsockname()[1]}")
     conn, _ = listener.accept()
@@ -123,6 +125,12 @@ def _send_forever(page_bytes: int, count: int, queue) -> None:
     while conn.recv(1):
         for page in pages:
             conn.sendall(memoryview(page))
+
+
+def shared_pages(count: int, page_bytes: int) -> np.ndarray:
+    """`count` pages of shared memory, the kind an arena is (4 KiB pages: numpy's own large
+    arrays get transparent huge pages, which an arena in /dev/shm does not), zeroed."""
+    return np.frombuffer(mmap.mmap(-1, count * page_bytes), dtype=np.uint8).reshape(count, -1)
 
 
 @contextmanager
