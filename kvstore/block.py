@@ -98,8 +98,13 @@ def unpack_header(data: torch.Tensor | memoryview | bytes) -> BlockHeader:
     )
 
 
-def verify(block: torch.Tensor | memoryview | bytes, key: BlockKey) -> BlockHeader:
-    """Check that `block` is a whole, uncorrupted block stored under `key`.
+def verify(
+    block: torch.Tensor | memoryview | bytes, key: BlockKey, checksum: int | None = None
+) -> BlockHeader:  # fmt: skip
+    """Check that `block` is a whole, uncorrupted block stored under `key`. `checksum`, if
+    given, is the xxh3-64 of all of `block` past its header, taken as those bytes were written
+    (nothing writes them since): it is compared instead of hashing the payload again, and
+    `block` must then end where its payload does.
 
     Raises ChecksumError on a wrong magic/version, another key, a short payload or a bad checksum.
     """
@@ -109,6 +114,10 @@ def verify(block: torch.Tensor | memoryview | bytes, key: BlockKey) -> BlockHead
     buffer = as_buffer(block)
     if len(buffer) < header.block_bytes:
         raise ChecksumError(f"block truncated: {len(buffer)} < {header.block_bytes} bytes")
-    if payload_checksum(buffer[HEADER_BYTES : header.block_bytes]) != header.checksum:
+    if checksum is None:
+        checksum = payload_checksum(buffer[HEADER_BYTES : header.block_bytes])
+    elif len(buffer) != header.block_bytes:
+        raise ChecksumError(f"{len(buffer)} bytes for a block of {header.block_bytes}")
+    if checksum != header.checksum:
         raise ChecksumError(f"payload checksum mismatch for {key!r}")
     return header

@@ -236,17 +236,20 @@ class TieredStore:
             return page
 
     def commit_received(
-        self, key: BlockKey, received_bytes: int, tenant: str | None = None
-    ) -> bool:
+        self, key: BlockKey, received_bytes: int, tenant: str | None = None,
+        payload_checksum: int | None = None,
+    ) -> bool:  # fmt: skip
         """Verify a received block (header, key, length, checksum and, with `tenant`, that it
-        is the tenant it was fetched for) and make it readable. A block that fails is
+        is the tenant it was fetched for) and make it readable. `payload_checksum`: the xxh3-64
+        of the page's bytes past the header, as the transfer engine hashed them landing (see
+        TransferEngine.fetch); the payload is then not read again. A block that fails is
         discarded, counted in checksum_failures, and False returned."""
         with self._lock:
             pending = self._pending.get(key)  # stays pending (not re-reservable) until decided
             if pending is None:
                 raise NotFoundError(f"{key!r} has no page reserved for a received block")
         try:
-            header = block.verify(pending.page[:received_bytes].cpu(), key)
+            header = block.verify(pending.page[:received_bytes].cpu(), key, payload_checksum)
             if tenant is not None and header.tenant != tenant:
                 raise ChecksumError(f"holder sent tenant {header.tenant!r}, fetched for {tenant!r}")
         except ChecksumError as exc:

@@ -6,6 +6,7 @@ Runs in the benchmark process (context managers) and in the children they spawn.
 
 from __future__ import annotations
 
+import mmap
 import multiprocessing
 import os
 import shutil
@@ -113,15 +114,23 @@ def block_holder(
 
 
 def _send_forever(page_bytes: int, count: int, queue) -> None:
-    """Child: for every 1-byte request, send `count` pages of `page_bytes` with sendall."""
-    data = np.ones(page_bytes, dtype=np.uint8)
+    """Child: for every 1-byte request, send its `count` pages of `page_bytes` with sendall,
+    each page from its own memory, as a holder sends its arena's (not one hot buffer again)."""
+    pages = shared_pages(count, page_bytes)
+    pages.fill(1)
     listener = socket.create_server(("127.0.0.1", 0))
     queue.put(f"127.0.0.1:{listener.getsockname()[1]}")
     conn, _ = listener.accept()
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     while conn.recv(1):
-        for _ in range(count):
-            conn.sendall(memoryview(data))
+        for page in pages:
+            conn.sendall(memoryview(page))
+
+
+def shared_pages(count: int, page_bytes: int) -> np.ndarray:
+    """`count` pages of shared memory, the kind an arena is (4 KiB pages: numpy's own large
+    arrays get transparent huge pages, which an arena in /dev/shm does not), zeroed."""
+    return np.frombuffer(mmap.mmap(-1, count * page_bytes), dtype=np.uint8).reshape(count, -1)
 
 
 @contextmanager

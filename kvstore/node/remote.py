@@ -134,10 +134,11 @@ class RemoteFetcher:
                 break
             pages.append(page)
         wanted = keys[: len(pages)]
+        checksums: list[int | None] = [None] * len(wanted)  # hashed as they land, if the engine can
         started = time.monotonic()
         try:
             timeout_s = max(0.01, deadline - started)
-            received = self.engine.fetch(address, tenant, wanted, pages, timeout_s)
+            received = self.engine.fetch(address, tenant, wanted, pages, timeout_s, checksums)
         except TransferError as exc:
             logger.warning("fetch from %s failed: %s", address, exc)
             received = [0] * len(wanted)
@@ -146,13 +147,16 @@ class RemoteFetcher:
                 self.store.abort(key)
             raise
         self.stats.seconds += time.monotonic() - started
-        return self._commit(tenant, wanted, received), len(wanted)
+        return self._commit(tenant, wanted, received, checksums), len(wanted)
 
-    def _commit(self, tenant: str, keys: Sequence[BlockKey], received: list[int]) -> int:
+    def _commit(
+        self, tenant: str, keys: Sequence[BlockKey], received: list[int],
+        checksums: list[int | None],
+    ) -> int:  # fmt: skip
         """Verify (tenant included) and commit in order; at the first failure, free every
         later page."""
         for index, (key, size) in enumerate(zip(keys, received, strict=True)):
-            if size and self.store.commit_received(key, size, tenant):
+            if size and self.store.commit_received(key, size, tenant, checksums[index]):
                 self.stats.blocks += 1
                 self.stats.bytes += size
                 continue

@@ -51,7 +51,7 @@ class TransferEngine(ABC):
     @abstractmethod
     def fetch(
         self, address: str, tenant: str, keys: Sequence[BlockKey],
-        pages: Sequence[torch.Tensor], timeout_s: float,
+        pages: Sequence[torch.Tensor], timeout_s: float, checksums: list | None = None,
     ) -> list[int]:  # fmt: skip
         """Pull `tenant`'s blocks of `keys` from the peer at `address`, block i into `pages[i]`.
 
@@ -61,6 +61,12 @@ class TransferEngine(ABC):
         writes into any page any more, so the caller may free them all. A block another tenant
         owns reads as 0, like an absent one. Raises TransferError only when the peer cannot be
         reached (or, with a cluster secret, authenticated) at all within `timeout_s`.
+
+        `checksums`, if given, is a list as long as `keys`: an engine that hashes blocks as they
+        land (tcp, in the same pass as their MAC) sets entry i to the xxh3-64 of the bytes past
+        the header that landed in `pages[i]`, for commit_received(payload_checksum=...) to
+        compare instead of reading the page again; entries it does not compute are left alone
+        (pass Nones: commit_received then hashes the page itself).
         """
 
     @abstractmethod
@@ -90,6 +96,11 @@ def make_engine(name: str, **options: object) -> TransferEngine:
         return _ENGINES[name](**options)
     except KeyError:
         raise ConfigError(f"unknown transfer engine {name!r}; use 'tcp' or 'ucx'") from None
+
+
+def check_checksums(engine: str, keys: Sequence[BlockKey], checksums: list | None) -> None:
+    if checksums is not None and len(checksums) != len(keys):
+        raise ConfigError(f"{engine} fetch got {len(keys)} keys but {len(checksums)} checksums")
 
 
 def check_fetch_pages(

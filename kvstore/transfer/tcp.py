@@ -21,6 +21,7 @@ from kvstore.transfer.base import (
     OpenBlock,
     TransferEngine,
     TransferStats,
+    check_checksums,
     check_fetch_pages,
     register_engine,
 )
@@ -105,37 +106,38 @@ class TcpEngine(TransferEngine):
     # ---- fetching ------------------------------------------------------------------------
     def fetch(
         self, address: str, tenant: str, keys: Sequence[BlockKey],
-        pages: Sequence[torch.Tensor], timeout_s: float,
+        pages: Sequence[torch.Tensor], timeout_s: float, checksums: list | None = None,
     ) -> list[int]:  # fmt: skip
         buffers = _page_buffers(keys, pages, self.options.max_batch_keys)
+        check_checksums("tcp", keys, checksums)
         request = pack_request(tenant, keys)  # ConfigError for a bad tenant, before any I/O
         if self._closed:
             raise TransferError("tcp engine is closed")
-        received = [0] * len(keys)
+        landed = _Landed(keys, buffers, checksums)
         if not keys:
-            return received
+            return landed.received
         deadline = time.monotonic() + timeout_s
         conn = self._pooled(address)
-        if conn is None or not self._exchange(conn, address, request, keys, buffers, received,
-                                              deadline):  # fmt: skip
+        if conn is None or not self._exchange(conn, address, request, landed, deadline):
             conn = self._dial(address, deadline)  # none pooled, or the peer had closed it
-            self._exchange(conn, address, request, keys, buffers, received, deadline, False)
-        return received
+            self._exchange(conn, address, request, landed, deadline, False)
+        return landed.received
 
     def _exchange(
-        self, conn: Conn, address: str, request: bytes, keys: Sequence[BlockKey],
-        buffers: list[memoryview], received: list[int], deadline: float, reused: bool = True,
+        self, conn: Conn, address: str, request: bytes, landed: _Landed, deadline: float,
+        reused: bool = True,
     ) -> bool:  # fmt: skip
-        """One batch on `conn`, filling `received` in order; any error drops `conn`. False
+        """One batch on `conn`, filling `landed` in order; any error drops `conn`. False
         only when a `reused` connection turns out closed by the peer before it answered."""
+        keys = landed.keys
         answered = False
         try:
             send_parts(conn.sock, [request], deadline)
             if recv_response_head(conn.sock, len(keys), deadline) != len(keys):
                 raise ProtocolError(f"peer answered a batch of {len(keys)} keys with fewer")
             answered = True
-            for index, (key, buffer) in enumerate(zip(keys, buffers, strict=True)):
-                received[index] = recv_frame(conn, key, buffer, deadline)
+            for index, (key, buffer) in enumerate(zip(keys, landed.buffers, strict=True)):
+                landed.fill(index, *recv_frame(conn, key, buffer, deadline))
         except (OSError, TransferError) as exc:
             conn.sock.close()
             if reused and not answered and isinstance(exc, ConnectionError):
@@ -196,6 +198,21 @@ class TcpEngine(TransferEngine):
 
 
 # ---- wire helpers (module level: both sides use them, none touches engine state) -----------
+class _Landed:
+    """One fetch's pages and what arrived in them: bytes received and payload checksums."""
+
+    def __init__(
+        self, keys: Sequence[BlockKey], buffers: list[memoryview], checksums: list | None
+    ) -> None:  # fmt: skip
+        self.keys, self.buffers, self.checksums = keys, buffers, checksums
+        self.received = [0] * len(keys)
+
+    def fill(self, index: int, length: int, checksum: int | None) -> None:
+        self.received[index] = length
+        if self.checksums is not None:
+            self.checksums[index] = checksum
+
+
 def _page_buffers(
     keys: Sequence[BlockKey], pages: Sequence[torch.Tensor], max_batch_keys: int
 ) -> list[memoryview]:

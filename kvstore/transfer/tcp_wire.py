@@ -1,5 +1,6 @@
 """The tcp engine's wire format: the handshake, requests (tenant + keys) and block frames, each
-read and written against a deadline, with each block's MAC computed as its bytes pass.
+read and written against a deadline; each block's MAC (and, receiving, its payload's xxh3) is
+computed slice by slice as its bytes pass, while they are in cache.
 
 Runs inside the node agent, on the tcp engine's serving threads and its fetching callers.
 """
@@ -12,7 +13,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvstore.block import MAX_TENANT_BYTES, encode_tenant
+import xxhash
+
+from kvstore.block import HEADER_BYTES, MAX_TENANT_BYTES, encode_tenant
 from kvstore.errors import TransferError
 from kvstore.keys import KEY_BYTES, BlockKey
 from kvstore.transfer import auth
@@ -24,8 +27,9 @@ VERSION = 2
 # length, 0 = absent) and the block; with a cluster secret each frame ends with its MAC tag.
 BATCH = struct.Struct("<4sHHI")
 FRAME = struct.Struct("<Q")
-SLICE_BYTES = 512 << 10  # a sender MACs and sends this much at a time, while it is in cache
-MAC_SLICE_BYTES = 256 << 10  # a receiver MACs what landed once this much has
+# Either end MACs (and a receiver hashes) this much at a time, right after it is read in or
+# just before it is sent, while it is still in L2; a receiver receives no more at once.
+SLICE_BYTES = 512 << 10
 
 
 class ProtocolError(TransferError):
@@ -130,18 +134,43 @@ def send_frame(conn: Conn, key: BlockKey, body: memoryview, deadline: float) -> 
     send_parts(conn.sock, [*parts, mac.finalize()], deadline)
 
 
-def recv_frame(conn: Conn, key: BlockKey, buffer: memoryview, deadline: float) -> int:
-    """Receive one frame into `buffer`, verifying its MAC as the bytes arrive; returns its
-    length (0: the peer lacks the block). MacError if the tag does not match."""
+def recv_frame(
+    conn: Conn, key: BlockKey, buffer: memoryview, deadline: float
+) -> tuple[int, int | None]:  # fmt: skip
+    """Receive one frame into `buffer`, verifying its MAC as the bytes arrive. Returns its
+    length (0: the peer lacks the block) and the xxh3-64 of the block's payload (the bytes
+    past its header, hashed as they landed; None for a frame too short to hold a header).
+    MacError if the tag does not match."""
     (length,) = FRAME.unpack(recv_bytes(conn.sock, FRAME.size, deadline))
     if length > len(buffer):
         raise ProtocolError(f"peer sent a {length}-byte block for a {len(buffer)}-byte page")
-    mac = conn.next_mac(key, length)
-    recv_exact(conn.sock, buffer[:length], deadline, mac)
+    landing = Landing(conn.next_mac(key, length))
+    recv_exact(conn.sock, buffer[:length], deadline, landing)
+    mac = landing.mac
     tag = b"" if mac is None else recv_bytes(conn.sock, auth.TAG_BYTES, deadline)
     if mac is not None and not auth.tag_matches(mac, tag):
         raise MacError(f"block {key!r} failed its MAC")
-    return length
+    return length, landing.payload_checksum(length)
+
+
+class Landing:
+    """What a receiver computes over a frame's bytes, slice by slice as they land (one pass
+    while in cache): the frame's MAC (None on an unauthenticated connection) and the xxh3-64
+    of the block's payload, the bytes past its header."""
+
+    def __init__(self, mac: auth.BlockMac | None) -> None:
+        self.mac = mac
+        self._payload = xxhash.xxh3_64()
+
+    def update(self, frame: memoryview, start: int, end: int) -> None:
+        """Feed bytes [start, end) of the frame, in order."""
+        if self.mac is not None:
+            self.mac.update(frame[start:end])
+        if end > HEADER_BYTES:
+            self._payload.update(frame[max(start, HEADER_BYTES) : end])
+
+    def payload_checksum(self, length: int) -> int | None:
+        return self._payload.intdigest() if length >= HEADER_BYTES else None
 
 
 # ---- bytes against a deadline ---------------------------------------------------------------
@@ -164,20 +193,23 @@ def recv_bytes(sock: socket.socket, count: int, deadline: float) -> bytes:
     return bytes(data)
 
 
-def recv_exact(sock: socket.socket, view: memoryview, deadline: float, mac=None) -> None:
-    """Fill `view`, feeding `mac` the bytes that landed each time a slice has (while they are
-    still in cache; per-call overhead makes tiny updates slow); ConnectionError at EOF,
-    TimeoutError once `deadline` has passed."""
-    got = hashed = 0
+def recv_exact(
+    sock: socket.socket, view: memoryview, deadline: float, landing: Landing | None = None
+) -> None:  # fmt: skip
+    """Fill `view`; with `landing`, at most a slice at a time, each fed to `landing` as soon as
+    it has landed (while still in cache; per-call overhead makes tiny updates slow).
+    ConnectionError at EOF, TimeoutError once `deadline` has passed."""
+    got = fed = 0
     while got < len(view):
         sock.settimeout(remaining(deadline))
-        count = sock.recv_into(view[got:])
+        end = len(view) if landing is None else min(fed + SLICE_BYTES, len(view))
+        count = sock.recv_into(view[got:end])
         if count == 0:
             raise ConnectionError(f"peer closed the connection ({got} of {len(view)} bytes read)")
         got += count
-        if mac is not None and (got - hashed >= MAC_SLICE_BYTES or got == len(view)):
-            mac.update(view[hashed:got])
-            hashed = got
+        if landing is not None and got == end:
+            landing.update(view, fed, got)
+            fed = got
 
 
 def remaining(deadline: float) -> float:

@@ -25,7 +25,13 @@ import torch
 from kvstore.block import encode_tenant
 from kvstore.errors import ConfigError, TransferError
 from kvstore.keys import BlockKey
-from kvstore.transfer.base import OpenBlock, TransferEngine, TransferStats, register_engine
+from kvstore.transfer.base import (
+    OpenBlock,
+    TransferEngine,
+    TransferStats,
+    check_checksums,
+    register_engine,
+)
 from kvstore.transfer.gate import Gate, LinkOptions, dial, is_quiet, shutdown, wait_readable
 from kvstore.transfer.tcp_wire import Conn, HandshakeError, ProtocolError
 from kvstore.transfer.ucx_runtime import (
@@ -240,9 +246,10 @@ class UcxEngine(TransferEngine):
     # ---- fetching ------------------------------------------------------------------------
     def fetch(
         self, address: str, tenant: str, keys: Sequence[BlockKey],
-        pages: Sequence[torch.Tensor], timeout_s: float,
+        pages: Sequence[torch.Tensor], timeout_s: float, checksums: list | None = None,
     ) -> list[int]:  # fmt: skip
         encode_tenant(tenant)  # ConfigError before any I/O
+        check_checksums("ucx", keys, checksums)  # computes none: commit_received hashes
         batch = _Batch(tenant, keys, _page_arrays(keys, pages))
         runtime = self._runtime()
         if not keys:

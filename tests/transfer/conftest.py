@@ -1,7 +1,8 @@
 """Two real stores joined by a transfer engine, once per engine; the contract suite runs on each.
 
 "holder" serves its blocks through one engine; "reader" fetches them into reserved pages through
-another and verifies them with commit_received, as the node agent does. Every engine runs both
+another and verifies them with commit_received, as the node agent does (with the payload
+checksums the engine took as the bytes landed, where it takes them). Every engine runs both
 without and with a cluster secret (authenticated peers, a MAC on every block).
 """
 
@@ -51,6 +52,7 @@ class Pair:
         self.holder, self.reader = holder, reader
         self.server, self.client = server, client
         self.address = server.serve(wrap(holder.open_block) if wrap else holder.open_block)
+        self.checksums: dict[tuple[int, BlockKey], int | None] = {}  # (reader id, key): landed
 
     def put(self, numbers: Sequence[int], size_bytes: int | None = None) -> list[BlockKey]:
         """Store block `n` (payload(n)) in the holder for each n; returns their keys."""
@@ -64,18 +66,27 @@ class Pair:
     ) -> list[int]:  # fmt: skip
         reader = reader or self.reader
         pages = [reader.reserve_page(key) for key in keys]
-        return self.client.fetch(self.address, tenant, keys, pages, timeout_s)
+        checksums = [None] * len(keys)
+        received = self.client.fetch(self.address, tenant, keys, pages, timeout_s, checksums)
+        self.checksums.update(((id(reader), k), c) for k, c in zip(keys, checksums, strict=True))
+        return received
 
     def land(self, keys: Sequence[BlockKey], received: Sequence[int], reader=None) -> list[bool]:
-        return land(reader or self.reader, keys, received)
+        reader = reader or self.reader
+        checksums = [self.checksums.pop((id(reader), key), None) for key in keys]
+        return land(reader, keys, received, checksums)
 
 
-def land(reader: TieredStore, keys: Sequence[BlockKey], received: Sequence[int]) -> list[bool]:
-    """Commit what arrived (verified), abort the rest; True per key that became readable."""
+def land(
+    reader: TieredStore, keys: Sequence[BlockKey], received: Sequence[int],
+    checksums: Sequence[int | None] | None = None,
+) -> list[bool]:  # fmt: skip
+    """Commit what arrived (verified, against `checksums` where given), abort the rest; True
+    per key that became readable."""
     landed = []
-    for key, size in zip(keys, received, strict=True):
+    for key, size, checksum in zip(keys, received, checksums or [None] * len(keys), strict=True):
         if size:
-            landed.append(reader.commit_received(key, size, TENANT))
+            landed.append(reader.commit_received(key, size, TENANT, checksum))
         else:
             reader.abort(key)
             landed.append(False)
