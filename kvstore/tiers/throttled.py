@@ -15,6 +15,8 @@ from kvstore.errors import ConfigError
 from kvstore.keys import BlockKey
 from kvstore.tiers.disk import DiskTier
 
+SATA_SSD_READ_BYTES_PER_S = 500 << 20  # the default: a SATA SSD's sequential read
+
 
 class ThrottledDiskTier(DiskTier):
     """A DiskTier whose `open` of a block of n bytes takes at least n / read_bytes_per_s
@@ -22,7 +24,7 @@ class ThrottledDiskTier(DiskTier):
     throttled. Like a slow device read, the wait happens wherever the store reads the tier
     (promotion to host, serving a peer's fetch)."""
 
-    def __init__(self, *args, read_bytes_per_s: int, **options) -> None:
+    def __init__(self, *args, read_bytes_per_s: int = SATA_SSD_READ_BYTES_PER_S, **options) -> None:
         if read_bytes_per_s <= 0:
             raise ConfigError(f"disk_read_bytes_per_s must be > 0, got {read_bytes_per_s}")
         super().__init__(*args, **options)
