@@ -14,7 +14,7 @@ import socket
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -45,14 +45,26 @@ def _error(error: pb.AgentError) -> errors.KVStoreError:
     return cls(f"{error.code}: {error.message}")
 
 
+TIERS = ("host", "disk", "remote")  # where a looked-up key is, nearest first
+TIER_OF_CODE = {"h": "host", "d": "disk", "r": "remote"}  # LookupCounts.codes (agent.proto)
+
+
 @dataclass(frozen=True)
 class LookupCounts:
     local: int  # leading keys in this host's tiers
     remote: int  # further leading keys that other nodes hold
+    codes: str = field(default="", compare=False)  # per leading key: a TIER_OF_CODE key
 
     @property
     def total(self) -> int:
         return self.local + self.remote
+
+    def tier_names(self) -> tuple[str, ...]:
+        """Where each of the `total` leading keys is; an agent that does not say (older than
+        the field) has its local keys read as host."""
+        if len(self.codes) == self.total:
+            return tuple(TIER_OF_CODE.get(code, "host") for code in self.codes)
+        return ("host",) * self.local + ("remote",) * self.remote
 
 
 @dataclass
@@ -192,10 +204,12 @@ class KVStoreClient:
 
     # ---- reads -----------------------------------------------------------------------------
     def lookup(self, tenant: str, keys: Sequence[bytes], local_only: bool = False) -> LookupCounts:
-        """How many leading `keys` can be loaded (local tiers, then other nodes); no side effect."""
+        """How many leading `keys` can be loaded (local tiers, then other nodes) and where each
+        is (`codes`, `tier_names`); no side effect."""
         request = pb.LookupKeysRequest(tenant=tenant, keys=keys, local_only=local_only)
         result = self._call("lookup", request).lookup
-        return LookupCounts(result.local_hits, result.remote_hits)
+        codes = result.tiers.decode("ascii", "replace")
+        return LookupCounts(result.local_hits, result.remote_hits, codes)
 
     def load(
         self, tenant: str, keys: Sequence[bytes], timeout_s: float = 0.0, verify: bool = True

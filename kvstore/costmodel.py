@@ -118,8 +118,10 @@ class OnlineLoadPlanner:
     beyond the predicted compute). Until a tier is measured its chunks are loaded (that is how
     it gets measured); a tier judged slow is still loaded once every `probe_every` decisions so
     its figure follows the tier. Loads are refused only when predicted `margin` times slower
-    than computing (noise must not undo hits). Loads made outside a step (a pull of other
-    hosts' chunks before the request is scheduled) are reported through `observe_fetch`.
+    than computing (noise must not undo hits). Loads made outside a step (disk chunks promoted
+    to host, other hosts' chunks pulled, before the request is scheduled) are reported through
+    `observe_fetch`; such a chunk costs its own tier's time plus the step's load from
+    `loaded_from`. Tier names are the caller's (the vLLM connector: host, disk, remote).
     Thread-safe: the scheduler observes steps while its lookup thread decides."""
 
     def __init__(self, chunk_tokens: int, window: int = 256, min_compute_steps: int = 3,
@@ -141,15 +143,15 @@ class OnlineLoadPlanner:
         self, request_id: str, tiers: list[str], prompt_tokens: int, loaded_from: str = ""
     ) -> int:
         """How many of the leading cached chunks (`tiers[i]`: where chunk i is) to load;
-        `loaded_from`: the tier the step will read them from, when not their own (pulled here)."""
+        `loaded_from`: the tier the step will read them from, when not their own (brought
+        there first: promoted, pulled)."""
         with self._lock:
             self.decisions += 1
             count = len(tiers)
             rate, per_chunk_s = self._estimates()
             if tiers and rate is not None and self.decisions % self.probe_every:
                 # an unmeasured (or free) tier costs nothing: loading it is how it gets measured
-                links = {tier: TierLink(self.margin / max(per_chunk_s.get(tier, 0.0), 1e-30))
-                         for tier in set(tiers)}  # fmt: skip
+                links = {tier: self._link(per_chunk_s, tier, loaded_from) for tier in set(tiers)}
                 sizes = [self.chunk_tokens] * len(tiers)
                 count = best_load_prefix(tiers, sizes, 1, prompt_tokens, rate, links)[0]
             self.recomputed_chunks += len(tiers) - count
@@ -157,6 +159,15 @@ class OnlineLoadPlanner:
                 used = [loaded_from or tier for tier in tiers[:count]]
                 self._loads[request_id] = dict(Counter(used))
             return count
+
+    def _link(self, per_chunk_s: dict[str, float], tier: str, loaded_from: str) -> TierLink:
+        """How one chunk of `tier` reaches the engine (a chunk a byte, `margin` times faster
+        than measured): its own tier's time, plus the step's load from `loaded_from` when it
+        is brought there first."""
+        seconds = per_chunk_s.get(tier, 0.0)
+        if loaded_from and loaded_from != tier:
+            seconds += per_chunk_s.get(loaded_from, 0.0)
+        return TierLink(self.margin / max(seconds, 1e-30))
 
     def observe_fetch(self, tier: str, chunks: int, seconds: float) -> None:
         """Chunks of `tier` pulled in `seconds` outside any step."""

@@ -68,6 +68,18 @@ class TieredStore:
                     return count
             return len(keys)
 
+    def lookup_slots(self, keys: Sequence[BlockKey], tenant: str | None = None) -> bytes:
+        """`lookup` with where: one byte per leading readable key, the index of the fastest
+        slot holding it (len() is what `lookup` counts). No side effects."""
+        found = bytearray()
+        with self._lock:
+            for key in keys:
+                slot = self._slot_of(key)
+                if slot is None or (tenant is not None and self._tenants.get(key) != tenant):
+                    break
+                found.append(slot)
+        return bytes(found)
+
     def _readable(self, key: BlockKey, tenant: str | None) -> bool:
         if self._slot_of(key) is None:
             return False

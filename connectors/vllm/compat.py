@@ -196,12 +196,13 @@ def _weights_fingerprint(model_weights: str) -> str:
 
 
 def hit_sources(shares: dict[str, int]) -> dict:
-    """kvstore's 'local' / 'remote' token shares as vLLM's CacheHitSource counts. The agent's
-    lookup does not split its own host and disk tiers: local hits count as HOST (the agent
-    promotes a disk block to host memory before the worker copies it)."""
+    """kvstore's token shares by tier as vLLM's CacheHitSource counts: this host's arena is
+    HOST, its disk tier DISK, another host's tiers P2P (where the chunk was found, though
+    the worker copies every chunk from the host arena)."""
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-    names = {"local": CacheHitSource.HOST, "remote": CacheHitSource.P2P}
+    names = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK,
+             "remote": CacheHitSource.P2P}  # fmt: skip
     return {names[where]: tokens for where, tokens in shares.items()}
 
 

@@ -1,7 +1,8 @@
 """Prompt lookups off the scheduler's thread. A lookup that must ask the metadata service about
-other hosts takes a network round trip; vLLM's scheduler must not wait for it, so the connector
-answers "not yet" (None) and vLLM asks again on a later step. Runs in vLLM's scheduler process:
-one lookup thread on the scheduler's agent connection.
+other hosts, or bring chunks into this host's arena (promote them from disk, pull them from
+another host), takes time; vLLM's scheduler must not wait for it, so the connector answers
+"not yet" (None) and vLLM asks again on a later step. Runs in vLLM's scheduler process: one
+lookup thread on the scheduler's agent connection. Also: per-chunk tiers of an answer.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
-from kvstore.client import LookupCounts
+from kvstore.client import TIERS, LookupCounts
 
 IN_FLIGHT_MAX = 1024  # lookups queued or running; beyond it a request waits to submit one
 ANSWER_TTL_S = 1.0  # an answer this old is asked again (the store may have changed since)
@@ -81,3 +82,23 @@ class LookupQueue:
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def chunk_tiers(counts: LookupCounts, groups: int) -> list[str]:
+    """The tier of each whole chunk of an agent's answer over chunk-major block keys (`groups`
+    blocks a chunk): the farthest of its blocks' tiers (host < disk < remote)."""
+    names = counts.tier_names()
+    return [max(names[start : start + groups], key=TIERS.index)
+            for start in range(0, len(names) - groups + 1, groups)]  # fmt: skip
+
+
+def tokens_by_tier(tiers: list[str], chunk_tokens: int, first: int, count: int) -> dict[str, int]:
+    """How many of the tokens [first, first + count) each tier supplies, chunk i of `tiers`
+    covering tokens [i * chunk_tokens, (i + 1) * chunk_tokens); only non-zero shares."""
+    shares: dict[str, int] = {}
+    for index, tier in enumerate(tiers):
+        start = max(first, index * chunk_tokens)
+        stop = min(first + count, (index + 1) * chunk_tokens)
+        if stop > start:
+            shares[tier] = shares.get(tier, 0) + stop - start
+    return shares

@@ -1,6 +1,8 @@
-"""The scheduler half of the connector: how many prompt tokens the store can supply, and per
-step which chunks each worker loads and saves. Runs in vLLM's scheduler (engine core) process;
-lookups (and the pull of other hosts' chunks into this host) run on its lookup thread.
+"""The scheduler half of the connector: how many prompt tokens the store can supply (and from
+which tier), and per step which chunks each worker loads and saves. Runs in vLLM's scheduler
+(engine core) process; lookups, the promotion of disk chunks into the host arena and the pull
+of other hosts' chunks into it run on its lookup thread, so a forward pass copies from the
+arena only.
 """
 
 from __future__ import annotations
@@ -12,15 +14,16 @@ from dataclasses import dataclass, field
 from connectors.vllm import compat
 from connectors.vllm.agent import AgentConnection
 from connectors.vllm.config import ConnectorSettings, EngineKV
-from connectors.vllm.lookups import LookupQueue
+from connectors.vllm.lookups import LookupQueue, chunk_tiers, tokens_by_tier
 from connectors.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
 from connectors.vllm.request_keys import RequestKeys
 from connectors.vllm.stats import LatencySamples
-from kvstore.client import LookupCounts
+from kvstore.client import TIER_OF_CODE, TIERS, LookupCounts
 from kvstore.costmodel import OnlineLoadPlanner
 from kvstore.errors import KVStoreError
 
 logger = logging.getLogger(__name__)
+_CODE_OF_TIER = {tier: code for code, tier in TIER_OF_CODE.items()}
 
 
 @dataclass
@@ -31,7 +34,7 @@ class RequestState:
     load_chunks: int = 0
     computed_at_load: int = 0
     prompt_tokens: int = 0
-    local_hit_chunks: int = 0  # of the last lookup: leading chunks on this host (others remote)
+    hit_tiers: list[str] = field(default_factory=list)  # of the last lookup: tier per chunk
     saves_scheduled: bool = False  # some worker may still be saving: delay the blocks' free
 
 
@@ -54,8 +57,9 @@ class SchedulerSide:
         self.delay_frees = compat.saves_outlive_steps()
         self.request_keys = RequestKeys(kv)
         self.stats = {"lookups": 0, "hit_tokens": 0, "lookup_failures": 0, "lookups_deferred": 0,
-                      "prefetched_blocks": 0, "recomputed_chunks": 0,
+                      "prefetched_blocks": 0, "promoted_blocks": 0, "recomputed_chunks": 0,
                       "saves_out_of_window": 0}  # fmt: skip
+        self.stats.update({f"hit_tokens_{tier}": 0 for tier in TIERS})
         self.lookups = LookupQueue(self._lookup)
         self.cost = OnlineLoadPlanner(kv.layout.chunk_tokens)  # load only what beats compute
         self.bypassed: dict[str, int] = {}  # reason -> requests (see RequestKeys.bypass_reason)
@@ -99,7 +103,7 @@ class SchedulerSide:
             self._count(answer)
         if answer.counts is None:
             return 0
-        state.local_hit_chunks = answer.counts.local
+        state.hit_tiers = list(answer.counts.tier_names())
         return max(0, answer.counts.total * chunk - num_computed_tokens)
 
     def note_match_s(self, seconds: float) -> None:
@@ -108,54 +112,66 @@ class SchedulerSide:
         self.longest_match_s = max(self.longest_match_s, seconds)
 
     def _lookup(self, req_id: str, chain_keys: list[bytes]) -> LookupCounts:
-        """On the lookup thread: the agent's answer for a prompt's chunk keys."""
+        """On the lookup thread: the chunks to load, all in this host's arena by now, as
+        LookupCounts of chunks whose codes say where each chunk was found."""
         client = self.agent.client
         if client is None:
             return LookupCounts(0, 0)  # no agent: nothing to load
         groups = self.kv.lookup_blocks_per_chunk  # every rank's groups of every PP stage
         block_keys = self.kv.lookup_keys(chain_keys)  # chunk-major
         try:
-            counts = client.lookup(self.settings.tenant, block_keys)
-            chunks = counts.total // groups  # a chunk is a hit when every group's block is
-            local = min(counts.local // groups, chunks)
-            load = self._chunks_worth_loading(req_id, local, chunks - local)
-            if load <= local:
-                return LookupCounts(load, 0)
-            return self._prefetch(client, block_keys[: load * groups], local, groups)
+            tiers = chunk_tiers(client.lookup(self.settings.tenant, block_keys), groups)
+            tiers = tiers[: self._chunks_worth_loading(req_id, tiers)]
+            return self._stage(client, block_keys, tiers, groups)
         except KVStoreError:
             self.agent.drop()
             raise
 
-    def _chunks_worth_loading(self, req_id: str, local: int, remote: int) -> int:
-        """On the lookup thread: the leading cached chunks predicted faster to load than to
-        compute (kvstore.costmodel), decided before any is pulled from another host; the rest
-        are computed and counted in recomputed_chunks."""
+    def _chunks_worth_loading(self, req_id: str, tiers: list[str]) -> int:
+        """On the lookup thread: the leading cached chunks (`tiers[i]`: where chunk i is)
+        predicted faster to load than to compute (kvstore.costmodel), decided before any is
+        promoted from disk or pulled from another host; the rest are computed and counted in
+        recomputed_chunks."""
         state = self.requests.get(req_id)
         if state is None:
             return 0
         chunk = self.kv.layout.chunk_tokens
-        skip = min(state.computed_at_load // chunk, local + remote)  # vLLM holds them already
-        tiers = (["local"] * local + ["remote"] * remote)[skip:]
+        skip = min(state.computed_at_load // chunk, len(tiers))  # vLLM holds them already
         load = self.cost.chunks_to_load(
-            req_id, tiers, state.prompt_tokens - skip * chunk, loaded_from="local"
+            req_id, tiers[skip:], state.prompt_tokens - skip * chunk, loaded_from="host"
         )  # fmt: skip
         self.stats["recomputed_chunks"] = self.cost.recomputed_chunks
         return skip + load
 
-    def _prefetch(self, client, block_keys: list[bytes], local: int, groups: int) -> LookupCounts:
-        """On the lookup thread: pull the chunks other hosts hold into this host's arena now,
-        while vLLM is told to ask again, so the forward pass loads local pages only (a remote
-        fetch never runs inside it); the time it took teaches the cost model the remote tier.
-        What arrived is the answer; a chunk evicted again before the workers load it is a load
-        error, recomputed."""
+    def _stage(self, client, block_keys: list[bytes], tiers: list[str], groups: int):
+        """On the lookup thread: bring the chunks to load into this host's arena now, while
+        vLLM is told to ask again: disk chunks promoted, then other hosts' chunks pulled, so
+        the forward pass copies from the arena only (no disk read and no remote fetch runs
+        inside it); the time each took teaches the cost model its tier. What arrived is the
+        answer; a chunk evicted again before the workers load it is a load error, recomputed."""
+        local = tiers.index("remote") if "remote" in tiers else len(tiers)
+        got = local
+        if "disk" in tiers[:local]:
+            got = self._pull(client, block_keys[: local * groups], tiers[:local], groups, "disk")
+        if got == local < len(tiers):
+            got = self._pull(client, block_keys[: len(tiers) * groups], tiers, groups, "remote")
+        codes = "".join(_CODE_OF_TIER[tier] for tier in tiers[:got])
+        return LookupCounts(min(local, got), max(0, got - local), codes)
+
+    def _pull(self, client, block_keys: list[bytes], tiers: list[str], groups: int,
+              tier: str) -> int:  # fmt: skip
+        """Pin and release `block_keys` (the agent promotes or fetches what is not in its
+        arena); the chunks that arrived, their `tier` ones' time observed by the cost model."""
         started = time.perf_counter()
         loaded = client.load(self.settings.tenant, block_keys, verify=False,
                              timeout_s=self.settings.load_timeout_s)  # fmt: skip
         client.release(loaded)
-        got = len(loaded.payloads) // groups
-        self.cost.observe_fetch("remote", got - local, time.perf_counter() - started)
-        self.stats["prefetched_blocks"] += max(0, len(loaded.payloads) - local * groups)
-        return LookupCounts(min(local, got), max(0, got - local))
+        got = min(len(loaded.payloads) // groups, len(tiers))
+        arrived = tiers[:got].count(tier)
+        self.cost.observe_fetch(tier, arrived, time.perf_counter() - started)
+        counter = "promoted_blocks" if tier == "disk" else "prefetched_blocks"
+        self.stats[counter] += arrived * groups
+        return got
 
     def _count(self, answer) -> None:
         if answer.counts is None:
@@ -171,19 +187,20 @@ class SchedulerSide:
         state = self._state(request)
         computed = state.computed_at_load  # what get_num_new_matched_tokens was told
         self.stats["hit_tokens"] += num_external_tokens
+        for tier, tokens in self.hit_sources(request, num_external_tokens).items():
+            self.stats[f"hit_tokens_{tier}"] += tokens
         state.load_chunks = (computed + num_external_tokens) // self.kv.layout.chunk_tokens
         state.saved_chunks = state.load_chunks
         self._pending_loads[request.request_id] = state
 
     def hit_sources(self, request, num_external_tokens: int) -> dict[str, int]:
-        """'local' and 'remote' shares of the tokens the last lookup offered (local first)."""
+        """The tokens the last lookup offered, by the tier each chunk was found in ('host',
+        'disk': this host's; 'remote': another's); only non-zero shares."""
         state = self.requests.get(request.request_id)
         if state is None or num_external_tokens <= 0:
             return {}
-        local_tokens = state.local_hit_chunks * self.kv.layout.chunk_tokens
-        local = min(num_external_tokens, max(0, local_tokens - state.computed_at_load))
-        shares = {"local": local, "remote": num_external_tokens - local}
-        return {where: tokens for where, tokens in shares.items() if tokens}
+        return tokens_by_tier(state.hit_tiers, self.kv.layout.chunk_tokens,
+                              state.computed_at_load, num_external_tokens)  # fmt: skip
 
     def build_meta(self, scheduler_output) -> KVStoreConnectorMetadata:
         self.lookups.new_step()

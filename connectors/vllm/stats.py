@@ -21,6 +21,8 @@ COUNTERS = {  # name in the connector halves' stats -> what it counts
     "lookups_deferred": "Times vLLM was told to ask again: the request's lookup was in flight",
     "hit_tokens": "Prompt tokens loaded from kvstore beyond vLLM's own prefix cache",
     "prefetched_blocks": "Blocks pulled from other hosts into this host before their load",
+    "promoted_blocks": "Blocks promoted from this host's disk tier to its arena before their load",
+    "recomputed_chunks": "Cached chunks computed instead: predicted slower to load than compute",
     "loaded_blocks": "kvstore blocks loaded into vLLM's KV cache and verified",
     "loaded_bytes": "Bytes of KV loaded from kvstore",
     "saved_blocks": "kvstore blocks saved from vLLM's KV cache",
@@ -31,6 +33,8 @@ COUNTERS = {  # name in the connector halves' stats -> what it counts
     "saves_out_of_window": "Requests whose later chunks went unsaved: sliding-window KV freed",
 }
 BYPASS_PREFIX = "bypassed_"  # bypassed_<reason>: requests the store neither loads nor saves
+TIER_PREFIX = "hit_tokens_"  # hit_tokens_<tier>: hit tokens found in host, disk or remote
+HIT_TIERS = ("host", "disk", "remote")
 LATENCIES = {  # sample name -> what one sample measures, in seconds
     "lookup_seconds": "Time of one kvstore prompt lookup (on the scheduler's lookup thread)",
     "match_seconds": "Time vLLM's scheduler waited in one kvstore get_num_new_matched_tokens",
@@ -88,15 +92,16 @@ class DeltaCounters:
     def take(self, cumulative: dict[str, float]) -> dict[str, float]:
         deltas = {}
         for name, value in cumulative.items():
-            if name in COUNTERS or name.startswith(BYPASS_PREFIX):
+            if name in COUNTERS or name.startswith((BYPASS_PREFIX, TIER_PREFIX)):
                 deltas[name] = value - self._last.get(name, 0)
                 self._last[name] = value
         return deltas
 
 
 class KVStorePromMetrics(KVConnectorPromMetrics):
-    """vllm:kvstore_<counter>_total, vllm:kvstore_bypassed_requests_total{reason} and the
-    vllm:kvstore_<latency> histograms, one child per engine (vLLM's engine labels)."""
+    """vllm:kvstore_<counter>_total, vllm:kvstore_bypassed_requests_total{reason},
+    vllm:kvstore_hit_tokens_by_tier_total{tier} and the vllm:kvstore_<latency> histograms,
+    one child per engine (vLLM's engine labels)."""
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
@@ -111,6 +116,12 @@ class KVStorePromMetrics(KVConnectorPromMetrics):
             documentation="Requests kvstore neither loads nor saves, by reason (multimodal, ...)",
             labelnames=[*labelnames, "reason"],
         )
+        self._by_tier = self._counter_cls(
+            name="vllm:kvstore_hit_tokens_by_tier",
+            documentation="Prompt tokens loaded from kvstore by the tier they were found in: "
+            "host (this host's arena), disk (its disk tier), remote (another host)",
+            labelnames=[*labelnames, "tier"],
+        )
         self._latencies = {
             name: self._histogram_cls(
                 name=f"vllm:kvstore_{name}",
@@ -123,6 +134,8 @@ class KVStorePromMetrics(KVConnectorPromMetrics):
         for labels in per_engine_labelvalues.values():  # shown (at 0) from the start
             for metric in (*self._counters.values(), *self._latencies.values()):
                 metric.labels(*labels)
+            for tier in HIT_TIERS:
+                self._by_tier.labels(*labels, tier)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = self.per_engine_labelvalues[engine_idx]
@@ -132,6 +145,8 @@ class KVStorePromMetrics(KVConnectorPromMetrics):
             elif name.startswith(BYPASS_PREFIX):
                 reason = name.removeprefix(BYPASS_PREFIX)
                 self._bypassed.labels(*labels, reason).inc(value)
+            elif name.startswith(TIER_PREFIX):
+                self._by_tier.labels(*labels, name.removeprefix(TIER_PREFIX)).inc(value)
         for name, values in transfer_stats_data.get("samples", {}).items():
             if name in self._latencies:
                 histogram = self._latencies[name].labels(*labels)

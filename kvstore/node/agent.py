@@ -32,6 +32,7 @@ from kvstore.node.view_feed import ViewFeed
 from kvstore.store import TieredStore, TierSlot
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.host import HostTier, remove_stale_arenas
+from kvstore.tiers.throttled import ThrottledDiskTier
 from kvstore.transfer.base import make_engine
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ class NodeConfig:
     disk_capacity_bytes: int = 64 << 30
     host_policy: str = "prefix-lru"
     disk_policy: str = "prefix-lru"
+    disk_read_bytes_per_s: int = 0  # > 0: hold disk reads to this rate (tests: a slow disk)
     metadata_address: str = ""  # empty: this node serves only its own blocks
     metadata_token_file: Path | None = None  # a `*` token for the metadata service
     metadata_tls_ca: Path | None = None
@@ -76,6 +78,8 @@ class NodeConfig:
             raise ConfigError(f"transfer {self.transfer!r} unknown; use tcp, ucx or none")
         if self.view_max_keys < 0 or self.view_resync_min_interval_s < 0:
             raise ConfigError("view_max_keys and view_resync_min_interval_s must be >= 0")
+        if self.disk_read_bytes_per_s < 0:
+            raise ConfigError("disk_read_bytes_per_s must be >= 0 (0: reads at full speed)")
         if self.page_size_bytes <= HEADER_BYTES:
             raise ConfigError(f"page_size_bytes must exceed the {HEADER_BYTES}-byte header")
         if self.transfer == "none" and self.metadata_address:
@@ -147,7 +151,9 @@ class NodeAgent:
         host = HostTier(config.host_capacity_bytes, config.page_size_bytes)
         slots = [TierSlot(host, make_policy(config.host_policy))]
         if config.disk_dir is not None:
-            disk = DiskTier(config.disk_dir, config.disk_capacity_bytes, config.page_size_bytes)
+            sizes = (config.disk_dir, config.disk_capacity_bytes, config.page_size_bytes)
+            rate = config.disk_read_bytes_per_s
+            disk = ThrottledDiskTier(*sizes, read_bytes_per_s=rate) if rate else DiskTier(*sizes)
             slots.append(TierSlot(disk, make_policy(config.disk_policy)))
         return slots
 

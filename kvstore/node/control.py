@@ -21,7 +21,7 @@ from kvstore.keys import KEY_BYTES, BlockKey
 from kvstore.metadata.service import status_for
 from kvstore.node.identity import WorkerCredentials, WorkerIdentity, peer_credentials
 from kvstore.node.orphans import OrphanedSessions, open_pidfd
-from kvstore.node.session import WorkerSession
+from kvstore.node.session import REMOTE_CODE, WorkerSession
 from kvstore.v1 import agent_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -226,8 +226,10 @@ class ControlServer:
             response.hello.mapping_bytes = session.private.size_bytes
 
     def _lookup(self, session, call: pb.LookupKeysRequest, response) -> None:
-        local, remote = session.lookup(call.tenant, _keys(call.keys), call.local_only)
-        response.lookup.local_hits, response.lookup.remote_hits = local, remote
+        tiers = session.lookup(call.tenant, _keys(call.keys), call.local_only)
+        remote = tiers.count(REMOTE_CODE)
+        out = response.lookup
+        out.local_hits, out.remote_hits, out.tiers = len(tiers) - remote, remote, tiers
 
     def _load(self, session, call: pb.LoadRequest, response) -> None:
         timeout_s = call.timeout_ms / 1000 if call.timeout_ms else self.default_timeout_s

@@ -27,6 +27,8 @@ from kvstore.tiers.arena import ArenaTier
 
 logger = logging.getLogger(__name__)
 _ids = itertools.count(1)
+TIER_CODES = {"host": ord("h"), "disk": ord("d")}  # a lookup's answer, per key (agent.proto)
+REMOTE_CODE = b"r"
 
 
 @dataclass
@@ -88,6 +90,7 @@ class WorkerSession:
         self.name = ""
         self.loads: dict[int, _Load] = {}
         self.saves: dict[int, Reservation] = {}
+        self._codes: bytes | None = None  # see _slot_codes
 
     @property
     def arena(self) -> ArenaTier:
@@ -110,14 +113,23 @@ class WorkerSession:
         return page * self.arena.page_size_bytes + block.HEADER_BYTES
 
     # ---- reads -----------------------------------------------------------------------------
-    def lookup(self, tenant: str, keys: Sequence[BlockKey], local_only: bool) -> tuple[int, int]:
+    def lookup(self, tenant: str, keys: Sequence[BlockKey], local_only: bool) -> bytes:
+        """Where each leading key is, one byte each (TIER_CODES: host, disk, remote); the
+        keys after them are absent."""
         self.identity.require(tenant)
-        local = self.store.lookup(keys, tenant)
-        remote = 0
+        slots = self.store.lookup_slots(keys, tenant)
+        local, remote = len(slots), 0
         if local < len(keys) and not local_only and self.fetcher is not None:
             remote = self.fetcher.remote_prefix(tenant, keys[local:])
         self.counters.add(lookup_asked=len(keys), lookup_local_hit=local, lookup_remote_hit=remote)
-        return local, remote
+        return slots.translate(self._slot_codes()) + REMOTE_CODE * remote
+
+    def _slot_codes(self) -> bytes:
+        """bytes.translate table: store slot index -> its tier's code."""
+        if self._codes is None:
+            codes = [TIER_CODES[slot.tier.kind] for slot in self.store.slots]
+            self._codes = bytes(codes) + bytes(256 - len(codes))
+        return self._codes
 
     def load(self, tenant: str, keys: Sequence[BlockKey], timeout_s: float) -> LoadedPrefix:
         """Pin the longest prefix servable from the host arena, fetching remote blocks first;

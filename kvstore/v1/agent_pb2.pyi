@@ -99,12 +99,14 @@ class LookupKeysRequest(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., local_only: _Optional[bool] = ...) -> None: ...
 
 class LookupKeysResponse(_message.Message):
-    __slots__ = ("local_hits", "remote_hits")
+    __slots__ = ("local_hits", "remote_hits", "tiers")
     LOCAL_HITS_FIELD_NUMBER: _ClassVar[int]
     REMOTE_HITS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
     local_hits: int
     remote_hits: int
-    def __init__(self, local_hits: _Optional[int] = ..., remote_hits: _Optional[int] = ...) -> None: ...
+    tiers: bytes
+    def __init__(self, local_hits: _Optional[int] = ..., remote_hits: _Optional[int] = ..., tiers: _Optional[bytes] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ("tenant", "keys", "timeout_ms")

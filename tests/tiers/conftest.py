@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from kvstore.tiers import DeviceTier, DiskTier, HostTier
+from kvstore.tiers.throttled import ThrottledDiskTier
 
 PAGE_BYTES = 4096
 CAPACITY_PAGES = 4
@@ -17,10 +18,12 @@ def _make(kind, tmp_path):
         return DeviceTier(capacity, PAGE_BYTES, device=kind.split(":", 1)[1])
     if kind == "host":
         return HostTier(capacity, PAGE_BYTES)
+    if kind == "disk-throttled":
+        return ThrottledDiskTier(tmp_path / "disk", capacity, PAGE_BYTES, read_bytes_per_s=1 << 30)
     return DiskTier(tmp_path / "disk", capacity, PAGE_BYTES)
 
 
-@pytest.fixture(params=[f"device:{d}" for d in _DEVICES] + ["host", "disk"])
+@pytest.fixture(params=[f"device:{d}" for d in _DEVICES] + ["host", "disk", "disk-throttled"])
 def tier(request, tmp_path):
     with _make(request.param, tmp_path) as made:
         yield made

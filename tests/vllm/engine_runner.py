@@ -101,7 +101,7 @@ def vllm_metrics(llm) -> dict:
     for metric in llm.get_metrics():
         if "kvstore" not in metric.name and "by_source" not in metric.name:
             continue
-        labels = {k: v for k, v in metric.labels.items() if k in ("source", "reason")}
+        labels = {k: v for k, v in metric.labels.items() if k in ("source", "reason", "tier")}
         name = metric.name + "".join(f"{{{k}={v}}}" for k, v in sorted(labels.items()))
         if isinstance(metric, Counter):
             out[name] = out.get(name, 0) + metric.value

@@ -1,0 +1,53 @@
+"""The online load-or-recompute planner with the vLLM connector's tiers, narrated: the compute
+rate and the host tier come from the engine's steps, the disk tier from the promotions the
+lookup thread timed; a chunk brought from disk pays the disk and then the host load."""
+
+from kvstore.costmodel import OnlineLoadPlanner
+
+MS = 1e-3
+
+
+def measured_planner(disk_chunk_s: float | None, host_chunk_s: float = 1 * MS) -> OnlineLoadPlanner:
+    """Three plain steps at 1 ms a token (a 128-token chunk: 128 ms to compute), one step that
+    loaded 4 host chunks, and one timed promotion of 4 disk chunks (None: none yet)."""
+    planner = OnlineLoadPlanner(chunk_tokens=128, probe_every=1000)
+    now = 0.0
+    for number, tokens in enumerate((200, 400, 800)):
+        planner.step_started([(f"cold-{number}", tokens, 0)], now)
+        now += 10 * MS + tokens * MS
+        planner.step_ended(now)
+    assert planner.chunks_to_load("warm", ["host"] * 4, 600, loaded_from="host") == 4
+    planner.step_started([("warm", 88, 512)], now)
+    planner.step_ended(now + 10 * MS + 88 * MS + 4 * host_chunk_s)
+    if disk_chunk_s is not None:
+        planner.observe_fetch("disk", 4, 4 * disk_chunk_s)
+    return planner
+
+
+def test_a_slow_disk_is_computed_while_the_host_prefix_before_it_is_loaded():
+    planner = measured_planner(disk_chunk_s=1.0)  # 1 s a chunk vs 128 ms to compute it
+    per_chunk_s = planner.estimates()[1]
+    assert per_chunk_s["disk"] == 1.0 and per_chunk_s["host"] < 5 * MS
+    tiers = ["host", "host", "disk", "disk"]
+    assert planner.chunks_to_load("next", tiers, 600, loaded_from="host") == 2
+    assert planner.recomputed_chunks == 2
+
+
+def test_a_fast_disk_is_loaded():
+    planner = measured_planner(disk_chunk_s=10 * MS)
+    tiers = ["host", "disk", "disk", "disk"]
+    assert planner.chunks_to_load("next", tiers, 600, loaded_from="host") == 4
+    assert planner.recomputed_chunks == 0
+
+
+def test_a_chunk_brought_from_disk_also_pays_its_host_load():
+    """Disk alone (200 ms a chunk, over the margin of 2: 100 ms) beats computing (128 ms);
+    with the host load after it (100 ms: 50 ms) it does not."""
+    planner = measured_planner(disk_chunk_s=200 * MS, host_chunk_s=100 * MS)
+    assert planner.chunks_to_load("alone", ["disk"] * 4, 600) == 4
+    assert planner.chunks_to_load("staged", ["disk"] * 4, 600, loaded_from="host") == 0
+
+
+def test_an_unmeasured_disk_is_loaded_once_to_be_measured():
+    planner = measured_planner(disk_chunk_s=None)
+    assert planner.chunks_to_load("probe", ["disk"] * 4, 600, loaded_from="host") == 4
