@@ -122,11 +122,17 @@ class OnlineLoadPlanner:
     to host, other hosts' chunks pulled, before the request is scheduled) are reported through
     `observe_fetch`; such a chunk costs its own tier's time plus the step's load from
     `loaded_from`. Tier names are the caller's (the vLLM connector: host, disk, remote).
+    `free_tiers` are always loaded and cost nothing on top of another tier's fetch: the vLLM
+    connector's host arena, which the forward copies in place at memory speed (a chunk in a
+    fraction of a millisecond, against milliseconds to compute it), and whose per-step residual
+    is mostly compute noise on a busy machine (it made hits into recomputes).
     Thread-safe: the scheduler observes steps while its lookup thread decides."""
 
     def __init__(self, chunk_tokens: int, window: int = 256, min_compute_steps: int = 3,
-                 probe_every: int = 32, margin: float = LOAD_MARGIN) -> None:  # fmt: skip
+                 probe_every: int = 32, margin: float = LOAD_MARGIN,
+                 free_tiers: frozenset[str] = frozenset()) -> None:  # fmt: skip
         self.chunk_tokens = chunk_tokens
+        self.free_tiers = free_tiers  # always loaded: read in place at copy speed (see below)
         self.margin = margin  # recompute only chunks predicted `margin` times slower: noise
         self.steps: deque[Step] = deque(maxlen=window)
         self.min_compute_steps = min_compute_steps
@@ -164,8 +170,8 @@ class OnlineLoadPlanner:
         """How one chunk of `tier` reaches the engine (a chunk a byte, `margin` times faster
         than measured): its own tier's time, plus the step's load from `loaded_from` when it
         is brought there first."""
-        seconds = per_chunk_s.get(tier, 0.0)
-        if loaded_from and loaded_from != tier:
+        seconds = 0.0 if tier in self.free_tiers else per_chunk_s.get(tier, 0.0)
+        if loaded_from and loaded_from != tier and loaded_from not in self.free_tiers:
             seconds += per_chunk_s.get(loaded_from, 0.0)
         return TierLink(self.margin / max(seconds, 1e-30))
 

@@ -61,7 +61,8 @@ class SchedulerSide:
                       "saves_out_of_window": 0}  # fmt: skip
         self.stats.update({f"hit_tokens_{tier}": 0 for tier in TIERS})
         self.lookups = LookupQueue(self._lookup)
-        self.cost = OnlineLoadPlanner(kv.layout.chunk_tokens)  # load only what beats compute
+        # load only what beats compute; the arena is read in place, always worth loading
+        self.cost = OnlineLoadPlanner(kv.layout.chunk_tokens, free_tiers=frozenset({"host"}))
         self.bypassed: dict[str, int] = {}  # reason -> requests (see RequestKeys.bypass_reason)
         self.samples = LatencySamples()
         self.longest_match_s = 0.0
