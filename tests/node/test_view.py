@@ -33,7 +33,7 @@ def metadata_process(*args: str, port: int = 0):
         if process.poll() is None:
             process.send_signal(signal.SIGCONT)
             process.send_signal(signal.SIGTERM)
-            process.wait(timeout=20)
+            process.wait(timeout=70)  # its stop is bounded: 2 s grace + START_TIMEOUT_S joins
 
 
 class FakePeer:
