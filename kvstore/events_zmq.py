@@ -20,7 +20,7 @@ import zmq
 
 from kvstore.errors import ConfigError
 from kvstore.metadata.client import MetadataClient
-from kvstore.metadata.follow import EventFollower, EventHandler
+from kvstore.metadata.follow import EventFollower
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ class TopicPublisher:
             self.replay.close()
 
 
-class Republisher(EventHandler):
+class Republisher:
     """The follower's handler (EventHandler): turns index events into vLLM events on a bounded
     queue (a full queue blocks the follower, so the stream is read more slowly: the service's
     journal, not this process, holds the backlog); the publisher thread batches them per node."""

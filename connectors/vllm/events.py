@@ -38,7 +38,7 @@ from vllm.v1.core.kv_cache_utils import (
 
 from kvstore.config import read_secret_file
 from kvstore.metadata.client import MetadataClient
-from kvstore.metadata.follow import EventFollower, EventHandler
+from kvstore.metadata.follow import EventFollower
 
 logger = logging.getLogger(__name__)
 FOLLOW_START_TIMEOUT_S = 5.0
@@ -103,7 +103,7 @@ class _Chunk:
     held: dict[str, set[int]] = field(default_factory=dict)  # medium -> indexes of block_keys
 
 
-class KVEventTracker(EventHandler):
+class KVEventTracker:
     """The scheduler half's events. All methods but `apply`/`resync` (the follower thread's,
     which only queue) run on vLLM's scheduler thread; no locks."""
 

@@ -8,14 +8,9 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Protocol
 
-from kvstore.errors import (
-    CapacityError,
-    ConfigError,
-    KVStoreError,
-    PermissionDeniedError,
-    UnavailableError,
-)
+from kvstore.errors import ConfigError, KVStoreError, PermissionDeniedError, UnavailableError
 from kvstore.metadata import wire
 from kvstore.metadata.client import EventStream, MetadataClient
 from kvstore.retry import Backoff
@@ -24,38 +19,21 @@ from kvstore.v1 import metadata_pb2 as pb
 logger = logging.getLogger(__name__)
 KINDS = {pb.Event.KIND_STORED: "stored", pb.Event.KIND_REMOVED: "removed"}
 RESUME_BACKOFF = Backoff(base_s=0.1, cap_s=5.0)
-REFUSED_BACKOFF = Backoff(base_s=1.0, cap_s=60.0)  # each retry may cost the service a resync
 
 
-class EventHandler:
-    """What a follower feeds. `resync` and `apply` are required; the hooks default to nothing."""
-
+class EventHandler(Protocol):
     def resync(self) -> int:
         """Events were lost (or this is the start): rebuild; returns the last seq the rebuilt
         state covers (0: none, follow only new events)."""
-        raise NotImplementedError
 
     def apply(self, kind: str, tenant: str, key: bytes, node_id: str, tier: str) -> None:
         """One stored/removed event, in seq order, each at most once after a resync."""
-        raise NotImplementedError
-
-    def needs_resync(self) -> bool:
-        """Checked after each event: True stops following and rebuilds (e.g. a capped state
-        that has room again)."""
-        return False
-
-    def on_refused(self, exc: CapacityError) -> None:
-        """The service has no stream slot for this follower: what it holds goes stale."""
-
-    def on_disabled(self, exc: Exception) -> None:
-        """The service will never feed this follower (a config or permission error)."""
 
 
 class EventFollower:
     def __init__(
         self, client: MetadataClient, handler: EventHandler, tenant: str = "",
-        backoff: Backoff = RESUME_BACKOFF, counters: dict | None = None,
-        name: str = "event-follower",
+        backoff: Backoff = RESUME_BACKOFF,
     ) -> None:  # fmt: skip
         self.client = client
         self.handler = handler
@@ -63,14 +41,12 @@ class EventFollower:
         self.backoff = backoff
         self.seq = 0  # the last event applied
         self.incarnation = 0
-        self.counters = counters if counters is not None else {}
-        for counter in ("events", "gaps", "reconnects", "restarts", "refused"):
-            self.counters.setdefault(counter, 0)
+        self.counters = {"events": 0, "gaps": 0, "reconnects": 0, "restarts": 0}
         self.disabled = ""  # why the service refuses this follower ("" while it does not)
         self._need_resync = True
         self._stream: EventStream | None = None
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread = threading.Thread(target=self._run, name="event-follower", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
@@ -92,16 +68,8 @@ class EventFollower:
             except (ConfigError, PermissionDeniedError) as exc:
                 self.disabled = str(exc)
                 logger.error("the metadata service refuses the event stream: %s", exc)
-                self.handler.on_disabled(exc)
                 return
-            except CapacityError as exc:  # no stream slot: rebuild once one is had
-                logger.warning("event stream refused (%s); retrying", exc)
-                self.handler.on_refused(exc)
-                self._need_resync = True
-                self.counters["refused"] += 1
-                self._stop.wait(REFUSED_BACKOFF.delay_s(attempt))
-                attempt += 1
-            except KVStoreError as exc:  # unavailable, or a broken stream
+            except KVStoreError as exc:  # unavailable, a stream cap, or a broken stream
                 if not isinstance(exc, UnavailableError):
                     logger.warning("event stream: %s; resuming", exc)
                 self.counters["reconnects"] += 1
@@ -139,7 +107,4 @@ class EventFollower:
                                    tier)  # fmt: skip
                 self.counters["events"] += 1
                 self.seq = event.seq
-            if self.handler.needs_resync():
-                self._need_resync = True
-                break
         stream.cancel()

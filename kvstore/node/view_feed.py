@@ -1,82 +1,147 @@
 """Keeps the node agent's ClusterView following the metadata service: a snapshot, then the
-WatchEvents stream from the snapshot's seq, resumed by seq after a broken stream (the
-EventFollower's loop). A KIND_GAP (events lost), a service whose seq went backwards (restarted
-without its journal) or an overflow that has drained away cause a new snapshot. Runs in one
-background thread of the node agent.
+WatchEvents stream from the snapshot's seq, resumed by seq after a broken stream. A KIND_GAP
+(events lost), a service whose seq went backwards (restarted without its journal) or an overflow
+that has drained away cause a new snapshot. Runs in one background thread of the node agent.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
-from kvstore.metadata.client import MetadataClient
-from kvstore.metadata.follow import EventFollower, EventHandler
+from kvstore.errors import (
+    CapacityError,
+    ConfigError,
+    KVStoreError,
+    PermissionDeniedError,
+    UnavailableError,
+)
+from kvstore.metadata import wire
+from kvstore.metadata.client import EventStream, MetadataClient
 from kvstore.node.identity import ALL_TENANTS
 from kvstore.node.link import DEFAULT_BACKOFF
 from kvstore.node.view import ClusterView
 from kvstore.retry import Backoff
+from kvstore.v1 import metadata_pb2 as pb
 
 logger = logging.getLogger(__name__)
+REFUSED_BACKOFF = Backoff(base_s=1.0, cap_s=60.0)  # each retry costs the service a snapshot
+_KINDS = {pb.Event.KIND_STORED: "stored", pb.Event.KIND_REMOVED: "removed"}
 
 
-class ViewFeed(EventHandler):
+class ViewFeed:
     def __init__(
         self, client: MetadataClient, view: ClusterView, resync_min_interval_s: float = 30.0,
         backoff: Backoff = DEFAULT_BACKOFF,
     ) -> None:  # fmt: skip
+        self.client = client
         self.view = view
         self.resync_min_interval_s = resync_min_interval_s
+        self.backoff = backoff
+        self.seq = 0  # the last event applied (or the snapshot's seq)
+        self.incarnation = 0  # of the index the view follows
+        self.disabled = ""  # why the service cannot feed a view ("" while it can)
+        self._need_snapshot = True
         self._snapshot_at = 0.0
-        self._follower = EventFollower(client, self, _one_tenant(view), backoff,
-                                       counters=view.counters, name="view-feed")  # fmt: skip
-
-    @property
-    def seq(self) -> int:
-        """The last event applied (or the snapshot's seq)."""
-        return self._follower.seq
-
-    @property
-    def disabled(self) -> str:
-        """Why the service cannot feed a view ("" while it can)."""
-        return self._follower.disabled
+        self._stream: EventStream | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="view-feed", daemon=True)
 
     def start(self) -> None:
-        self._follower.start()
+        self._thread.start()
 
     def stop(self) -> None:
-        self._follower.stop()
+        self._stop.set()
+        if self._stream is not None:
+            self._stream.cancel()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        self.client.close()
 
-    # ---- the follower's handler ------------------------------------------------------------
-    def resync(self) -> int:
+    def _run(self) -> None:
+        attempt = 0
+        while not self._stop.is_set():
+            try:
+                self._step()
+                attempt = 0
+            except (ConfigError, PermissionDeniedError) as exc:
+                self._disable(exc)
+                return
+            except CapacityError as exc:  # no stream slot: a view not followed is stale
+                logger.warning("view feed refused (%s); lookups ask the service meanwhile", exc)
+                self.view.reset()
+                self._need_snapshot = True
+                self.view.counters["refused"] += 1
+                self._stop.wait(REFUSED_BACKOFF.delay_s(attempt))
+                attempt += 1
+            except KVStoreError as exc:  # unavailable, or a stream broken mid-way
+                if not isinstance(exc, UnavailableError):
+                    logger.warning("view feed: %s; resuming", exc)
+                self.view.counters["reconnects"] += 1
+                self._stop.wait(self.backoff.delay_s(attempt))
+                attempt += 1
+
+    def _step(self) -> None:
+        if self._need_snapshot:
+            self._snapshot()
+        elif self._restarted_afresh():
+            logger.warning("the metadata service restarted without its state; resyncing")
+            self.view.counters["restarts"] += 1
+            self._need_snapshot = True
+            return
+        self._follow()
+
+    def _restarted_afresh(self) -> bool:
+        """Its events are numbered afresh: resuming by seq would skip or misread them."""
+        stats = self.client.stats()
+        return stats.incarnation != self.incarnation or stats.last_event_seq < self.seq
+
+    def _snapshot(self) -> None:
+        tenant = _one_tenant(self.view)
         self.view.reset()
         last_seq = 0
-        client = self._follower.client
-        for page in client.snapshot(self._follower.tenant, max_keys=self.view.max_keys):
-            last_seq, self._follower.incarnation = page.last_seq, page.incarnation
+        for page in self.client.snapshot(tenant, max_keys=self.view.max_keys):
+            last_seq, self.incarnation = page.last_seq, page.incarnation
             self.view.load(page)
+        self.seq = last_seq
+        self._need_snapshot = False
         self._snapshot_at = time.monotonic()
         self.view.synced()
         logger.info("view synced at seq %d: %d keys", last_seq, self.view.keys)
-        return last_seq
 
-    def apply(self, kind: str, tenant: str, key: bytes, node_id: str, tier: str) -> None:
-        self.view.apply(kind, tenant, key, node_id, tier)
+    def _follow(self) -> None:
+        """Apply events from seq + 1 until the stream ends, a gap or a drained overflow."""
+        self._stream = stream = self.client.open_events(self.seq + 1, _one_tenant(self.view))
+        if self._stop.is_set():
+            stream.cancel()
+        view = self.view
+        for event in stream:
+            if event.kind == pb.Event.KIND_GAP:
+                logger.warning("view feed: events up to seq %d were lost; resyncing", event.seq)
+                view.counters["gaps"] += 1
+                self._need_snapshot = True
+                break
+            if event.seq > self.seq and event.kind in _KINDS:
+                tier = wire.PROTO_TO_TIER.get(event.tier, "host")
+                view.apply(_KINDS[event.kind], event.tenant, event.key, event.node_id, tier)
+                view.counters["events"] += 1
+                self.seq = event.seq
+            if view.overflowed and self._overflow_drained():
+                self._need_snapshot = True
+                break
+        stream.cancel()
 
-    def needs_resync(self) -> bool:
+    def _overflow_drained(self) -> bool:
         """After an overflow, a new snapshot once the view fell to half its cap (and the last
         one is old enough): it may then hold every key again."""
         return (
-            self.view.overflowed
-            and self.view.keys < self.view.max_keys // 2
+            self.view.keys < self.view.max_keys // 2
             and time.monotonic() - self._snapshot_at >= self.resync_min_interval_s
         )
 
-    def on_refused(self, exc: Exception) -> None:
-        logger.warning("view feed refused (%s); lookups ask the service meanwhile", exc)
-        self.view.reset()  # a view not followed is stale
-
-    def on_disabled(self, exc: Exception) -> None:
+    def _disable(self, exc: Exception) -> None:
+        self.disabled = str(exc)
         self.view.reset()
         logger.warning("no cluster view (lookups ask the metadata service): %s", exc)
 
