@@ -23,7 +23,7 @@ from kvstore.errors import CapacityError, ChecksumError, ConfigError, NotFoundEr
 from kvstore.events import EventFeed, EventKind
 from kvstore.eviction.base import EvictionPolicy
 from kvstore.keys import BlockKey
-from kvstore.kvcopy.verified import copy_and_checksum
+from kvstore.kvcopy.verified import copy_and_checksum, copy_block
 from kvstore.tiers.base import Tier
 
 logger = logging.getLogger(__name__)
@@ -53,6 +53,7 @@ class TieredStore:
         self._lock = threading.RLock()
         self._pins: Counter[BlockKey] = Counter()
         self._pending: dict[BlockKey, _Pending] = {}
+        self._promoting: dict[BlockKey, threading.Event] = {}  # set when its copy up is done
         self._tenants: dict[BlockKey, str] = {}  # key -> tenant, for events
         self.removals: Counter[str] = Counter()  # per tier: evicted, demoted or purged
         self.checksum_failures = 0
@@ -103,25 +104,28 @@ class TieredStore:
         how many were pinned.
 
         Counts as an access for every policy; promotes blocks from lower tiers to the top
-        tier when room can be made. A block failing its checksum ends the run (it is purged).
+        tier when room can be made (key by key: a later key may be evicted to make room for
+        an earlier one), reading them with the store lock released, so a disk read stalls no
+        other worker. A block failing its checksum ends the run (it is purged).
         """
-        with self._lock:
-            for count, key in enumerate(keys):
-                if not self._readable(key, tenant) or not self._pin_one(key):
-                    return count
-            return len(keys)
-
-    def _pin_one(self, key: BlockKey) -> bool:
-        self._pins[key] += 1
-        for slot in self.slots:
-            slot.policy.touch(key)
-        if self._slot_of(key) != 0:
+        for index, key in enumerate(keys):
+            with self._lock:
+                if not self._readable(key, tenant):
+                    return index
+                self._pins[key] += 1
+                for slot in self.slots:
+                    slot.policy.touch(key)
+                if self._slot_of(key) == 0:
+                    continue
+            promoted = False
             try:
-                self._promote(key)
-            except ChecksumError:
-                self.unpin([key])
-                return False
-        return True
+                promoted = self._promoted(key)
+            finally:
+                if not promoted:
+                    self.unpin([key])
+            if not promoted:
+                return index
+        return len(keys)
 
     def unpin(self, keys: Sequence[BlockKey]) -> None:
         """Drop one pin from each key; unknown or unpinned keys are ignored."""
@@ -320,13 +324,60 @@ class TieredStore:
                 self._copy_into(lower, key, header, page[: header.block_bytes])
         self._remove(index, key)
 
-    def _promote(self, key: BlockKey) -> None:
-        index = self._slot_of(key)
-        with self.slots[index].tier.open(key) as page:
-            header = self._checked_header(index, key, page)
-            if header is None:
-                raise ChecksumError(f"cannot promote corrupt {key!r}")
-            self._copy_into(0, key, header, page[: header.block_bytes])
+    def _promoted(self, key: BlockKey) -> bool:
+        """Bring pinned `key` into the top tier if it is below it and room can be made (else it
+        stays where it is, readable there); False if its block is corrupt (purged). One
+        thread copies a block up; others pinning it meanwhile wait for that copy."""
+        with self._lock:
+            index = self._slot_of(key)
+            underway = self._promoting.get(key)
+            below = index not in (0, None) and underway is None
+            page = self._reserve_top(key) if below else None
+        if underway is not None:
+            underway.wait()
+            with self._lock:
+                return self._slot_of(key) is not None
+        if page is None:
+            return index is not None
+        header = None
+        try:
+            header = self._copy_up(index, key, page)
+        finally:
+            with self._lock:
+                if header is None:
+                    self.slots[0].tier.release(key)
+                else:
+                    self.slots[0].tier.commit(key, header.block_bytes)
+                    self._announce(0, header)
+                self._promoting.pop(key).set()
+        return header is not None
+
+    def _reserve_top(self, key: BlockKey) -> torch.Tensor | None:
+        """Under the lock: a top-tier page for promoting `key` (None: no room), marked underway."""
+        try:
+            self._make_room(0)
+            page = self.slots[0].tier.reserve(key)
+        except CapacityError:
+            logger.debug("no room in the top tier to promote %r; read where it is", key)
+            return None
+        self._promoting[key] = threading.Event()
+        return page
+
+    def _copy_up(self, index: int, key: BlockKey, page: torch.Tensor) -> block.BlockHeader | None:
+        """Without the lock: copy `key`'s block from tier `index` into the top-tier `page`,
+        checksummed as it is copied (one pass); None (purged) if it is corrupt."""
+        with self.slots[index].tier.open(key) as source:
+            try:
+                if source is None:
+                    raise ChecksumError(f"{self.slots[index].tier.kind} tier lost {key!r}")
+                return copy_block(page, source, key)
+            except ChecksumError as exc:
+                logger.warning("purging corrupt block: %s", exc)
+        with self._lock:
+            self.checksum_failures += 1
+            if key in self.slots[index].tier:
+                self._remove(index, key)
+        return None
 
     def _copy_into(self, index: int, key: BlockKey, header, page: torch.Tensor) -> None:
         slot = self.slots[index]

@@ -13,6 +13,8 @@ import numpy as np
 import torch
 import xxhash
 
+from kvstore import block
+from kvstore.keys import BlockKey
 from kvstore.tiers.base import copy_bytes
 
 # Measured (2-core Xeon, 16 MiB payloads): 512 KiB slices hash while still in L2; smaller ones
@@ -44,3 +46,16 @@ def copy_and_checksum(destination: torch.Tensor, source: torch.Tensor) -> int | 
     hasher = xxhash.xxh3_64()
     copy_hashed(destination, source, hasher)
     return hasher.intdigest()
+
+
+def copy_block(page: torch.Tensor, source: torch.Tensor, key: BlockKey) -> block.BlockHeader:
+    """Copy the stored block `source` (header + payload) into `page` and return its header,
+    verified in the same pass (the copy's checksum, against the header's); ChecksumError if
+    it is not a whole, uncorrupted block of `key`. Into device memory, the source is hashed."""
+    length = min(block.unpack_header(source).block_bytes, source.numel(), page.numel())
+    page[: block.HEADER_BYTES].copy_(source[: block.HEADER_BYTES])
+    start = block.HEADER_BYTES
+    checksum = copy_and_checksum(page[start:length], source[start:length])
+    if checksum is None:
+        return block.verify(source[:length], key)
+    return block.verify(page[:length], key, checksum)

@@ -1,0 +1,41 @@
+"""A real node agent over a slow disk: one worker's load of a block on disk waits for the
+disk; other workers' lookups, saves and loads from the arena do not wait with it."""
+
+import threading
+import time
+
+from kvstore.client import KVStoreClient
+from kvstore.keys import Namespace, chunk_keys
+from tests.node.agents import running_agent
+from tests.node.test_client import PAYLOAD, save_chain
+
+KEYS = chunk_keys(Namespace("sha256:model", "layout"), range(256 * 40), 256)
+READ_S = 0.8  # one block from the disk
+
+
+def test_a_load_from_a_slow_disk_does_not_stall_other_workers(tmp_path):
+    settings = {"disk_dir": tmp_path / "disk", "host_capacity_bytes": 8 << 20,
+                "host_policy": "lru", "disk_read_bytes_per_s": int(PAYLOAD / READ_S)}  # fmt: skip
+    with running_agent(tmp_path, **settings) as agent:
+        with KVStoreClient(agent.config.socket_path, "slow") as slow, \
+                KVStoreClient(agent.config.socket_path, "other") as other:  # fmt: skip
+            for start in (0, 4, 8):  # 8 host pages: the first 4 blocks go down to disk
+                save_chain(slow, KEYS[start : start + 4], fill=lambda i, s=start: s + i + 1)
+            assert agent.store.tier_of(KEYS[0]) == "disk"
+            loads = []
+            thread = threading.Thread(target=lambda: loads.append(slow.load("t", KEYS[:1])))
+            thread.start()
+            time.sleep(READ_S / 4)  # the slow worker's disk read is under way
+            started = time.perf_counter()
+            assert other.lookup("t", KEYS[8:12]).total == 4
+            assert save_chain(other, KEYS[12:14], fill=lambda i: 13 + i) == 2
+            loaded = other.load("t", KEYS[13:14])
+            assert [int(view[0]) for view in loaded.payloads] == [14]
+            other.release(loaded)
+            others_s = time.perf_counter() - started
+            thread.join()
+            assert others_s < READ_S / 3, f"the other worker waited {others_s:.3f} s for the disk"
+            (promoted,) = loads
+            assert [int(view[0]) for view in promoted.payloads] == [1]
+            assert agent.store.tier_of(KEYS[0]) == "host"
+            slow.release(promoted)
