@@ -2,8 +2,8 @@
 
 Runs in the process that owns the tiers (the node agent; replay and benchmarks in-process).
 Thread-safe: one lock around every public method. Longest-prefix lookup across tiers; pins
-(pinned blocks are never evicted); promotion on hit (lower tier -> top tier); demotion on
-eviction (tier i -> tier i+1, the last tier drops); stored/removed events for the publisher.
+(pinned blocks are never evicted); stored/removed events for the publisher. Moves between
+tiers (promotion on a pin, demotion on eviction or ahead of it) are in kvstore/store_moves.py.
 """
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ from dataclasses import dataclass
 import torch
 
 from kvstore import block
-from kvstore.errors import CapacityError, ChecksumError, ConfigError, NotFoundError
+from kvstore.errors import ChecksumError, ConfigError, NotFoundError
 from kvstore.events import EventFeed, EventKind
 from kvstore.eviction.base import EvictionPolicy
 from kvstore.keys import BlockKey
-from kvstore.kvcopy.verified import copy_and_checksum, copy_block
+from kvstore.kvcopy.verified import copy_and_checksum
+from kvstore.store_moves import TierMoves
 from kvstore.tiers.base import Tier
 
 logger = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ class _Pending:
     header: block.BlockHeader
 
 
-class TieredStore:
+class TieredStore(TierMoves):
     """Blocks across tiers. Slot 0 is the fastest; new blocks are written there."""
 
     def __init__(self, slots: Sequence[TierSlot], events: EventFeed | None = None) -> None:
@@ -302,93 +303,7 @@ class TieredStore:
                     self._remove(index, key)
             return None
 
-    # ---- eviction, demotion, promotion ---------------------------------------------------
-    def _make_room(self, index: int) -> None:
-        slot = self.slots[index]
-        while slot.tier.free_pages <= 0:
-            victim = slot.policy.victim(self._can_evict)
-            if victim is None:
-                raise CapacityError(
-                    f"{slot.tier.kind} tier full: all {slot.tier.capacity_pages} pages are "
-                    "pinned or being written"
-                )
-            self._demote(index, victim)
-
-    def _demote(self, index: int, key: BlockKey) -> None:
-        lower = index + 1
-        if lower < len(self.slots) and key not in self.slots[lower].tier:
-            with self.slots[index].tier.open(key) as page:
-                header = self._checked_header(index, key, page)
-                if header is None:
-                    return  # corrupt: already purged
-                self._copy_into(lower, key, header, page[: header.block_bytes])
-        self._remove(index, key)
-
-    def _promoted(self, key: BlockKey) -> bool:
-        """Bring pinned `key` into the top tier if it is below it and room can be made (else it
-        stays where it is, readable there); False if its block is corrupt (purged). One
-        thread copies a block up; others pinning it meanwhile wait for that copy."""
-        with self._lock:
-            index = self._slot_of(key)
-            underway = self._promoting.get(key)
-            below = index not in (0, None) and underway is None
-            page = self._reserve_top(key) if below else None
-        if underway is not None:
-            underway.wait()
-            with self._lock:
-                return self._slot_of(key) is not None
-        if page is None:
-            return index is not None
-        header = None
-        try:
-            header = self._copy_up(index, key, page)
-        finally:
-            with self._lock:
-                if header is None:
-                    self.slots[0].tier.release(key)
-                else:
-                    self.slots[0].tier.commit(key, header.block_bytes)
-                    self._announce(0, header)
-                self._promoting.pop(key).set()
-        return header is not None
-
-    def _reserve_top(self, key: BlockKey) -> torch.Tensor | None:
-        """Under the lock: a top-tier page for promoting `key` (None: no room), marked underway."""
-        try:
-            self._make_room(0)
-            page = self.slots[0].tier.reserve(key)
-        except CapacityError:
-            logger.debug("no room in the top tier to promote %r; read where it is", key)
-            return None
-        self._promoting[key] = threading.Event()
-        return page
-
-    def _copy_up(self, index: int, key: BlockKey, page: torch.Tensor) -> block.BlockHeader | None:
-        """Without the lock: copy `key`'s block from tier `index` into the top-tier `page`,
-        checksummed as it is copied (one pass); None (purged) if it is corrupt."""
-        with self.slots[index].tier.open(key) as source:
-            try:
-                if source is None:
-                    raise ChecksumError(f"{self.slots[index].tier.kind} tier lost {key!r}")
-                return copy_block(page, source, key)
-            except ChecksumError as exc:
-                logger.warning("purging corrupt block: %s", exc)
-        with self._lock:
-            self.checksum_failures += 1
-            if key in self.slots[index].tier:
-                self._remove(index, key)
-        return None
-
-    def _copy_into(self, index: int, key: BlockKey, header, page: torch.Tensor) -> None:
-        slot = self.slots[index]
-        try:
-            self._make_room(index)
-            slot.tier.write(key, page)
-        except CapacityError:
-            logger.debug("no room in %s tier for %r; not copied", slot.tier.kind, key)
-            return
-        self._announce(index, header)
-
+    # ---- bookkeeping of what each tier holds ---------------------------------------------
     def _announce(self, index: int, header: block.BlockHeader) -> None:
         """A block became readable in tier `index`: tell its policy and the event feed."""
         slot = self.slots[index]

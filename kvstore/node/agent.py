@@ -21,6 +21,7 @@ from kvstore.eviction import make_policy
 from kvstore.metadata.client import MetadataClient
 from kvstore.metadata.index import NodeRecord
 from kvstore.node.control import ControlLimits, ControlServer
+from kvstore.node.demotion import DemotionThread, free_pages_target
 from kvstore.node.identity import WorkerCredentials, WorkerIdentity
 from kvstore.node.link import MetadataLink
 from kvstore.node.metrics import agent_registry
@@ -53,6 +54,9 @@ class NodeConfig:
     host_policy: str = "prefix-lru"
     disk_policy: str = "prefix-lru"
     disk_read_bytes_per_s: int = 0  # > 0: hold disk reads to this rate (tests: a slow disk)
+    disk_write_bytes_per_s: int = 0  # > 0: hold disk writes to this rate (tests: a slow disk)
+    # arena pages kept free by writing victims to disk ahead of need; -1: 1/32 of the arena
+    host_free_pages: int = -1
     metadata_address: str = ""  # empty: this node serves only its own blocks
     metadata_token_file: Path | None = None  # a `*` token for the metadata service
     metadata_tls_ca: Path | None = None
@@ -78,8 +82,11 @@ class NodeConfig:
             raise ConfigError(f"transfer {self.transfer!r} unknown; use tcp, ucx or none")
         if self.view_max_keys < 0 or self.view_resync_min_interval_s < 0:
             raise ConfigError("view_max_keys and view_resync_min_interval_s must be >= 0")
-        if self.disk_read_bytes_per_s < 0:
-            raise ConfigError("disk_read_bytes_per_s must be >= 0 (0: reads at full speed)")
+        if self.disk_read_bytes_per_s < 0 or self.disk_write_bytes_per_s < 0:
+            raise ConfigError("disk_read_bytes_per_s and disk_write_bytes_per_s must be >= 0 "
+                              "(0: full speed)")  # fmt: skip
+        if self.host_free_pages < -1:
+            raise ConfigError("host_free_pages must be >= 0, or -1 (1/32 of the arena)")
         if self.page_size_bytes <= HEADER_BYTES:
             raise ConfigError(f"page_size_bytes must exceed the {HEADER_BYTES}-byte header")
         if self.transfer == "none" and self.metadata_address:
@@ -118,6 +125,7 @@ class NodeAgent:
         self.fetcher: RemoteFetcher | None = None
         self.view: ClusterView | None = None
         self.view_feed: ViewFeed | None = None
+        self.demotion: DemotionThread | None = None
         self.control: ControlServer | None = None
         self.transfer_address = ""
         self.metrics_port = 0
@@ -128,6 +136,7 @@ class NodeAgent:
         for name in remove_stale_arenas():
             logger.info("removed shared arena %s left by a dead agent", name)
         self.store = TieredStore(self._slots())
+        self._start_demotion()
         if config.transfer != "none":
             secret = config.cluster_secret()
             self.engine = make_engine(
@@ -146,14 +155,22 @@ class NodeAgent:
         self.control.start()
         self._start_metrics()
 
+    def _start_demotion(self) -> None:
+        host = self.store.slots[0].tier
+        free_pages = free_pages_target(self.config.host_free_pages, host.capacity_pages)
+        if len(self.store.slots) > 1 and free_pages > 0:
+            self.demotion = DemotionThread(self.store, free_pages)
+            self.demotion.start()
+
     def _slots(self) -> list[TierSlot]:
         config = self.config
         host = HostTier(config.host_capacity_bytes, config.page_size_bytes)
         slots = [TierSlot(host, make_policy(config.host_policy))]
         if config.disk_dir is not None:
             sizes = (config.disk_dir, config.disk_capacity_bytes, config.page_size_bytes)
-            rate = config.disk_read_bytes_per_s
-            disk = ThrottledDiskTier(*sizes, read_bytes_per_s=rate) if rate else DiskTier(*sizes)
+            rates = {"read_bytes_per_s": config.disk_read_bytes_per_s,
+                     "write_bytes_per_s": config.disk_write_bytes_per_s}  # fmt: skip
+            disk = ThrottledDiskTier(*sizes, **rates) if any(rates.values()) else DiskTier(*sizes)
             slots.append(TierSlot(disk, make_policy(config.disk_policy)))
         return slots
 
@@ -257,6 +274,7 @@ class NodeAgent:
             },
             "checksum_failures": self.store.checksum_failures,
             "evictions": dict(self.store.removals),
+            "demoted_ahead": self.demotion.written if self.demotion else 0,
             "pins": self.store.pins_held(),
             "workers": len(self.control.sessions) if self.control else 0,
             "orphaned_workers": len(self.control.orphans) if self.control else 0,
@@ -286,6 +304,8 @@ class NodeAgent:
             self.link.stop()
         if self.engine is not None:
             self.engine.close()
+        if self.demotion is not None:
+            self.demotion.stop()
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
         if self.store is not None:

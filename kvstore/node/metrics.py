@@ -76,6 +76,11 @@ class AgentCollector(Collector):
         for tier, count in stats["evictions"].items():
             evictions.add_metric([tier], count)
         yield evictions
+        yield CounterMetricFamily(
+            "kvstore_agent_demoted_ahead_blocks",
+            "Blocks the demotion thread wrote to disk to keep arena pages free",
+            value=stats["demoted_ahead"],
+        )  # fmt: skip
         yield GaugeMetricFamily("kvstore_agent_pins", "Pins held by workers", value=stats["pins"])
         yield GaugeMetricFamily(
             "kvstore_agent_workers", "Connected workers", value=stats["workers"]

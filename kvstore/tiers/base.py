@@ -94,6 +94,12 @@ class Tier(ABC):
             raise
         self.commit(key, block.numel())
 
+    def write_reserved(self, key: BlockKey, page: torch.Tensor, block: torch.Tensor) -> None:
+        """Commit `key`, reserved (`page`: what reserve gave), holding the bytes of `block`.
+        Tiers that can store `block` without the page (disk) do; this one copies."""
+        copy_bytes(page[: block.numel()], block)
+        self.commit(key, block.numel())
+
     @property
     def free_pages(self) -> int:
         return self.capacity_pages - self.used_pages

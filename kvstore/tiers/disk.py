@@ -88,6 +88,16 @@ class DiskTier(Tier):
             raise ConfigError(f"block of {block.numel()} bytes exceeds the page size")
         self._put(key, block)
 
+    def write_reserved(self, key: BlockKey, page: torch.Tensor, block: torch.Tensor) -> None:
+        """One copy, straight from `block` into LMDB (the staging page goes back unused).
+        Safe beside the store's calls for other keys: LMDB serialises write transactions."""
+        if key not in self._staging:
+            raise NotFoundError(f"disk tier: {key!r} is not reserved")
+        if block.numel() > self.page_size_bytes:
+            raise ConfigError(f"block of {block.numel()} bytes exceeds the page size")
+        self._put(key, block)
+        self._recycle(self._staging.pop(key))
+
     def _put(self, key: BlockKey, block: torch.Tensor) -> None:
         try:
             with self._env.begin(write=True) as txn:

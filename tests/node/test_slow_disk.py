@@ -1,11 +1,13 @@
 """A real node agent over a slow disk: one worker's load of a block on disk waits for the
-disk; other workers' lookups, saves and loads from the arena do not wait with it."""
+disk; other workers' lookups, saves and loads from the arena do not wait with it; and a save
+into a full arena finds free pages, the demotion thread writing victims down meanwhile."""
 
 import threading
 import time
 
 from kvstore.client import KVStoreClient
 from kvstore.keys import Namespace, chunk_keys
+from tests.metadata.servers import wait_until
 from tests.node.agents import running_agent
 from tests.node.test_client import PAYLOAD, save_chain
 
@@ -39,3 +41,27 @@ def test_a_load_from_a_slow_disk_does_not_stall_other_workers(tmp_path):
             assert [int(view[0]) for view in promoted.payloads] == [1]
             assert agent.store.tier_of(KEYS[0]) == "host"
             slow.release(promoted)
+
+
+def test_a_save_into_a_full_arena_does_not_wait_for_a_slow_disk_write(tmp_path):
+    """The demotion thread keeps 2 of the 8 arena pages free, writing victims down at its own
+    pace; a save takes those pages at once instead of evicting through the slow disk."""
+    settings = {"disk_dir": tmp_path / "disk", "host_capacity_bytes": 8 << 20,
+                "host_policy": "lru", "host_free_pages": 2,
+                "disk_write_bytes_per_s": int(PAYLOAD / READ_S)}  # fmt: skip
+    with running_agent(tmp_path, **settings) as agent:
+        host = agent.store.slots[0].tier
+        with KVStoreClient(agent.config.socket_path, "writer") as writer:
+            for start in (0, 4):
+                save_chain(writer, KEYS[start : start + 4], fill=lambda i, s=start: s + i + 1)
+                assert wait_until(lambda: host.free_pages >= 2, timeout_s=10)
+            started = time.perf_counter()
+            assert save_chain(writer, KEYS[8:10], fill=lambda i: 9 + i) == 2
+            save_s = time.perf_counter() - started
+            assert save_s < READ_S / 3, f"the save waited {save_s:.3f} s for the disk"
+            assert wait_until(lambda: host.free_pages >= 2, timeout_s=10)
+            assert agent.demotion.written >= 4 and agent.store.lookup(KEYS[:10]) == 10
+            loaded = writer.load("t", KEYS[:10])  # the demoted ones come back from disk
+            values = [int(view[0]) for view in loaded.payloads]
+            assert len(values) >= 6 and values == list(range(1, len(values) + 1))
+            writer.release(loaded)

@@ -1,6 +1,8 @@
-"""Promotion from disk to host, narrated: the block is read with the store lock released, so a
-slow disk stalls only the worker that asked for the block; two workers asking for the same
-block share one read; a corrupt block is purged and is a miss for both."""
+"""Moves between host and disk, narrated. Promotion: the block is read with the store lock
+released, so a slow disk stalls only the worker that asked for the block; two workers asking
+for the same block share one read; a corrupt block is purged and is a miss for both.
+Demotion ahead of need: the next victims are written to disk with the lock released, until
+enough host pages are free; a victim pinned meanwhile stays in the host tier too."""
 
 import threading
 import time
@@ -18,17 +20,28 @@ from kvstore.tiers.throttled import ThrottledDiskTier
 PAGE = 1024
 READ_S = 0.6  # one block read from the slow disk
 BLOCK_BYTES = HEADER_BYTES + 500
+SLOW = int(BLOCK_BYTES / READ_S)  # bytes a second
 NS = Namespace("sha256:promotion-test", "layout")
 KEYS = chunk_keys(NS, range(64), 4)
 
 
 class WatchedDisk(ThrottledDiskTier):
-    """A slow disk that says when a read starts and counts reads."""
+    """A disk that reads a block in READ_S (writes too, once `slow_writes`), and says when a
+    read or a write starts."""
 
     def __init__(self, *args, **options) -> None:
-        super().__init__(*args, read_bytes_per_s=int(BLOCK_BYTES / READ_S), **options)
+        super().__init__(*args, read_bytes_per_s=SLOW, **options)
         self.reading = threading.Event()
-        self.reads = 0
+        self.writing = threading.Event()
+        self.reads = self.writes = 0
+
+    def slow_writes(self) -> None:
+        self.write_bytes_per_s = SLOW
+
+    def _put(self, key, block) -> None:
+        self.writes += 1
+        self.writing.set()
+        super()._put(key, block)
 
     @contextmanager
     def open(self, key):
@@ -50,6 +63,9 @@ def store(tmp_path):
         made.put(KEYS[n], parent, bytes([n]) * 500)
         parent = KEYS[n]
     assert [made.tier_of(key) for key in KEYS[:2]] == ["disk", "disk"]
+    disk = made.slots[1].tier
+    disk.reading.clear()
+    disk.writing.clear()
     yield made
     made.close()
 
@@ -115,3 +131,43 @@ def test_a_corrupt_disk_block_is_a_miss_for_every_worker_waiting_on_it(store):
     assert [pinned for pinned, _ in results] == [0, 0]
     assert store.checksum_failures == 1 and store.tier_of(KEYS[0]) is None
     assert store.pins_held() == 0 and store.lookup(KEYS) == 0
+
+
+def test_demotion_ahead_frees_host_pages_without_holding_the_lock(store):
+    """Host: 2..5 (LRU order), full. Two pages wanted free: 2 and 3 are written down, one
+    slow write at a time, while another worker's lookup and load go on."""
+    disk = store.slots[1].tier
+    disk.slow_writes()
+    results: list = []
+    thread = threading.Thread(target=lambda: results.append(store.demote_ahead(2)))
+    thread.start()
+    assert disk.writing.wait(5)
+    started = time.perf_counter()
+    assert store.lookup(KEYS[2:6]) == 4
+    assert store.pin(KEYS[5:6]) == 1
+    others_s = time.perf_counter() - started
+    thread.join()
+    assert results == [2] and others_s < READ_S / 3, f"waited {others_s:.3f} s for the disk"
+    assert [store.tier_of(key) for key in KEYS[2:6]] == ["disk", "disk", "host", "host"]
+    assert store.slots[0].tier.free_pages == 2
+    assert store.demote_ahead(2) == 0, "enough pages free: nothing to do"
+    with store.read(KEYS[2]) as view:  # from disk
+        assert bytes(view.numpy()) == bytes([2]) * 500
+    store.unpin(KEYS[5:6])
+
+
+def test_a_victim_pinned_while_it_is_written_down_stays_in_host_too(store):
+    disk = store.slots[1].tier
+    disk.slow_writes()
+    thread = threading.Thread(target=store.demote_ahead, args=(1,))
+    thread.start()
+    assert disk.writing.wait(5)
+    assert store.pin(KEYS[2:3]) == 1  # the victim being written
+    thread.join()
+    assert store.tier_of(KEYS[2]) == "host" and KEYS[2] in disk, "pinned: in both tiers"
+    assert store.tier_of(KEYS[3]) == "disk", "the next victim freed the page"
+    store.unpin(KEYS[2:3])
+    writes = disk.writes
+    assert store.demote_ahead(4) == 2  # 4 and 5 written down; 2, already there, dropped
+    assert disk.writes == writes + 2 and store.slots[0].tier.free_pages == 4
+    assert [store.tier_of(key) for key in KEYS[:6]] == ["disk"] * 6

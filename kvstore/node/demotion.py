@@ -1,0 +1,49 @@
+"""The node agent's demotion thread: keeps some of the host arena's pages free by writing the
+eviction policy's next victims to the disk tier ahead of need, with the store lock released
+(TieredStore.demote_ahead), so a worker's save takes a free page instead of waiting for a
+disk write. Runs in the node agent when it has a disk tier.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from kvstore.store import TieredStore
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.01  # how often the free pages are checked (a check is a few microseconds)
+AUTO_FRACTION = 32  # host_free_pages -1: 1/32 of the arena (none for arenas under 32 pages)
+
+
+def free_pages_target(setting: int, capacity_pages: int) -> int:
+    """Pages to keep free: `setting`, or for -1, 1/32 of the arena's pages (3 %)."""
+    return capacity_pages // AUTO_FRACTION if setting < 0 else min(setting, capacity_pages)
+
+
+class DemotionThread:
+    """Calls `store.demote_ahead(free_pages)` every POLL_S until stopped; errors are logged
+    and the thread goes on (an eviction a save needs still happens, under the lock)."""
+
+    def __init__(self, store: TieredStore, free_pages: int) -> None:
+        self.store = store
+        self.free_pages = free_pages
+        self.written = 0
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvstore-demotion", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(POLL_S):
+            try:
+                self.written += self.store.demote_ahead(self.free_pages)
+            except Exception:  # the agent keeps serving: a save that needs a page evicts itself
+                logger.exception("demotion ahead failed; retrying")

@@ -1,0 +1,164 @@
+"""Moving blocks between a TieredStore's tiers: eviction with demotion (tier i -> tier i+1,
+the last tier drops), promotion on a pin (lower tier -> top tier) and demotion ahead of need.
+Promotions and demotions ahead copy with the store lock released, so a slow disk stalls only
+the thread that waits for it.
+
+A mixin of TieredStore (kvstore/store.py), whose lock, slots, pins and bookkeeping it uses;
+runs in the node agent's worker threads (promotions) and its demotion thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from kvstore import block
+from kvstore.errors import CapacityError, ChecksumError
+from kvstore.keys import BlockKey
+from kvstore.kvcopy.verified import copy_block
+
+logger = logging.getLogger(__name__)
+
+
+class TierMoves:
+    """Eviction, promotion and demotion of TieredStore (see the module docstring)."""
+
+    def _make_room(self, index: int) -> None:
+        slot = self.slots[index]
+        while slot.tier.free_pages <= 0:
+            victim = slot.policy.victim(self._can_evict)
+            if victim is None:
+                raise CapacityError(
+                    f"{slot.tier.kind} tier full: all {slot.tier.capacity_pages} pages are "
+                    "pinned or being written"
+                )
+            self._demote(index, victim)
+
+    def _demote(self, index: int, key: BlockKey) -> None:
+        lower = index + 1
+        if lower < len(self.slots) and key not in self.slots[lower].tier:
+            with self.slots[index].tier.open(key) as page:
+                header = self._checked_header(index, key, page)
+                if header is None:
+                    return  # corrupt: already purged
+                self._copy_into(lower, key, header, page[: header.block_bytes])
+        self._remove(index, key)
+
+    def _copy_into(self, index: int, key: BlockKey, header, page: torch.Tensor) -> None:
+        slot = self.slots[index]
+        try:
+            self._make_room(index)
+            slot.tier.write(key, page)
+        except CapacityError:
+            logger.debug("no room in %s tier for %r; not copied", slot.tier.kind, key)
+            return
+        self._announce(index, header)
+
+    def _promoted(self, key: BlockKey) -> bool:
+        """Bring pinned `key` into the top tier if it is below it and room can be made (else it
+        stays where it is, readable there); False if its block is corrupt (purged). One
+        thread copies a block up; others pinning it meanwhile wait for that copy."""
+        with self._lock:
+            index = self._slot_of(key)
+            underway = self._promoting.get(key)
+            below = index not in (0, None) and underway is None
+            page = self._reserve_top(key) if below else None
+        if underway is not None:
+            underway.wait()
+            with self._lock:
+                return self._slot_of(key) is not None
+        if page is None:
+            return index is not None
+        header = None
+        try:
+            header = self._copy_up(index, key, page)
+        finally:
+            with self._lock:
+                if header is None:
+                    self.slots[0].tier.release(key)
+                else:
+                    self.slots[0].tier.commit(key, header.block_bytes)
+                    self._announce(0, header)
+                self._promoting.pop(key).set()
+        return header is not None
+
+    def _reserve_top(self, key: BlockKey) -> torch.Tensor | None:
+        """Under the lock: a top-tier page for promoting `key` (None: no room), marked underway."""
+        try:
+            self._make_room(0)
+            page = self.slots[0].tier.reserve(key)
+        except CapacityError:
+            logger.debug("no room in the top tier to promote %r; read where it is", key)
+            return None
+        self._promoting[key] = threading.Event()
+        return page
+
+    def _copy_up(self, index: int, key: BlockKey, page: torch.Tensor) -> block.BlockHeader | None:
+        """Without the lock: copy `key`'s block from tier `index` into the top-tier `page`,
+        checksummed as it is copied (one pass); None (purged) if it is corrupt."""
+        with self.slots[index].tier.open(key) as source:
+            try:
+                if source is None:
+                    raise ChecksumError(f"{self.slots[index].tier.kind} tier lost {key!r}")
+                return copy_block(page, source, key)
+            except ChecksumError as exc:
+                logger.warning("purging corrupt block: %s", exc)
+        with self._lock:
+            self.checksum_failures += 1
+            if key in self.slots[index].tier:
+                self._remove(index, key)
+        return None
+
+    def demote_ahead(self, free_pages: int) -> int:
+        """Demote the top tier's next victims until `free_pages` of its pages are free, each
+        written into the tier below with the store lock released, so a save finds a free
+        page instead of waiting under the lock for a disk write. A victim pinned while it
+        was written stays, in both tiers. Returns how many blocks were written down. Called
+        by the node agent's demotion thread."""
+        written = 0
+        while (victim := self._next_demotion(free_pages)) is not None:
+            key, header, lower_page = victim
+            done = False
+            try:
+                with self.slots[0].tier.open(key) as page:
+                    self.slots[1].tier.write_reserved(key, lower_page, page[: header.block_bytes])
+                done = True
+            finally:
+                with self._lock:
+                    self._finish_demotion(key, header, done)
+            written += done
+        return written
+
+    def _next_demotion(self, free_pages: int):
+        """Under the lock: the next victim to write down, pinned, as (key, header, its reserved
+        lower page), after dropping victims the lower tier holds already; None when enough
+        pages are free."""
+        with self._lock:
+            top = self.slots[0]
+            while len(self.slots) > 1 and top.tier.free_pages < free_pages:
+                key = top.policy.victim(self._can_evict)
+                if key is None:
+                    return None
+                if key in self.slots[1].tier:
+                    self._remove(0, key)
+                    continue
+                with top.tier.open(key) as page:
+                    header = self._checked_header(0, key, page)
+                if header is None:
+                    continue  # corrupt: purged
+                self._make_room(1)
+                lower_page = self.slots[1].tier.reserve(key)
+                self._pins[key] += 1
+                return key, header, lower_page
+        return None
+
+    def _finish_demotion(self, key: BlockKey, header: block.BlockHeader, written: bool) -> None:
+        if written:
+            self._announce(1, header)
+        else:
+            self.slots[1].tier.release(key)
+        self.unpin([key])
+        if written and key not in self._pins and key in self.slots[0].tier:
+            self._remove(0, key)
