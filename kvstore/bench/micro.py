@@ -1,4 +1,5 @@
-"""Micro-benchmarks of one node's hot paths: chunk hashing, tier writes and reads, fp8, xxh3.
+"""Micro-benchmarks of one node's hot paths: chunk hashing, tier writes and reads, saves into a
+full arena (kvstore/bench/full_arena.py), fp8, xxh3.
 
 Runs in-process (`kvstore bench micro`). Every number is a median of `runs` timed runs after one
 untimed warm-up; tier numbers sit next to a numpy.copyto memcpy measured in the same runs.
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 
 from kvstore import block
+from kvstore.bench.full_arena import full_arena_results
 from kvstore.bench.timing import (
     MemcpyBaseline,
     check_runs,
@@ -48,10 +50,11 @@ class MicroSizes:
 
     blocks_per_run: int  # blocks written and read per tier, block size and run
     codec_layers: int  # layers in the fp8 block (32 for Llama-3-8B)
+    full_arena: tuple[int, int, int]  # block bytes, arena pages, saves (kvstore.bench.full_arena)
 
 
-FULL = MicroSizes(blocks_per_run=16, codec_layers=32)
-QUICK = MicroSizes(blocks_per_run=2, codec_layers=2)
+FULL = MicroSizes(blocks_per_run=16, codec_layers=32, full_arena=(16 * MIB, 16, 48))
+QUICK = MicroSizes(blocks_per_run=2, codec_layers=2, full_arena=(MIB, 4, 6))
 
 
 def run_micro(runs: int = 5, quick: bool = False, disk_dir: str | Path | None = None) -> dict:
@@ -68,6 +71,7 @@ def run_micro(runs: int = 5, quick: bool = False, disk_dir: str | Path | None = 
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-", dir=disk_dir) as directory:
         for size_mib in BLOCK_SIZES_MIB:
             result.update(tier_results(size_mib * MIB, sizes.blocks_per_run, runs, directory))
+        result.update(full_arena_results(*sizes.full_arena, directory))
     result["memcpy_GBps"] = result[f"memcpy_GBps_{BLOCK_SIZES_MIB[-1]}MiB"]
     result.update(codec_results(sizes.codec_layers, runs))
     return result

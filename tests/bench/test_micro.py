@@ -33,6 +33,11 @@ FIELDS = [
     "fp8_encode_GBps",
     "fp8_decode_GBps",
     "checksum_GBps",
+    "full_arena_save_ms_sync",
+    "full_arena_save_ms_ahead",
+    "full_arena_copy_ms",
+    "full_arena_save_ahead_vs_sync",
+    "disk_write_ms_per_block_sync_run",
     *TIER_FIELDS,
 ]
 
