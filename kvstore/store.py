@@ -1,9 +1,10 @@
 """The node-local store: tiers stacked fastest first, each with its own eviction policy.
 
 Runs in the process that owns the tiers (the node agent; replay and benchmarks in-process).
-Thread-safe: one lock around every public method. Longest-prefix lookup across tiers; pins
-(pinned blocks are never evicted); stored/removed events for the publisher. Moves between
-tiers (promotion on a pin, demotion on eviction or ahead of it) are in kvstore/store_moves.py.
+Thread-safe: one lock guards what every tier holds; reads of pinned blocks, and the copies
+of promotions and of demotions ahead of need, run outside it. Longest-prefix lookup across
+tiers; pins (pinned blocks are never evicted); stored/removed events for the publisher. Moves
+between tiers (promotion on a pin, demotion on eviction or ahead of it): kvstore/store_moves.py.
 """
 
 from __future__ import annotations
