@@ -1,13 +1,17 @@
 """Prompt lookups off the scheduler's thread. A lookup that must ask the metadata service about
 other hosts, or bring chunks into this host's arena (promote them from disk, pull them from
 another host), takes time; vLLM's scheduler must not wait for it, so the connector answers
-"not yet" (None) and vLLM asks again on a later step. Runs in vLLM's scheduler process: one
-lookup thread on the scheduler's agent connection. Also: per-chunk tiers of an answer.
+"not yet" (None) and vLLM asks again on a later step. Runs in vLLM's scheduler process: a
+lookup thread (the agent's answer, the load-or-compute decision) and a staging thread (the
+promotions and pulls), each on its own agent connection, so a request whose chunks are on a
+slow disk or another host never holds up the lookup of one whose chunks are in the arena.
+Also: per-chunk tiers of an answer.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
@@ -32,15 +36,18 @@ class LookupQueue:
     leaves. Each scheduler step may spend at most INLINE_WAIT_S waiting, in total."""
 
     def __init__(self, lookup) -> None:
-        self._lookup = lookup  # (request id, chain keys) -> LookupCounts, raises KVStoreError
+        # (request id, chain keys) -> LookupCounts, or the staging that returns them (run on
+        # the staging thread); raises KVStoreError
+        self._lookup = lookup
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvstore-lookup")
+        self._stager = ThreadPoolExecutor(1, thread_name_prefix="kvstore-stage")
         self._futures: dict[str, Future] = {}
         self._answers: dict[str, Answer] = {}
         self._wait_left_s = INLINE_WAIT_S
 
     def answer(self, req_id: str, keys: list[bytes]) -> Answer | None:
-        """The fresh answer for this request's keys, or None while its lookup is in flight
-        (one is submitted if none is, and the queue has room)."""
+        """The fresh answer for this request's keys, or None while its lookup (or staging) is
+        in flight (a lookup is submitted if none is, and the queue has room)."""
         answer = self._answers.get(req_id)
         if answer is not None and time.monotonic() - answer.answered_at < ANSWER_TTL_S:
             return answer
@@ -49,21 +56,38 @@ class LookupQueue:
             if len(self._futures) >= IN_FLIGHT_MAX:
                 return None
             future = self._futures[req_id] = self._executor.submit(self._timed, req_id, keys)
+        result = self._result(future)
+        if isinstance(result, Future):  # looked up; its staging is queued
+            future = self._futures[req_id] = result
+            result = self._result(future)
+        if result is None:
+            return None
+        del self._futures[req_id]
+        answer = self._answers[req_id] = result
+        return answer
+
+    def _result(self, future: Future):
+        """The future's result, waited for within this step's inline budget; None if not done."""
         if not future.done() and self._wait_left_s > 0:
             started = time.monotonic()
             wait([future], timeout=self._wait_left_s)
             self._wait_left_s -= time.monotonic() - started
-        if not future.done():
-            return None
-        del self._futures[req_id]
-        answer = self._answers[req_id] = future.result()
-        return answer
+        return future.result() if future.done() else None
 
-    def _timed(self, req_id: str, keys: list[bytes]) -> Answer:
+    def _timed(self, req_id: str, keys: list[bytes]) -> Answer | Future:
         started = time.perf_counter()
         try:
-            counts, error = self._lookup(req_id, keys), ""
+            result = self._lookup(req_id, keys)
         except Exception as exc:  # KVStoreError, or a client broken under us: a miss
+            return Answer(None, str(exc), time.perf_counter() - started, time.monotonic())
+        if callable(result):
+            return self._stager.submit(self._staged, started, result)
+        return Answer(result, "", time.perf_counter() - started, time.monotonic())
+
+    def _staged(self, started: float, stage: Callable[[], LookupCounts]) -> Answer:
+        try:
+            counts, error = stage(), ""
+        except Exception as exc:  # as in _timed: a miss
             counts, error = None, str(exc)
         return Answer(counts, error, time.perf_counter() - started, time.monotonic())
 
@@ -82,6 +106,7 @@ class LookupQueue:
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._stager.shutdown(wait=False, cancel_futures=True)
 
 
 def chunk_tiers(counts: LookupCounts, groups: int) -> list[str]:

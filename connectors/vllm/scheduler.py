@@ -1,12 +1,13 @@
 """The scheduler half of the connector: how many prompt tokens the store can supply (and from
 which tier), and per step which chunks each worker loads and saves. Runs in vLLM's scheduler
-(engine core) process; lookups, the promotion of disk chunks into the host arena and the pull
-of other hosts' chunks into it run on its lookup thread, so a forward pass copies from the
-arena only.
+(engine core) process; lookups run on its lookup thread, and the promotion of disk chunks into
+the host arena and the pull of other hosts' chunks into it on its staging thread (see
+lookups.py), so a forward pass copies from the arena only.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -50,6 +51,9 @@ class SchedulerSide:
         self.groups = groups
         self.agent = AgentConnection(
             settings.socket_path, "vllm-scheduler", settings.credential_file
+        )
+        self.stage_agent = AgentConnection(  # the staging thread's own connection
+            settings.socket_path, "vllm-scheduler-stage", settings.credential_file
         )
         self.requests: dict[str, RequestState] = {}
         self._pending_loads: dict[str, RequestState] = {}
@@ -112,9 +116,10 @@ class SchedulerSide:
         self.samples.add("match_seconds", seconds)
         self.longest_match_s = max(self.longest_match_s, seconds)
 
-    def _lookup(self, req_id: str, chain_keys: list[bytes]) -> LookupCounts:
-        """On the lookup thread: the chunks to load, all in this host's arena by now, as
-        LookupCounts of chunks whose codes say where each chunk was found."""
+    def _lookup(self, req_id: str, chain_keys: list[bytes]):
+        """On the lookup thread: the chunks to load as LookupCounts (their codes say where each
+        was found) when all are in this host's arena; otherwise the staging that brings them
+        there (a callable, run on the staging thread, returning those LookupCounts)."""
         client = self.agent.client
         if client is None:
             return LookupCounts(0, 0)  # no agent: nothing to load
@@ -122,10 +127,23 @@ class SchedulerSide:
         block_keys = self.kv.lookup_keys(chain_keys)  # chunk-major
         try:
             tiers = chunk_tiers(client.lookup(self.settings.tenant, block_keys), groups)
-            tiers = tiers[: self._chunks_worth_loading(req_id, tiers)]
-            return self._stage(client, block_keys, tiers, groups)
         except KVStoreError:
             self.agent.drop()
+            raise
+        tiers = tiers[: self._chunks_worth_loading(req_id, tiers)]
+        if set(tiers) <= {"host"}:
+            return self._stage(client, block_keys, tiers, groups)  # nothing to bring
+        return functools.partial(self._stage_apart, block_keys, tiers, groups)
+
+    def _stage_apart(self, block_keys: list[bytes], tiers: list[str], groups: int):
+        """On the staging thread, over its own connection (see _stage)."""
+        client = self.stage_agent.client
+        if client is None:
+            return LookupCounts(0, 0)
+        try:
+            return self._stage(client, block_keys, tiers, groups)
+        except KVStoreError:
+            self.stage_agent.drop()
             raise
 
     def _chunks_worth_loading(self, req_id: str, tiers: list[str]) -> int:
@@ -145,7 +163,7 @@ class SchedulerSide:
         return skip + load
 
     def _stage(self, client, block_keys: list[bytes], tiers: list[str], groups: int):
-        """On the lookup thread: bring the chunks to load into this host's arena now, while
+        """On the staging thread: bring the chunks to load into this host's arena now, while
         vLLM is told to ask again: disk chunks promoted, then other hosts' chunks pulled, so
         the forward pass copies from the arena only (no disk read and no remote fetch runs
         inside it); the time each took teaches the cost model its tier. What arrived is the

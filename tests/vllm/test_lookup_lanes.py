@@ -1,0 +1,67 @@
+"""The scheduler's lookup queue, narrated with lookup functions that stand in for the agent
+(this layer only; the real engines and agents are in test_hit_tiers.py and
+test_lookups_never_block.py): a request whose chunks must be staged (a slow disk, another
+host) is staged on its own thread, so a request behind it whose chunks are in the arena is
+answered at once."""
+
+import threading
+import time
+
+from connectors.vllm.lookups import LookupQueue
+from kvstore.client import LookupCounts
+
+STAGE_S = 0.5
+
+
+def poll(queue: LookupQueue, req_id: str, timeout_s: float = 5.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        queue.new_step()
+        answer = queue.answer(req_id, [b"k"])
+        if answer is not None:
+            return answer
+        time.sleep(0.005)
+    raise AssertionError(f"no answer for {req_id}")
+
+
+def test_a_slow_staging_does_not_hold_up_the_next_lookup():
+    staged = threading.Event()
+
+    def lookup(req_id, keys):
+        if req_id == "on-disk":
+
+            def stage():
+                time.sleep(STAGE_S)
+                staged.set()
+                return LookupCounts(4, 0, "dddd")
+
+            return stage
+        return LookupCounts(2, 0, "hh")
+
+    queue = LookupQueue(lookup)
+    try:
+        assert queue.answer("on-disk", [b"k"]) is None  # staging: in flight
+        started = time.monotonic()
+        fast = poll(queue, "in-arena")
+        assert time.monotonic() - started < STAGE_S / 3 and not staged.is_set()
+        assert fast.counts == LookupCounts(2, 0, "hh")
+        slow = poll(queue, "on-disk")
+        assert slow.counts == LookupCounts(4, 0, "dddd") and slow.lookup_s >= STAGE_S
+        assert queue.in_flight == 0
+    finally:
+        queue.close()
+
+
+def test_a_failed_staging_is_a_miss_with_its_error():
+    def lookup(req_id, keys):
+        def stage():
+            raise RuntimeError("agent gone")
+
+        return stage
+
+    queue = LookupQueue(lookup)
+    try:
+        answer = poll(queue, "r")
+        assert answer.counts is None and "agent gone" in answer.error
+    finally:
+        queue.close()
