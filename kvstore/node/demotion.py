@@ -14,6 +14,7 @@ from kvstore.store import TieredStore
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.01  # how often the free pages are checked (a check is a few microseconds)
+BACKOFF_S = 1.0  # after a failure (a full disk of pinned blocks, LMDB's map full)
 AUTO_FRACTION = 32  # host_free_pages -1: 1/32 of the arena (none for arenas under 32 pages)
 
 
@@ -23,8 +24,8 @@ def free_pages_target(setting: int, capacity_pages: int) -> int:
 
 
 class DemotionThread:
-    """Calls `store.demote_ahead(free_pages)` every POLL_S until stopped; errors are logged
-    and the thread goes on (an eviction a save needs still happens, under the lock)."""
+    """Calls `store.demote_ahead(free_pages)` every POLL_S until stopped; an error is logged
+    and retried after BACKOFF_S (an eviction a save needs still happens, under the lock)."""
 
     def __init__(self, store: TieredStore, free_pages: int) -> None:
         self.store = store
@@ -36,6 +37,10 @@ class DemotionThread:
     def start(self) -> None:
         self._thread.start()
 
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
     def stop(self) -> None:
         self._stopped.set()
         if self._thread.is_alive():
@@ -46,4 +51,5 @@ class DemotionThread:
             try:
                 self.written += self.store.demote_ahead(self.free_pages)
             except Exception:  # the agent keeps serving: a save that needs a page evicts itself
-                logger.exception("demotion ahead failed; retrying")
+                logger.exception("demotion ahead failed; retrying in %.0f s", BACKOFF_S)
+                self._stopped.wait(BACKOFF_S)
