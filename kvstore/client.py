@@ -106,11 +106,12 @@ class SaveReservation:
 class KVStoreClient:
     """A worker's connection to its node agent. `credential_file` holds a token the agent's
     worker-credentials file maps to tenants; without it the agent goes by this process's uid
-    and gid (SO_PEERCRED)."""
+    and gid (SO_PEERCRED). `pin_mapping`: register the mapping with CUDA (page-locked, so
+    copies to a device are DMA); off for processes that never copy payloads (a scheduler)."""
 
     def __init__(
         self, socket_path: str | Path, worker: str = "", timeout_s: float = 30.0,
-        credential_file: str | Path | None = None,
+        credential_file: str | Path | None = None, pin_mapping: bool = True,
     ) -> None:  # fmt: skip
         credential = read_secret_file(Path(credential_file), "worker credential") if (
             credential_file) else ""  # fmt: skip
@@ -125,6 +126,7 @@ class KVStoreClient:
         self._ids = itertools.count(1)
         self._broken = False
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvstore-client")
+        self._pin_mapping = pin_mapping
         try:
             hello = pb.HelloRequest(worker=worker, credential=credential)
             self.info = self._call("hello", hello).hello
@@ -145,7 +147,7 @@ class KVStoreClient:
         if len(fds) != 1:
             raise errors.UnavailableError("the node agent sent no mapping after its hello")
         try:
-            return map_fd(fds[0], self.info.mapping_bytes, pin=True)  # DMA-able with CUDA
+            return map_fd(fds[0], self.info.mapping_bytes, pin=self._pin_mapping)  # CUDA DMA
         finally:
             os.close(fds[0])
 

@@ -119,13 +119,13 @@ class TieredStore(TierMoves):
                     slot.policy.touch(key)
                 if self._slot_of(key) == 0:
                     continue
-            promoted = False
             try:
                 promoted = self._promoted(key)
-            finally:
-                if not promoted:
-                    self.unpin([key])
+            except BaseException:
+                self.unpin(keys[: index + 1])  # the caller gets no count to release
+                raise
             if not promoted:
+                self.unpin([key])
                 return index
         return len(keys)
 
@@ -153,7 +153,7 @@ class TieredStore(TierMoves):
         """A writable payload view in the top tier for `key`, or None if `key` is already
         stored or being written. Evicts as needed; CapacityError if nothing can be evicted."""
         with self._lock:
-            if self._slot_of(key) is not None or key in self._pending:
+            if self._slot_of(key) is not None or key in self._pending or key in self._promoting:
                 return None
             top = self.slots[0].tier
             if block.HEADER_BYTES + payload_bytes > top.page_size_bytes or payload_bytes <= 0:
@@ -246,7 +246,7 @@ class TieredStore(TierMoves):
         """A whole writable top-tier page for a block arriving from a peer (header included),
         or None if `key` is already stored or being written. Finish with commit_received."""
         with self._lock:
-            if self._slot_of(key) is not None or key in self._pending:
+            if self._slot_of(key) is not None or key in self._pending or key in self._promoting:
                 return None
             self._make_room(0)
             page = self.slots[0].tier.reserve(key)

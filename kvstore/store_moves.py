@@ -71,18 +71,32 @@ class TierMoves:
                 return self._slot_of(key) is not None
         if page is None:
             return index is not None
-        header = None
+        header, corrupt = None, False
         try:
             header = self._copy_up(index, key, page)
+            corrupt = header is None
         finally:
             with self._lock:
-                if header is None:
-                    self.slots[0].tier.release(key)
-                else:
-                    self.slots[0].tier.commit(key, header.block_bytes)
-                    self._announce(0, header)
-                self._promoting.pop(key).set()
+                try:
+                    self._end_promotion(index, key, header, corrupt)
+                finally:
+                    self._promoting.pop(key).set()
         return header is not None
+
+    def _end_promotion(self, index: int, key: BlockKey, header, corrupt: bool) -> None:
+        """Under the lock: commit the promoted copy, or free its page (and purge the block
+        below when it was corrupt), in one step: no moment where the key is in no tier but
+        still holds a top-tier page."""
+        top = self.slots[0].tier
+        if header is not None:
+            top.commit(key, header.block_bytes)
+            self._announce(0, header)
+            return
+        top.release(key)
+        if corrupt:
+            self.checksum_failures += 1
+            if key in self.slots[index].tier:
+                self._remove(index, key)
 
     def _reserve_top(self, key: BlockKey) -> torch.Tensor | None:
         """Under the lock: a top-tier page for promoting `key` (None: no room), marked underway."""
@@ -97,7 +111,7 @@ class TierMoves:
 
     def _copy_up(self, index: int, key: BlockKey, page: torch.Tensor) -> block.BlockHeader | None:
         """Without the lock: copy `key`'s block from tier `index` into the top-tier `page`,
-        checksummed as it is copied (one pass); None (purged) if it is corrupt."""
+        checksummed as it is copied (one pass); None if it is corrupt (the caller purges)."""
         with self.slots[index].tier.open(key) as source:
             try:
                 if source is None:
@@ -105,26 +119,24 @@ class TierMoves:
                 return copy_block(page, source, key)
             except ChecksumError as exc:
                 logger.warning("purging corrupt block: %s", exc)
-        with self._lock:
-            self.checksum_failures += 1
-            if key in self.slots[index].tier:
-                self._remove(index, key)
-        return None
+                return None
 
-    def demote_ahead(self, free_pages: int) -> int:
-        """Demote the top tier's next victims until `free_pages` of its pages are free, each
-        written into the tier below with the store lock released, so a save finds a free
-        page instead of waiting under the lock for a disk write. A victim pinned while it
-        was written stays, in both tiers. Returns how many blocks were written down. Called
-        by the node agent's demotion thread."""
+    def demote_ahead(self, free_pages: int, stop: threading.Event | None = None) -> int:
+        """Demote the top tier's next victims until `free_pages` of its pages are free (or
+        `stop` is set), each written into the tier below with the store lock released, so a
+        save finds a free page instead of waiting under the lock for a disk write. A victim
+        pinned while it was written stays, in both tiers. Returns how many blocks were
+        written down. Called by the node agent's demotion thread."""
         written = 0
-        while (victim := self._next_demotion(free_pages)) is not None:
+        while not (stop and stop.is_set()) and (victim := self._next_demotion(free_pages)):
             key, header, lower_page = victim
             done = False
             try:
                 with self.slots[0].tier.open(key) as page:
-                    self.slots[1].tier.write_reserved(key, lower_page, page[: header.block_bytes])
-                done = True
+                    if page is not None:  # None: purged meanwhile (corrupt), nothing to write
+                        lower = self.slots[1].tier
+                        lower.write_reserved(key, lower_page, page[: header.block_bytes])
+                        done = True
             finally:
                 with self._lock:
                     self._finish_demotion(key, header, done)

@@ -171,3 +171,21 @@ def test_a_victim_pinned_while_it_is_written_down_stays_in_host_too(store):
     assert store.demote_ahead(4) == 2  # 4 and 5 written down; 2, already there, dropped
     assert disk.writes == writes + 2 and store.slots[0].tier.free_pages == 4
     assert [store.tier_of(key) for key in KEYS[:6]] == ["disk"] * 6
+
+
+def test_a_pin_that_fails_on_a_broken_disk_leaves_no_pins(store, monkeypatch):
+    """An unexpected error (not a bad checksum) while promoting the second key: pin raises,
+    and the first key, already pinned, is unpinned too (the caller got no count)."""
+    disk = store.slots[1].tier
+
+    def broken_open(key):
+        raise OSError("I/O error reading the disk tier")
+
+    monkeypatch.setattr(disk, "open", broken_open)
+    with pytest.raises(OSError, match="I/O error"):
+        store.pin([KEYS[5], KEYS[0]])  # host, then disk
+    assert store.pins_held() == 0
+    assert store.tier_of(KEYS[0]) == "disk" and store.slots[0].tier.free_pages >= 0
+    monkeypatch.undo()
+    assert store.pin([KEYS[0]]) == 1, "the key promotes once the disk reads again"
+    store.unpin([KEYS[0]])

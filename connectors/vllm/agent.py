@@ -14,10 +14,12 @@ logger = logging.getLogger(__name__)
 
 
 class AgentConnection:
-    def __init__(self, socket_path: str, worker: str, credential_file: str = "") -> None:
+    def __init__(self, socket_path: str, worker: str, credential_file: str = "",
+                 pin_mapping: bool = True) -> None:  # fmt: skip
         self.socket_path = socket_path
         self.worker = worker
         self.credential_file = credential_file or None
+        self.pin_mapping = pin_mapping  # off where payloads are never copied (the scheduler)
         self._client: KVStoreClient | None = None
 
     @property
@@ -26,8 +28,9 @@ class AgentConnection:
         if self._client is None:
             try:
                 self._client = KVStoreClient(
-                    self.socket_path, self.worker, credential_file=self.credential_file
-                )
+                    self.socket_path, self.worker, credential_file=self.credential_file,
+                    pin_mapping=self.pin_mapping,
+                )  # fmt: skip
             except KVStoreError as exc:
                 logger.warning("kvstore agent unavailable (%s); prefixes are computed", exc)
         return self._client

@@ -179,6 +179,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self.scheduler is not None:
             self.scheduler.lookups.close()
+            self.scheduler.agent.drop()
+            self.scheduler.stage_agent.drop()
         if self.events is not None:
             self.events.close()
         if self.worker is not None:

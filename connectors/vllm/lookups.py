@@ -26,7 +26,7 @@ INLINE_WAIT_S = 0.002  # per scheduler step: fast (local) answers are taken at o
 class Answer:
     counts: LookupCounts | None  # None: the lookup failed
     error: str
-    lookup_s: float
+    lookup_s: float  # from the lookup's start to its answer, staging included
     answered_at: float
     counted: bool = False  # in the scheduler's stats (an answer may be read on several polls)
 
@@ -80,9 +80,12 @@ class LookupQueue:
             result = self._lookup(req_id, keys)
         except Exception as exc:  # KVStoreError, or a client broken under us: a miss
             return Answer(None, str(exc), time.perf_counter() - started, time.monotonic())
-        if callable(result):
+        if not callable(result):
+            return Answer(result, "", time.perf_counter() - started, time.monotonic())
+        try:
             return self._stager.submit(self._staged, started, result)
-        return Answer(result, "", time.perf_counter() - started, time.monotonic())
+        except RuntimeError as exc:  # closed: the connector is shutting down
+            return Answer(None, str(exc), time.perf_counter() - started, time.monotonic())
 
     def _staged(self, started: float, stage: Callable[[], LookupCounts]) -> Answer:
         try:
@@ -95,10 +98,12 @@ class LookupQueue:
         self._wait_left_s = INLINE_WAIT_S
 
     def discard(self, req_id: str) -> None:
+        """The request left: drop its answer; cancel its lookup, or the staging that lookup
+        queues (a finished request's chunks are not brought into the arena)."""
         self._answers.pop(req_id, None)
         future = self._futures.pop(req_id, None)
-        if future is not None:
-            future.cancel()
+        if future is not None and not future.cancel():
+            future.add_done_callback(_cancel_staging)
 
     @property
     def in_flight(self) -> int:
@@ -107,6 +112,13 @@ class LookupQueue:
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._stager.shutdown(wait=False, cancel_futures=True)
+
+
+def _cancel_staging(lookup: Future) -> None:
+    """Done callback of a discarded request's lookup: cancel the staging it queued, if any
+    (one already running finishes: it pins and releases, nothing more)."""
+    if not lookup.cancelled() and isinstance(staging := lookup.result(), Future):
+        staging.cancel()
 
 
 def chunk_tiers(counts: LookupCounts, groups: int) -> list[str]:

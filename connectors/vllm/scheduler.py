@@ -49,12 +49,11 @@ class SchedulerSide:
         self.settings = settings
         self.kv = kv
         self.groups = groups
-        self.agent = AgentConnection(
-            settings.socket_path, "vllm-scheduler", settings.credential_file
-        )
-        self.stage_agent = AgentConnection(  # the staging thread's own connection
-            settings.socket_path, "vllm-scheduler-stage", settings.credential_file
-        )
+        # the lookup thread's connection, and the staging thread's own; neither copies payloads
+        self.agent = AgentConnection(settings.socket_path, "vllm-scheduler",
+                                     settings.credential_file, pin_mapping=False)  # fmt: skip
+        self.stage_agent = AgentConnection(settings.socket_path, "vllm-scheduler-stage",
+                                           settings.credential_file, pin_mapping=False)  # fmt: skip
         self.requests: dict[str, RequestState] = {}
         self._pending_loads: dict[str, RequestState] = {}
         self._bypassing: set[str] = set()  # ids of live requests the store bypasses

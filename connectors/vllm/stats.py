@@ -36,7 +36,7 @@ BYPASS_PREFIX = "bypassed_"  # bypassed_<reason>: requests the store neither loa
 TIER_PREFIX = "hit_tokens_"  # hit_tokens_<tier>: hit tokens found in host, disk or remote
 HIT_TIERS = ("host", "disk", "remote")
 LATENCIES = {  # sample name -> what one sample measures, in seconds
-    "lookup_seconds": "Time of one kvstore prompt lookup (on the scheduler's lookup thread)",
+    "lookup_seconds": "Time of one kvstore prompt lookup, from its start to its answer (staged)",
     "match_seconds": "Time vLLM's scheduler waited in one kvstore get_num_new_matched_tokens",
     "load_fetch_seconds": "Time a step's kvstore loads took to pin their blocks (worker)",
     "load_wait_seconds": "Time a step's forward waited for kvstore layer loads (worker)",

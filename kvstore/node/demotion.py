@@ -19,8 +19,8 @@ AUTO_FRACTION = 32  # host_free_pages -1: 1/32 of the arena (none for arenas und
 
 
 def free_pages_target(setting: int, capacity_pages: int) -> int:
-    """Pages to keep free: `setting`, or for -1, 1/32 of the arena's pages (3 %)."""
-    return capacity_pages // AUTO_FRACTION if setting < 0 else min(setting, capacity_pages)
+    """Pages to keep free: `setting` (at most half the arena), or for -1, 1/32 of it (3 %)."""
+    return capacity_pages // AUTO_FRACTION if setting < 0 else min(setting, capacity_pages // 2)
 
 
 class DemotionThread:
@@ -49,7 +49,7 @@ class DemotionThread:
     def _run(self) -> None:
         while not self._stopped.wait(POLL_S):
             try:
-                self.written += self.store.demote_ahead(self.free_pages)
+                self.written += self.store.demote_ahead(self.free_pages, self._stopped)
             except Exception:  # the agent keeps serving: a save that needs a page evicts itself
                 logger.exception("demotion ahead failed; retrying in %.0f s", BACKOFF_S)
                 self._stopped.wait(BACKOFF_S)

@@ -96,7 +96,9 @@ class Tier(ABC):
 
     def write_reserved(self, key: BlockKey, page: torch.Tensor, block: torch.Tensor) -> None:
         """Commit `key`, reserved (`page`: what reserve gave), holding the bytes of `block`.
-        Tiers that can store `block` without the page (disk) do; this one copies."""
+        Tiers that can store `block` without the page (disk) do; this one copies. The store
+        calls it without its lock (demotion ahead), for a key it holds pinned in the tier
+        above: readers find that copy first until the store announces this one."""
         copy_bytes(page[: block.numel()], block)
         self.commit(key, block.numel())
 

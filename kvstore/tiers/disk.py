@@ -95,8 +95,11 @@ class DiskTier(Tier):
             raise NotFoundError(f"disk tier: {key!r} is not reserved")
         if block.numel() > self.page_size_bytes:
             raise ConfigError(f"block of {block.numel()} bytes exceeds the page size")
-        self._put(key, block)
-        self._recycle(self._staging.pop(key))
+        staging = self._staging.pop(key)  # before the put: never counted twice in used_pages
+        try:
+            self._put(key, block)
+        finally:
+            self._recycle(staging)
 
     def _put(self, key: BlockKey, block: torch.Tensor) -> None:
         try:

@@ -65,3 +65,27 @@ def test_a_failed_staging_is_a_miss_with_its_error():
         assert answer.counts is None and "agent gone" in answer.error
     finally:
         queue.close()
+
+
+def test_a_request_that_left_is_not_staged():
+    ran: list[str] = []
+
+    def lookup(req_id, keys):
+        def stage():
+            ran.append(req_id)
+            time.sleep(STAGE_S if req_id == "first" else 0)
+            return LookupCounts(1, 0, "d")
+
+        return stage
+
+    queue = LookupQueue(lookup)
+    try:
+        assert queue.answer("first", [b"k"]) is None  # staging for STAGE_S
+        assert queue.answer("left", [b"k"]) is None  # its staging queues behind
+        time.sleep(0.05)  # its lookup is done: only the staging is pending
+        queue.discard("left")
+        assert poll(queue, "first").counts == LookupCounts(1, 0, "d")
+        time.sleep(0.05)
+        assert ran == ["first"], "the request that left was staged"
+    finally:
+        queue.close()
