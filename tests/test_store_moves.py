@@ -80,6 +80,17 @@ def pin_in_thread(store, key, results: list) -> threading.Thread:
     return thread
 
 
+def pin_twice_at_once(store, key) -> list[int]:
+    """Two workers pin `key`, the second while the first's disk read is under way: the counts."""
+    results: list = []
+    first = pin_in_thread(store, key, results)
+    assert store.slots[1].tier.reading.wait(5)
+    second = pin_in_thread(store, key, results)
+    first.join()
+    second.join()
+    return [pinned for pinned, _ in results]
+
+
 def test_a_slow_disk_read_does_not_stall_other_workers(store):
     disk = store.slots[1].tier
     promoting: list = []
@@ -103,13 +114,7 @@ def test_a_slow_disk_read_does_not_stall_other_workers(store):
 
 def test_two_workers_pinning_one_disk_block_share_one_read(store):
     disk = store.slots[1].tier
-    results: list = []
-    first = pin_in_thread(store, KEYS[1], results)
-    assert disk.reading.wait(5)
-    second = pin_in_thread(store, KEYS[1], results)
-    first.join()
-    second.join()
-    assert [pinned for pinned, _ in results] == [1, 1]
+    assert pin_twice_at_once(store, KEYS[1]) == [1, 1]
     assert disk.reads == 1 and store.tier_of(KEYS[1]) == "host"
     assert store.pins_held() == 2
     store.unpin([KEYS[1]] * 2)
@@ -122,13 +127,7 @@ def test_a_corrupt_disk_block_is_a_miss_for_every_worker_waiting_on_it(store):
         stored = bytearray(txn.get(KEYS[0]))
         stored[-1] ^= 0xFF
         txn.put(KEYS[0], bytes(stored))
-    results: list = []
-    first = pin_in_thread(store, KEYS[0], results)
-    assert disk.reading.wait(5)
-    second = pin_in_thread(store, KEYS[0], results)
-    first.join()
-    second.join()
-    assert [pinned for pinned, _ in results] == [0, 0]
+    assert pin_twice_at_once(store, KEYS[0]) == [0, 0]
     assert store.checksum_failures == 1 and store.tier_of(KEYS[0]) is None
     assert store.pins_held() == 0 and store.lookup(KEYS) == 0
 
