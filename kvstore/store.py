@@ -76,11 +76,16 @@ class TieredStore(TierMoves):
         slot holding it (len() is what `lookup` counts). No side effects."""
         found = bytearray()
         with self._lock:
+            held = [slot.tier.committed_keys() for slot in self.slots]
             for key in keys:
-                slot = self._slot_of(key)
-                if slot is None or (tenant is not None and self._tenants.get(key) != tenant):
+                if tenant is not None and self._tenants.get(key) != tenant:
                     break
-                found.append(slot)
+                for index, committed in enumerate(held):
+                    if key in committed:
+                        found.append(index)
+                        break
+                else:
+                    break
         return bytes(found)
 
     def _readable(self, key: BlockKey, tenant: str | None) -> bool:

@@ -12,7 +12,7 @@ import os
 import socket
 import stat
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,12 +46,18 @@ class ControlLimits:
                 raise errors.ConfigError(f"control {name} must be positive")
 
 
-def _keys(raw: list[bytes]) -> list[BlockKey]:
+def _checked_bytes(raw: Sequence[bytes]) -> list[bytes]:
+    """The keys of a call, bounded and each KEY_BYTES long (checked in C: lookups pay it)."""
     if len(raw) > MAX_KEYS_PER_CALL:
         raise errors.ConfigError(f"{len(raw)} keys in one call; the limit is {MAX_KEYS_PER_CALL}")
-    if any(len(key) != KEY_BYTES for key in raw):
+    keys = list(raw)
+    if keys and set(map(len, keys)) != {KEY_BYTES}:
         raise errors.ConfigError(f"every key must be {KEY_BYTES} bytes")
-    return [BlockKey(key) for key in raw]
+    return keys
+
+
+def _keys(raw: Sequence[bytes]) -> list[BlockKey]:
+    return [BlockKey(key) for key in _checked_bytes(raw)]
 
 
 def secure_socket_dir(directory: Path) -> None:
@@ -226,7 +232,8 @@ class ControlServer:
             response.hello.mapping_bytes = session.private.size_bytes
 
     def _lookup(self, session, call: pb.LookupKeysRequest, response) -> None:
-        tiers = session.lookup(call.tenant, _keys(call.keys), call.local_only)
+        # plain bytes: a lookup only tests membership, and BlockKey hashes and compares as bytes
+        tiers = session.lookup(call.tenant, _checked_bytes(call.keys), call.local_only)
         remote = tiers.count(REMOTE_CODE)
         out = response.lookup
         out.local_hits, out.remote_hits, out.tiers = len(tiers) - remote, remote, tiers

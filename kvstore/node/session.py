@@ -113,7 +113,7 @@ class WorkerSession:
         return page * self.arena.page_size_bytes + block.HEADER_BYTES
 
     # ---- reads -----------------------------------------------------------------------------
-    def lookup(self, tenant: str, keys: Sequence[BlockKey], local_only: bool) -> bytes:
+    def lookup(self, tenant: str, keys: Sequence[bytes], local_only: bool) -> bytes:
         """Where each leading key is, one byte each (TIER_CODES: host, disk, remote); the
         keys after them are absent."""
         self.identity.require(tenant)

@@ -5,7 +5,7 @@ Runs inside the process that owns the arena. Not thread-safe: the store serialis
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -60,6 +60,9 @@ class ArenaTier(Tier):
 
     def __contains__(self, key: object) -> bool:
         return key in self._committed
+
+    def committed_keys(self) -> Container[object]:
+        return self._committed
 
     def keys(self) -> Iterator[BlockKey]:
         return iter(list(self._committed))

@@ -7,7 +7,7 @@ thread-safe on its own: the store serialises calls. Views it hands out are 1-D u
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from contextlib import AbstractContextManager
 
 import numpy as np
@@ -78,6 +78,11 @@ class Tier(ABC):
     @abstractmethod
     def keys(self) -> Iterator[BlockKey]:
         """Committed keys, in no particular order."""
+
+    def committed_keys(self) -> Container[object]:
+        """What `key in` tests for committed keys, read under the store's lock: the tier's own
+        dict or set where it keeps one, so a lookup tests each key in C, without a call."""
+        return self
 
     @property
     @abstractmethod

@@ -8,7 +8,7 @@ map, valid inside `open`'s `with`. Reopening the directory finds every committed
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -134,6 +134,9 @@ class DiskTier(Tier):
 
     def __contains__(self, key: object) -> bool:
         return key in self._committed
+
+    def committed_keys(self) -> Container[object]:
+        return self._committed
 
     def keys(self) -> Iterator[BlockKey]:
         return iter(list(self._committed))
