@@ -21,6 +21,7 @@ from kvstore.errors import ConfigError, TransferError
 MAX_FRAME_BYTES = 64 << 20
 _READ_SLICE_BYTES = 1 << 20
 _LENGTH = struct.Struct("<I")
+LENGTH_BYTES = _LENGTH.size  # the frame header
 M = TypeVar("M", bound=Message)
 
 

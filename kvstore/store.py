@@ -16,6 +16,7 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import repeat
 
 import torch
 
@@ -76,16 +77,18 @@ class TieredStore(TierMoves):
         slot holding it (len() is what `lookup` counts). No side effects."""
         found = bytearray()
         with self._lock:
-            held = [slot.tier.committed_keys() for slot in self.slots]
-            for key in keys:
-                if tenant is not None and self._tenants.get(key) != tenant:
+            fastest, *others = [slot.tier.committed_keys() for slot in self.slots]
+            owners = map(self._tenants.get, keys) if tenant is not None else repeat(None)
+            for key, owner in zip(keys, owners, strict=False):  # repeat() is endless
+                if owner != tenant:
                     break
-                for index, committed in enumerate(held):
-                    if key in committed:
-                        found.append(index)
-                        break
-                else:
+                if key in fastest:
+                    found.append(0)
+                    continue
+                index = next((i for i, held in enumerate(others, 1) if key in held), None)
+                if index is None:
                     break
+                found.append(index)
         return bytes(found)
 
     def _readable(self, key: BlockKey, tenant: str | None) -> bool:

@@ -1,6 +1,8 @@
 """The machine's floor under any unary RPC of the metadata service: a gRPC echo of a lookup-sized
 request on loopback, on a grpc.aio server (the service's kind) and a sync one, and the clients
 that measure it and the service alike (separate processes; the servers' CPU per call counted).
+And the floor under a worker's call to its node agent: a raw unix-socket round trip between two
+processes.
 
 Runs in the benchmark process; the echo servers and the clients are child processes it spawns.
 """
@@ -8,7 +10,10 @@ Runs in the benchmark process; the echo servers and the clients are child proces
 from __future__ import annotations
 
 import multiprocessing
+import os
+import socket
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -171,3 +176,45 @@ def echo_floor(payload: bytes, runs: int, duration_s: float, clients: int) -> di
             m["server_cpu_us_per_call"] for m in many
         )
     return result
+
+
+def _socket_echo(path: str, response_bytes: int, ready) -> None:
+    """Child: answers each message on a unix socket with `response_bytes` bytes."""
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path)
+    listener.listen(1)
+    ready.put(None)
+    connection, _ = listener.accept()
+    answer = bytes(response_bytes)
+    while connection.recv(1 << 16):
+        connection.sendall(answer)
+
+
+def unix_socket_floor_p50_us(request_bytes: int, response_bytes: int, runs: int,
+                             duration_s: float) -> float:  # fmt: skip
+    """Median over `runs` of the p50 of a raw round trip to another process over a unix
+    socket (one send and one recv each side, no framing, no parsing): what a worker's call to
+    its node agent cannot beat on this machine."""
+    context = multiprocessing.get_context("spawn")
+    ready = context.Queue()
+    with tempfile.TemporaryDirectory() as directory:
+        path = os.path.join(directory, "floor.sock")
+        echo = context.Process(target=_socket_echo, args=(path, response_bytes, ready))
+        echo.start()
+        try:
+            ready.get(timeout=READY_TIMEOUT_S)
+            with socket.socket(socket.AF_UNIX) as client:
+                client.connect(path)
+                request = bytes(request_bytes)
+
+                def call() -> None:
+                    client.sendall(request)
+                    if not client.recv(1 << 16):
+                        raise ConfigError("the unix-socket echo closed")
+
+                p50s = [summary(timed_calls(call, duration_s), duration_s)["p50_us"]
+                        for _ in range(runs)]  # fmt: skip
+        finally:
+            echo.terminate()
+            echo.join(timeout=10)
+    return statistics.median(p50s)

@@ -1,7 +1,8 @@
 """`kvstore bench lookup`: latency and throughput of prompt lookups against a metadata service
 it starts on loopback (a separate process), beside pipelined Redis EXISTS of the same keys; a
 worker's lookups through its node agent (another process, answering from its cluster view) for
-all-local, all-remote and all-absent prompts; the view's bytes per key; publish batching.
+all-local, all-remote and all-absent prompts, beside a raw unix-socket round trip between two
+processes (the floor under them); the view's bytes per key; publish batching.
 
 Runs in the benchmark process; clients for the concurrent runs are separate processes so the
 service, not the client's GIL, is what is measured. They share the machine's cores with the
@@ -28,12 +29,15 @@ from kvstore.bench.grpc_floor import (
     echo_floor,
     summary,
     timed_calls,
+    unix_socket_floor_p50_us,
 )
 from kvstore.bench.timing import check_runs, machine_info
 from kvstore.errors import ConfigError
+from kvstore.framing import LENGTH_BYTES
 from kvstore.metadata.client import MetadataClient
 from kvstore.metadata.index import BlockEntry, NodeRecord
 from kvstore.node.view import ClusterView
+from kvstore.v1 import agent_pb2 as agent_pb
 from kvstore.v1 import metadata_pb2 as pb
 
 TENANT = "bench"
@@ -124,10 +128,21 @@ def _agent_lookups(address: str, runs: int, duration_s: float) -> dict:
             result[f"all_{kind}"] = statistics.median(p50s)
         lags_ms = sorted(_view_lag_ms(address, worker) for _ in range(20))
         view = json.loads(worker.stats())["view"]
-        return {
-            "agent_lookup_64_p50_us": result, "agent_view": view,
-            "view_lag_p50_ms": lags_ms[len(lags_ms) // 2], "view_lag_max_ms": lags_ms[-1],
-        }  # fmt: skip
+    return {
+        "agent_lookup_64_p50_us": result, "agent_view": view,
+        "agent_lookup_floor_p50_us": _agent_floor_p50_us(prompts["local"], runs, duration_s),
+        "view_lag_p50_ms": lags_ms[len(lags_ms) // 2], "view_lag_max_ms": lags_ms[-1],
+    }  # fmt: skip
+
+
+def _agent_floor_p50_us(keys: list[bytes], runs: int, duration_s: float) -> float:
+    """A raw unix-socket round trip with the bytes of a 64-key agent lookup and its answer."""
+    request = agent_pb.AgentRequest(request_id=1, lookup=agent_pb.LookupKeysRequest(
+        tenant=TENANT, keys=keys))  # fmt: skip
+    response = agent_pb.AgentResponse(request_id=1)
+    response.lookup.local_hits, response.lookup.tiers = len(keys), b"h" * len(keys)
+    framed = LENGTH_BYTES + response.ByteSize()
+    return unix_socket_floor_p50_us(LENGTH_BYTES + request.ByteSize(), framed, runs, duration_s)
 
 
 def _view_lag_ms(address: str, worker, timeout_s: float = 10.0) -> float:

@@ -28,7 +28,7 @@ def test_lookup_benchmark_reports_latency_qps_and_the_redis_baseline():
               "lookup_qps_2_clients", "redis_exists_64_p50_us", "lookup_64_vs_redis",
               "grpc_echo_64_p50_us", "lookup_64_vs_grpc_echo", "view_bytes_per_key",
               "publish_keys_per_s_batch_1", "publish_keys_per_s_batch_1024",
-              "view_lag_p50_ms", "view_lag_max_ms")  # fmt: skip
+              "view_lag_p50_ms", "view_lag_max_ms", "agent_lookup_floor_p50_us")  # fmt: skip
     for field in fields:
         assert positive(result[field]), field
     floors = ("grpc_echo_sync_server_64_p50_us", "grpc_echo_qps_2_clients",
