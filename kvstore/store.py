@@ -43,6 +43,7 @@ class _Pending:
     slot: int
     page: torch.Tensor
     header: block.BlockHeader
+    arrived: threading.Event | None = None  # a block received from a peer: set once decided
 
 
 class TieredStore(TierMoves):
@@ -199,6 +200,8 @@ class TieredStore(TierMoves):
             pending = self._pending.pop(key, None)
             if pending is not None:
                 self.slots[pending.slot].tier.release(key)
+                if pending.arrived is not None:
+                    pending.arrived.set()
 
     def put(self, key: BlockKey, parent: BlockKey | None, payload: bytes | torch.Tensor) -> bool:
         """Store a whole payload (reserve, copy, commit). False if `key` was already present."""
@@ -258,8 +261,20 @@ class TieredStore(TierMoves):
                 return None
             self._make_room(0)
             page = self.slots[0].tier.reserve(key)
-            self._pending[key] = _Pending(0, page, block.BlockHeader(key, None, 0, 0))
+            header = block.BlockHeader(key, None, 0, 0)
+            self._pending[key] = _Pending(0, page, header, threading.Event())
             return page
+
+    def await_arrival(self, key: BlockKey, timeout_s: float) -> bool:
+        """Whether `key` is stored, once the block another thread is receiving for it from a
+        peer (if any) arrived or failed, waited for at most `timeout_s`: a load of a block
+        already on its way joins that fetch instead of missing it."""
+        with self._lock:
+            pending = self._pending.get(key)
+        if pending is not None and pending.arrived is not None:
+            pending.arrived.wait(max(0.0, timeout_s))
+        with self._lock:
+            return self._slot_of(key) is not None
 
     def commit_received(
         self, key: BlockKey, received_bytes: int, tenant: str | None = None,
@@ -283,6 +298,8 @@ class TieredStore(TierMoves):
             header = None
         with self._lock:
             del self._pending[key]
+            if pending.arrived is not None:  # under the lock: a waiter finds it decided
+                pending.arrived.set()
             if header is None:
                 self.checksum_failures += 1
                 self.slots[pending.slot].tier.release(key)

@@ -1,6 +1,9 @@
 """The node-local store, narrated: writes, longest-prefix lookups, pins, demotion to disk,
 promotion on hit, events, and corruption handled as a miss."""
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -172,3 +175,18 @@ def test_a_received_block_stays_unreservable_until_it_is_decided(store):
     assert store.reserve(KEYS[0], None, 10) is None and store.reserve_page(KEYS[0]) is None
     assert store.commit_received(KEYS[0], 50) is False  # garbage: discarded, page freed
     assert store.usage()["host"]["used_pages"] == 0 and page is not None
+
+
+def test_a_waiter_for_a_received_block_learns_as_soon_as_it_is_decided(store):
+    """await_arrival: a block being received is waited for, and a failed one is a prompt
+    False (the waiter does not sit out its timeout); a block never on its way is not."""
+    store.reserve_page(KEYS[0])
+    threading.Timer(0.2, store.abort, (KEYS[0],)).start()
+    started = time.monotonic()
+    assert store.await_arrival(KEYS[0], timeout_s=10) is False
+    assert 0.15 < time.monotonic() - started < 5
+    put_chain(store, 1)
+    assert store.await_arrival(KEYS[0], timeout_s=10) is True
+    started = time.monotonic()
+    assert store.await_arrival(KEYS[1], timeout_s=10) is False  # not on its way: no wait
+    assert time.monotonic() - started < 1

@@ -3,7 +3,9 @@
 Runs in the node agent, on the control-server thread of the worker that asked for a load.
 Every received block is checksummed before it becomes readable; the first failure ends the
 prefix, so a load never has holes. Holders come from the agent's ClusterView when it can answer
-(no round trip), else from the metadata service; a failed fetch corrects the view.
+(no round trip), else from the metadata service; a failed fetch corrects the view. A load of
+blocks another worker's load is already receiving waits for them (within its own deadline), so
+each block crosses the network once and both loads get it.
 """
 
 from __future__ import annotations
@@ -62,16 +64,32 @@ class RemoteFetcher:
         plan = self._holders(tenant, keys)
         deadline = time.monotonic() + timeout_s
         done = 0
-        for (node_id, address), run in _runs(plan):
-            wanted = keys[done : done + len(run)]
+        while done < len(plan):
+            joined = self._arrived_meanwhile(keys[done : len(plan)], deadline)
+            done += joined
+            if done == len(plan):
+                break
+            node_id, address = plan[done]
+            run = _run_length(plan, done)
+            wanted = keys[done : done + run]
             arrived, tried = self._fetch_run(address, tenant, wanted, deadline)
             if arrived < tried:
                 self.stats.failed_fetches += 1
                 self._correct_view(tenant, wanted[arrived:tried], node_id, address)
             done += arrived
-            if arrived < len(run):
+            if arrived < tried or not (tried or joined):  # failed, or no room and none joined
                 break
         return done
+
+    def _arrived_meanwhile(self, keys: Sequence[BlockKey], deadline: float) -> int:
+        """How many leading `keys` are stored now, waiting (until `deadline`) for those another
+        worker's load is receiving: this load joins that fetch rather than fetch them twice."""
+        count = 0
+        for key in keys:
+            if not self.store.await_arrival(key, deadline - time.monotonic()):
+                break
+            count += 1
+        return count
 
     def _correct_view(
         self, tenant: str, keys: Sequence[BlockKey], node_id: str, address: str
@@ -170,12 +188,9 @@ class RemoteFetcher:
         return len(keys)
 
 
-def _runs(plan: list[tuple[str, str]]) -> list[tuple[tuple[str, str], list[int]]]:
-    """Group consecutive keys with the same holder: one batched fetch each."""
-    runs: list[tuple[tuple[str, str], list[int]]] = []
-    for index, holder in enumerate(plan):
-        if runs and runs[-1][0] == holder:
-            runs[-1][1].append(index)
-        else:
-            runs.append((holder, [index]))
-    return runs
+def _run_length(plan: list[tuple[str, str]], start: int) -> int:
+    """How many keys from `start` on have the same holder: one batched fetch."""
+    end = start + 1
+    while end < len(plan) and plan[end] == plan[start]:
+        end += 1
+    return end - start

@@ -7,7 +7,7 @@ import time
 
 from kvstore.client import KVStoreClient
 from kvstore.keys import Namespace, chunk_keys
-from tests.metadata.servers import wait_until
+from tests.metadata.servers import running_server, wait_until
 from tests.node.agents import running_agent
 from tests.node.test_client import PAYLOAD, save_chain
 
@@ -65,3 +65,39 @@ def test_a_save_into_a_full_arena_does_not_wait_for_a_slow_disk_write(tmp_path):
             values = [int(view[0]) for view in loaded.payloads]
             assert len(values) >= 6 and values == list(range(1, len(values) + 1))
             writer.release(loaded)
+
+
+def test_a_load_joins_the_fetch_another_worker_has_under_way(tmp_path):
+    """Two workers of one host load a prefix another host holds on its slow disk: the second
+    waits for the blocks the first is already receiving (each is fetched once) instead of
+    finding them half-written and computing the whole prefix."""
+    holder_settings = {
+        "disk_dir": tmp_path / "disk",
+        "host_capacity_bytes": 8 << 20,
+        "host_policy": "lru",
+        "disk_read_bytes_per_s": int(PAYLOAD / READ_S),
+    }
+    with running_server(tmp_path) as server:
+        address = f"127.0.0.1:{server.port}"
+        with running_agent(tmp_path, "holder", metadata_address=address, transfer="tcp",
+                           **holder_settings) as holder, \
+                running_agent(tmp_path, "reader", metadata_address=address,
+                              transfer="tcp") as reader:  # fmt: skip
+            with KVStoreClient(holder.config.socket_path, "w") as writer:
+                for start in (0, 4, 8):  # the first 4 blocks go down to the holder's disk
+                    save_chain(writer, KEYS[start : start + 4], fill=lambda i, s=start: s + i + 1)
+            assert holder.store.tier_of(KEYS[0]) == "disk"
+            with KVStoreClient(reader.config.socket_path, "first") as first, \
+                    KVStoreClient(reader.config.socket_path, "second") as second:  # fmt: skip
+                assert wait_until(lambda: second.lookup("t", KEYS[:2]).remote == 2, timeout_s=10)
+                loads = []
+                thread = threading.Thread(target=lambda: loads.append(first.load("t", KEYS[:2])))
+                thread.start()
+                assert wait_until(lambda: reader.store._pending, timeout_s=READ_S)
+                joined = second.load("t", KEYS[:2])
+                thread.join()
+                for loaded in (*loads, joined):
+                    assert [int(view[0]) for view in loaded.payloads] == [1, 2]
+                assert reader.fetcher.stats.blocks == 2, "each block is fetched once"
+                first.release(loads[0])
+                second.release(joined)
