@@ -1,11 +1,14 @@
 """A connector half's connection to its host's node agent: opened on demand, dropped when it
-breaks, so an absent or restarted agent costs recomputes, never a failed request. Runs in the
-vLLM scheduler and worker processes.
+breaks, so an absent or restarted agent costs recomputes, never a failed request; and one
+such connection per thread, for the scheduler's staging threads. Runs in the vLLM scheduler and
+worker processes.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Callable
 
 from kvstore.client import KVStoreClient
 from kvstore.errors import KVStoreError
@@ -51,3 +54,29 @@ class AgentConnection:
                 client.close()
             except Exception:  # the agent may be gone; nothing to release there
                 logger.debug("closing a dead kvstore client", exc_info=True)
+
+
+class ThreadConnections:
+    """One AgentConnection per thread that asks for one (each staging thread's own: a
+    connection answers one call at a time), all dropped together at shutdown."""
+
+    def __init__(self, make: Callable[[], AgentConnection]) -> None:
+        self._make = make
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._made: list[AgentConnection] = []
+
+    @property
+    def connection(self) -> AgentConnection:
+        """The calling thread's connection, made on its first call."""
+        connection = getattr(self._local, "connection", None)
+        if connection is None:
+            connection = self._local.connection = self._make()
+            with self._lock:
+                self._made.append(connection)
+        return connection
+
+    def drop(self) -> None:
+        with self._lock:
+            for connection in self._made:
+                connection.drop()

@@ -26,6 +26,7 @@ from kvstore.layout import KVLayout
 
 KEY_SCHEMES = ("vllm", "sglang")
 LOAD_THREADS = ("auto", "thread", "inline")
+MAX_STAGE_THREADS = 16  # each holds one agent connection (a control thread in the agent)
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class ConnectorSettings:
     key_scheme: str = "vllm"  # vllm | sglang (shared with SGLang; chunk_tokens = its page size)
     head_group_size: int = 0  # kv heads per stored block, fleet-wide; 0: this rank's heads
     load_thread: str = "auto"  # auto | thread | inline: where layer-wise loads copy (worker.py)
+    stage_threads: int = 2  # requests staged at once (disk promotions, pulls from other hosts)
     # KV events (--kv-events-config): the metadata service whose event stream tells this
     # host's evictions; its token file; how many announced chunks are remembered for them.
     events_metadata_address: str = ""
@@ -75,6 +77,8 @@ class ConnectorSettings:
                               f"{LOAD_THREADS}")  # fmt: skip
         if settings.events_max_chunks <= 0:
             raise ConfigError("events_max_chunks must be positive")
+        if not 1 <= settings.stage_threads <= MAX_STAGE_THREADS:
+            raise ConfigError(f"stage_threads must be in [1, {MAX_STAGE_THREADS}]")
         if settings.head_group_size < 0:
             raise ConfigError("head_group_size must be >= 0 (0: this TP rank's kv heads)")
         return settings

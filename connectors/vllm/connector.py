@@ -180,7 +180,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if self.scheduler is not None:
             self.scheduler.lookups.close()
             self.scheduler.agent.drop()
-            self.scheduler.stage_agent.drop()
+            self.scheduler.stage_agents.drop()
         if self.events is not None:
             self.events.close()
         if self.worker is not None:

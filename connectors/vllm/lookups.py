@@ -2,9 +2,10 @@
 other hosts, or bring chunks into this host's arena (promote them from disk, pull them from
 another host), takes time; vLLM's scheduler must not wait for it, so the connector answers
 "not yet" (None) and vLLM asks again on a later step. Runs in vLLM's scheduler process: a
-lookup thread (the agent's answer, the load-or-compute decision) and a staging thread (the
-promotions and pulls), each on its own agent connection, so a request whose chunks are on a
-slow disk or another host never holds up the lookup of one whose chunks are in the arena.
+lookup thread (the agent's answer, the load-or-compute decision) and staging threads (the
+promotions and pulls; `stage_threads` requests at once), each on its own agent connection, so a
+request whose chunks are on a slow disk or another host never holds up the lookup of one whose
+chunks are in the arena, nor, up to that many, the staging of another.
 Also: per-chunk tiers of an answer.
 """
 
@@ -35,12 +36,12 @@ class LookupQueue:
     """Lookups by request id: `submit`, then `poll` until an Answer; `discard` when the request
     leaves. Each scheduler step may spend at most INLINE_WAIT_S waiting, in total."""
 
-    def __init__(self, lookup) -> None:
+    def __init__(self, lookup, stage_threads: int = 1) -> None:
         # (request id, chain keys) -> LookupCounts, or the staging that returns them (run on
-        # the staging thread); raises KVStoreError
+        # a staging thread); raises KVStoreError
         self._lookup = lookup
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvstore-lookup")
-        self._stager = ThreadPoolExecutor(1, thread_name_prefix="kvstore-stage")
+        self._stager = ThreadPoolExecutor(stage_threads, thread_name_prefix="kvstore-stage")
         self._futures: dict[str, Future] = {}
         self._answers: dict[str, Answer] = {}
         self._wait_left_s = INLINE_WAIT_S

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 
 from connectors.vllm import compat
-from connectors.vllm.agent import AgentConnection
+from connectors.vllm.agent import AgentConnection, ThreadConnections
 from connectors.vllm.config import ConnectorSettings, EngineKV
 from connectors.vllm.lookups import LookupQueue, chunk_tiers, tokens_by_tier
 from connectors.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
@@ -49,11 +50,13 @@ class SchedulerSide:
         self.settings = settings
         self.kv = kv
         self.groups = groups
-        # the lookup thread's connection, and the staging thread's own; neither copies payloads
+        # the lookup thread's connection, and each staging thread's own; none copies payloads
         self.agent = AgentConnection(settings.socket_path, "vllm-scheduler",
                                      settings.credential_file, pin_mapping=False)  # fmt: skip
-        self.stage_agent = AgentConnection(settings.socket_path, "vllm-scheduler-stage",
-                                           settings.credential_file, pin_mapping=False)  # fmt: skip
+        self.stage_agents = ThreadConnections(lambda: AgentConnection(
+            settings.socket_path, "vllm-scheduler-stage", settings.credential_file,
+            pin_mapping=False))  # fmt: skip
+        self._staged_lock = threading.Lock()  # the staging threads' counters and cost samples
         self.requests: dict[str, RequestState] = {}
         self._pending_loads: dict[str, RequestState] = {}
         self._bypassing: set[str] = set()  # ids of live requests the store bypasses
@@ -63,7 +66,7 @@ class SchedulerSide:
                       "prefetched_blocks": 0, "promoted_blocks": 0, "recomputed_chunks": 0,
                       "saves_out_of_window": 0}  # fmt: skip
         self.stats.update({f"hit_tokens_{tier}": 0 for tier in TIERS})
-        self.lookups = LookupQueue(self._lookup)
+        self.lookups = LookupQueue(self._lookup, settings.stage_threads)
         # load only what beats compute; the arena is read in place, always worth loading
         self.cost = OnlineLoadPlanner(kv.layout.chunk_tokens, free_tiers=frozenset({"host"}))
         self.bypassed: dict[str, int] = {}  # reason -> requests (see RequestKeys.bypass_reason)
@@ -135,14 +138,15 @@ class SchedulerSide:
         return functools.partial(self._stage_apart, block_keys, tiers, groups)
 
     def _stage_apart(self, block_keys: list[bytes], tiers: list[str], groups: int):
-        """On the staging thread, over its own connection (see _stage)."""
-        client = self.stage_agent.client
+        """On a staging thread, over that thread's own connection (see _stage)."""
+        connection = self.stage_agents.connection
+        client = connection.client
         if client is None:
             return LookupCounts(0, 0)
         try:
             return self._stage(client, block_keys, tiers, groups)
         except KVStoreError:
-            self.stage_agent.drop()
+            connection.drop()
             raise
 
     def _chunks_worth_loading(self, req_id: str, tiers: list[str]) -> int:
@@ -186,9 +190,10 @@ class SchedulerSide:
         client.release(loaded)
         got = min(len(loaded.payloads) // groups, len(tiers))
         arrived = tiers[:got].count(tier)
-        self.cost.observe_fetch(tier, arrived, time.perf_counter() - started)
         counter = "promoted_blocks" if tier == "disk" else "prefetched_blocks"
-        self.stats[counter] += arrived * groups
+        with self._staged_lock:  # several staging threads count into one dict
+            self.cost.observe_fetch(tier, arrived, time.perf_counter() - started)
+            self.stats[counter] += arrived * groups
         return got
 
     def _count(self, answer) -> None:

@@ -7,8 +7,12 @@ answered at once."""
 import threading
 import time
 
+import pytest
+
+from connectors.vllm.config import ConnectorSettings
 from connectors.vllm.lookups import LookupQueue
 from kvstore.client import LookupCounts
+from kvstore.errors import ConfigError
 
 STAGE_S = 0.5
 
@@ -78,7 +82,7 @@ def test_a_request_that_left_is_not_staged():
 
         return stage
 
-    queue = LookupQueue(lookup)
+    queue = LookupQueue(lookup, stage_threads=1)
     try:
         assert queue.answer("first", [b"k"]) is None  # staging for STAGE_S
         assert queue.answer("left", [b"k"]) is None  # its staging queues behind
@@ -89,3 +93,33 @@ def test_a_request_that_left_is_not_staged():
         assert ran == ["first"], "the request that left was staged"
     finally:
         queue.close()
+
+
+def test_two_stagings_run_at_once_on_two_staging_threads():
+    """Two requests whose chunks must be staged: with one staging thread the second waits for
+    the first (2 x STAGE_S); with two, both are answered within about one STAGE_S."""
+
+    def lookup(req_id, keys):
+        def stage():
+            time.sleep(STAGE_S)
+            return LookupCounts(0, 3, "rrr")
+
+        return stage
+
+    for threads, lower_s, upper_s in ((1, 2 * STAGE_S, 5.0), (2, STAGE_S, 1.6 * STAGE_S)):
+        queue = LookupQueue(lookup, stage_threads=threads)
+        try:
+            started = time.monotonic()
+            assert queue.answer("a", [b"k"]) is None and queue.answer("b", [b"k"]) is None
+            answers = [poll(queue, "a"), poll(queue, "b")]
+            took_s = time.monotonic() - started
+            assert all(a.counts == LookupCounts(0, 3, "rrr") for a in answers)
+            assert lower_s <= took_s < upper_s, f"{threads} thread(s): {took_s:.2f} s"
+        finally:
+            queue.close()
+
+
+@pytest.mark.parametrize("threads", [0, 17])
+def test_a_number_of_staging_threads_out_of_range_is_refused(threads):
+    with pytest.raises(ConfigError, match=r"stage_threads must be in \[1, 16\]"):
+        ConnectorSettings.from_extra_config({"stage_threads": threads})
