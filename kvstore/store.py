@@ -4,7 +4,8 @@ Runs in the process that owns the tiers (the node agent; replay and benchmarks i
 Thread-safe: one lock guards what every tier holds; reads of pinned blocks, and the copies
 of promotions and of demotions ahead of need, run outside it. Longest-prefix lookup across
 tiers; pins (pinned blocks are never evicted); stored/removed events for the publisher. Moves
-between tiers (promotion on a pin, demotion on eviction or ahead of it): kvstore/store_moves.py.
+between tiers (promotion on a pin, demotion on eviction or ahead of it): kvstore/store_moves.py;
+blocks received from peers: kvstore/store_received.py.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from kvstore.eviction.base import EvictionPolicy
 from kvstore.keys import BlockKey
 from kvstore.kvcopy.verified import copy_and_checksum
 from kvstore.store_moves import TierMoves
+from kvstore.store_received import PendingWrite, ReceivedBlocks
 from kvstore.tiers.base import Tier
 
 logger = logging.getLogger(__name__)
@@ -38,15 +40,7 @@ class TierSlot:
     policy: EvictionPolicy
 
 
-@dataclass
-class _Pending:
-    slot: int
-    page: torch.Tensor
-    header: block.BlockHeader
-    arrived: threading.Event | None = None  # a block received from a peer: set once decided
-
-
-class TieredStore(TierMoves):
+class TieredStore(TierMoves, ReceivedBlocks):
     """Blocks across tiers. Slot 0 is the fastest; new blocks are written there."""
 
     def __init__(self, slots: Sequence[TierSlot], events: EventFeed | None = None) -> None:
@@ -56,7 +50,7 @@ class TieredStore(TierMoves):
         self.events = events or EventFeed()
         self._lock = threading.RLock()
         self._pins: Counter[BlockKey] = Counter()
-        self._pending: dict[BlockKey, _Pending] = {}
+        self._pending: dict[BlockKey, PendingWrite] = {}
         self._promoting: dict[BlockKey, threading.Event] = {}  # set when its copy up is done
         self._tenants: dict[BlockKey, str] = {}  # key -> tenant, for events
         self.removals: Counter[str] = Counter()  # per tier: evicted, demoted or purged
@@ -174,7 +168,7 @@ class TieredStore(TierMoves):
             self._make_room(0)
             page = top.reserve(key)
             header = block.BlockHeader(key, parent, payload_bytes, 0, layout_hash, codec_id, tenant)
-            self._pending[key] = _Pending(0, page, header)
+            self._pending[key] = PendingWrite(0, page, header)
             return page[block.HEADER_BYTES : block.HEADER_BYTES + payload_bytes]
 
     def commit(self, key: BlockKey, checksum: int | None = None) -> None:
@@ -251,62 +245,6 @@ class TieredStore(TierMoves):
                 yield None if header is None else page[: header.block_bytes]
         finally:
             self.unpin([key])
-
-    # ---- blocks received from peers ------------------------------------------------------
-    def reserve_page(self, key: BlockKey) -> torch.Tensor | None:
-        """A whole writable top-tier page for a block arriving from a peer (header included),
-        or None if `key` is already stored or being written. Finish with commit_received."""
-        with self._lock:
-            if self._slot_of(key) is not None or key in self._pending or key in self._promoting:
-                return None
-            self._make_room(0)
-            page = self.slots[0].tier.reserve(key)
-            header = block.BlockHeader(key, None, 0, 0)
-            self._pending[key] = _Pending(0, page, header, threading.Event())
-            return page
-
-    def await_arrival(self, key: BlockKey, timeout_s: float) -> bool:
-        """Whether `key` is stored, once the block another thread is receiving for it from a
-        peer (if any) arrived or failed, waited for at most `timeout_s`: a load of a block
-        already on its way joins that fetch instead of missing it."""
-        with self._lock:
-            pending = self._pending.get(key)
-        if pending is not None and pending.arrived is not None:
-            pending.arrived.wait(max(0.0, timeout_s))
-        with self._lock:
-            return self._slot_of(key) is not None
-
-    def commit_received(
-        self, key: BlockKey, received_bytes: int, tenant: str | None = None,
-        payload_checksum: int | None = None,
-    ) -> bool:  # fmt: skip
-        """Verify a received block (header, key, length, checksum and, with `tenant`, that it
-        is the tenant it was fetched for) and make it readable. `payload_checksum`: the xxh3-64
-        of the page's bytes past the header, as the transfer engine hashed them landing (see
-        TransferEngine.fetch); the payload is then not read again. A block that fails is
-        discarded, counted in checksum_failures, and False returned."""
-        with self._lock:
-            pending = self._pending.get(key)  # stays pending (not re-reservable) until decided
-            if pending is None:
-                raise NotFoundError(f"{key!r} has no page reserved for a received block")
-        try:
-            header = block.verify(pending.page[:received_bytes].cpu(), key, payload_checksum)
-            if tenant is not None and header.tenant != tenant:
-                raise ChecksumError(f"holder sent tenant {header.tenant!r}, fetched for {tenant!r}")
-        except ChecksumError as exc:
-            logger.warning("discarding block received for %r: %s", key, exc)
-            header = None
-        with self._lock:
-            del self._pending[key]
-            if pending.arrived is not None:  # under the lock: a waiter finds it decided
-                pending.arrived.set()
-            if header is None:
-                self.checksum_failures += 1
-                self.slots[pending.slot].tier.release(key)
-                return False
-            self.slots[pending.slot].tier.commit(key, header.block_bytes)
-            self._announce(pending.slot, header)
-        return True
 
     def _checked_header(
         self, index: int, key: BlockKey, page: torch.Tensor | None
