@@ -6,6 +6,7 @@ default: metadata service and one node agent in one process), `kvstore metadata`
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import logging
 import signal
 import sys
@@ -15,6 +16,7 @@ from kvstore.metadata.server import MetadataConfig, MetadataServer
 from kvstore.node.agent import NodeAgent, NodeConfig
 
 logger = logging.getLogger(__name__)
+SHUTDOWN_STACKS_AFTER_S = 15.0  # each service's stop is bounded well below this
 
 
 def _wait_for_signal() -> None:
@@ -64,8 +66,11 @@ def _run(stoppables: list) -> int:
         _wait_for_signal()
     finally:
         print("kvstore: shutting down", file=sys.stderr, flush=True)
+        # a shutdown that hangs says where: every thread's stack on stderr
+        faulthandler.dump_traceback_later(SHUTDOWN_STACKS_AFTER_S, exit=False)
         for service in reversed(stoppables):
             service.stop()
+        faulthandler.cancel_dump_traceback_later()
     return 0
 
 

@@ -22,6 +22,19 @@ from tests.metadata.servers import health_status, start_cli, wait_until
 SIGTERM_GRACE_S = 30
 
 
+def stop_cleanly(process) -> None:
+    """SIGTERM, then exit 0 within the grace; a hung shutdown fails with the process's stderr
+    (where it dumps every thread's stack after kvstore.serve.SHUTDOWN_STACKS_AFTER_S)."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        assert process.wait(timeout=SIGTERM_GRACE_S) == 0
+    except subprocess.TimeoutExpired:
+        process.kill()
+        _, stderr = process.communicate(timeout=10)
+        message = f"no exit {SIGTERM_GRACE_S} s after SIGTERM; stderr:\n{stderr}"
+        raise AssertionError(message) from None
+
+
 def kvstore(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "kvstore", *args], capture_output=True, text=True, timeout=60
@@ -54,8 +67,7 @@ def test_the_readme_serve_command_starts_answers_health_and_stops_on_sigterm(tmp
         as_json = json.loads(kvstore("stats", "--address", address, "--json").stdout)
         assert as_json["blocks"] == "2" and as_json["nodes"][0]["node"]["node_id"] == "host-1"
     finally:
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=SIGTERM_GRACE_S) == 0
+        stop_cleanly(process)
     assert "shutting down" in process.stderr.read()
     assert (tmp_path / "data" / "metadata.lmdb").exists()
     assert (tmp_path / "data" / "disk" / "data.mdb").exists()
@@ -112,5 +124,4 @@ def test_the_readme_first_command_serves_metadata_and_an_agent(tmp_path):
         with KVStoreClient(data_dir / "agent.sock") as client:
             assert client.lookup("t", chunk_keys(Namespace("m", "l"), range(256), 256)).total == 0
     finally:
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=SIGTERM_GRACE_S) == 0
+        stop_cleanly(process)
