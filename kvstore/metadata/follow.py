@@ -1,7 +1,8 @@
 """Follows the metadata service's WatchEvents stream for a reader outside the node agent: resumes
 by seq after a broken stream, and asks its handler to resync where events were lost (KIND_GAP, or
 a service restarted without its state). Runs in one background thread of its owner (the vLLM
-connector's scheduler process, or `kvstore events`).
+connector's scheduler process, or `kvstore events`). StreamThread, the thread and stream both
+this follower and the node agent's view feed (kvstore/node/view_feed.py) run on, is here too.
 """
 
 from __future__ import annotations
@@ -30,23 +31,20 @@ class EventHandler(Protocol):
         """One stored/removed event, in seq order, each at most once after a resync."""
 
 
-class EventFollower:
-    def __init__(
-        self, client: MetadataClient, handler: EventHandler, tenant: str = "",
-        backoff: Backoff = RESUME_BACKOFF,
-    ) -> None:  # fmt: skip
+class StreamThread:
+    """One background thread reading the WatchEvents stream of `client` from `seq` + 1: its
+    subclass's `_run` loops; `stop` cancels the stream it reads, joins it (bounded) and closes
+    the client."""
+
+    def __init__(self, client: MetadataClient, backoff: Backoff, name: str) -> None:
         self.client = client
-        self.handler = handler
-        self.tenant = tenant  # "" every tenant (needs an all-tenant token)
         self.backoff = backoff
-        self.seq = 0  # the last event applied
-        self.incarnation = 0
-        self.counters = {"events": 0, "gaps": 0, "reconnects": 0, "restarts": 0}
-        self.disabled = ""  # why the service refuses this follower ("" while it does not)
-        self._need_resync = True
+        self.seq = 0  # the last event applied (or the state's seq after a resync)
+        self.incarnation = 0  # of the index followed
+        self.disabled = ""  # why the service refuses this reader ("" while it does not)
         self._stream: EventStream | None = None
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="event-follower", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
         self._thread.start()
@@ -58,6 +56,33 @@ class EventFollower:
         if self._thread.is_alive():
             self._thread.join(timeout=5)
         self.client.close()
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def _restarted_afresh(self, stats) -> bool:
+        """The service's events are numbered afresh (restarted without its state): resuming
+        by seq would skip or misread them."""
+        return stats.incarnation != self.incarnation or stats.last_event_seq < self.seq
+
+    def _open_stream(self, tenant: str) -> EventStream:
+        """The stream from seq + 1 (cancelled at once if stop came meanwhile)."""
+        self._stream = stream = self.client.open_events(self.seq + 1, tenant)
+        if self._stop.is_set():
+            stream.cancel()
+        return stream
+
+
+class EventFollower(StreamThread):
+    def __init__(
+        self, client: MetadataClient, handler: EventHandler, tenant: str = "",
+        backoff: Backoff = RESUME_BACKOFF,
+    ) -> None:  # fmt: skip
+        super().__init__(client, backoff, "event-follower")
+        self.handler = handler
+        self.tenant = tenant  # "" every tenant (needs an all-tenant token)
+        self.counters = {"events": 0, "gaps": 0, "reconnects": 0, "restarts": 0}
+        self._need_resync = True
 
     def _run(self) -> None:
         attempt = 0
@@ -78,9 +103,7 @@ class EventFollower:
 
     def _step(self) -> None:
         stats = self.client.stats()
-        if not self._need_resync and (
-            stats.incarnation != self.incarnation or stats.last_event_seq < self.seq
-        ):
+        if not self._need_resync and self._restarted_afresh(stats):
             logger.warning("the metadata service restarted without its state; resyncing")
             self.counters["restarts"] += 1
             self._need_resync = True
@@ -92,9 +115,7 @@ class EventFollower:
 
     def _follow(self) -> None:
         """Apply events from seq + 1 until the stream ends or reports a gap."""
-        self._stream = stream = self.client.open_events(self.seq + 1, self.tenant)
-        if self._stop.is_set():
-            stream.cancel()
+        stream = self._open_stream(self.tenant)
         for event in stream:
             if event.kind == pb.Event.KIND_GAP:
                 logger.warning("events up to seq %d were lost; resyncing", event.seq)

@@ -7,7 +7,6 @@ that has drained away cause a new snapshot. Runs in one background thread of the
 from __future__ import annotations
 
 import logging
-import threading
 import time
 
 from kvstore.errors import (
@@ -18,7 +17,8 @@ from kvstore.errors import (
     UnavailableError,
 )
 from kvstore.metadata import wire
-from kvstore.metadata.client import EventStream, MetadataClient
+from kvstore.metadata.client import MetadataClient
+from kvstore.metadata.follow import StreamThread
 from kvstore.node.identity import ALL_TENANTS
 from kvstore.node.link import DEFAULT_BACKOFF
 from kvstore.node.view import ClusterView
@@ -30,34 +30,16 @@ REFUSED_BACKOFF = Backoff(base_s=1.0, cap_s=60.0)  # each retry costs the servic
 _KINDS = {pb.Event.KIND_STORED: "stored", pb.Event.KIND_REMOVED: "removed"}
 
 
-class ViewFeed:
+class ViewFeed(StreamThread):
     def __init__(
         self, client: MetadataClient, view: ClusterView, resync_min_interval_s: float = 30.0,
         backoff: Backoff = DEFAULT_BACKOFF,
     ) -> None:  # fmt: skip
-        self.client = client
+        super().__init__(client, backoff, "view-feed")
         self.view = view
         self.resync_min_interval_s = resync_min_interval_s
-        self.backoff = backoff
-        self.seq = 0  # the last event applied (or the snapshot's seq)
-        self.incarnation = 0  # of the index the view follows
-        self.disabled = ""  # why the service cannot feed a view ("" while it can)
         self._need_snapshot = True
         self._snapshot_at = 0.0
-        self._stream: EventStream | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="view-feed", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._stream is not None:
-            self._stream.cancel()
-        if self._thread.is_alive():
-            self._thread.join(timeout=5)
-        self.client.close()
 
     def _run(self) -> None:
         attempt = 0
@@ -85,17 +67,12 @@ class ViewFeed:
     def _step(self) -> None:
         if self._need_snapshot:
             self._snapshot()
-        elif self._restarted_afresh():
+        elif self._restarted_afresh(self.client.stats()):
             logger.warning("the metadata service restarted without its state; resyncing")
             self.view.counters["restarts"] += 1
             self._need_snapshot = True
             return
         self._follow()
-
-    def _restarted_afresh(self) -> bool:
-        """Its events are numbered afresh: resuming by seq would skip or misread them."""
-        stats = self.client.stats()
-        return stats.incarnation != self.incarnation or stats.last_event_seq < self.seq
 
     def _snapshot(self) -> None:
         tenant = _one_tenant(self.view)
@@ -112,9 +89,7 @@ class ViewFeed:
 
     def _follow(self) -> None:
         """Apply events from seq + 1 until the stream ends, a gap or a drained overflow."""
-        self._stream = stream = self.client.open_events(self.seq + 1, _one_tenant(self.view))
-        if self._stop.is_set():
-            stream.cancel()
+        stream = self._open_stream(_one_tenant(self.view))
         view = self.view
         for event in stream:
             if event.kind == pb.Event.KIND_GAP:
