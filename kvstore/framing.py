@@ -40,11 +40,13 @@ def recv_message(
 ) -> M | None:  # fmt: skip
     """The next message, or None when the peer closed the connection cleanly between frames.
     Waiting for a frame to begin is bounded by the socket's own timeout only."""
-    first = sock.recv(1)
-    if not first:
+    head = sock.recv(_LENGTH.size)  # the whole length, in the common case, in one call
+    if not head:
         return None
     deadline = None if frame_timeout_s is None else time.monotonic() + frame_timeout_s
-    (length,) = _LENGTH.unpack(first + _recv_exactly(sock, _LENGTH.size - 1, deadline))
+    if len(head) < _LENGTH.size:
+        head += _recv_exactly(sock, _LENGTH.size - len(head), deadline)
+    (length,) = _LENGTH.unpack(head)
     if length > max_bytes:
         raise ConfigError(f"frame of {length} bytes exceeds the {max_bytes}-byte limit")
     body = _recv_exactly(sock, length, deadline)
