@@ -63,22 +63,23 @@ class RemoteFetcher:
         A holder that failed to deliver keys is no longer named for them by the view."""
         plan = self._holders(tenant, keys)
         deadline = time.monotonic() + timeout_s
-        done = 0
+        done, stalled = 0, False
         while done < len(plan):
             joined = self._arrived_meanwhile(keys[done : len(plan)], deadline)
             done += joined
-            if done == len(plan):
+            if done == len(plan) or (stalled and not joined):  # no room, or a save holds it
                 break
             node_id, address = plan[done]
-            run = _run_length(plan, done)
-            wanted = keys[done : done + run]
+            wanted = keys[done : done + _run_length(plan, done)]
             arrived, tried = self._fetch_run(address, tenant, wanted, deadline)
             if arrived < tried:
                 self.stats.failed_fetches += 1
                 self._correct_view(tenant, wanted[arrived:tried], node_id, address)
+                return done + arrived
             done += arrived
-            if arrived < tried or not (tried or joined):  # failed, or no room and none joined
-                break
+            # none reserved: the first key may have been taken by another load since it was
+            # checked; the next round waits for it (and stops if nothing came of it)
+            stalled = tried == 0
         return done
 
     def _arrived_meanwhile(self, keys: Sequence[BlockKey], deadline: float) -> int:

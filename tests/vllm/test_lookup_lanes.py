@@ -106,7 +106,7 @@ def test_two_stagings_run_at_once_on_two_staging_threads():
 
         return stage
 
-    for threads, lower_s, upper_s in ((1, 2 * STAGE_S, 5.0), (2, STAGE_S, 1.6 * STAGE_S)):
+    for threads, lower_s, upper_s in ((1, 2 * STAGE_S, 5.0), (2, STAGE_S, 1.9 * STAGE_S)):
         queue = LookupQueue(lookup, stage_threads=threads)
         try:
             started = time.monotonic()
