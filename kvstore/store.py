@@ -72,15 +72,15 @@ class TieredStore(TierMoves, ReceivedBlocks):
         slot holding it (len() is what `lookup` counts). No side effects."""
         found = bytearray()
         with self._lock:
-            fastest, *others = [slot.tier.committed_keys() for slot in self.slots]
+            fastest = self.slots[0].tier.committed_keys()
             owners = map(self._tenants.get, keys) if tenant is not None else repeat(None)
             for key, owner in zip(keys, owners, strict=False):  # repeat() is endless
                 if owner != tenant:
                     break
-                if key in fastest:
+                if key in fastest:  # the common case, tested in C
                     found.append(0)
                     continue
-                index = next((i for i, held in enumerate(others, 1) if key in held), None)
+                index = self._slot_of(key)
                 if index is None:
                     break
                 found.append(index)

@@ -1,7 +1,7 @@
 """The scheduler half of the connector: how many prompt tokens the store can supply (and from
 which tier), and per step which chunks each worker loads and saves. Runs in vLLM's scheduler
 (engine core) process; lookups run on its lookup thread, and the promotion of disk chunks into
-the host arena and the pull of other hosts' chunks into it on its staging thread (see
+the host arena and the pull of other hosts' chunks into it on its staging threads (see
 lookups.py), so a forward pass copies from the arena only.
 """
 
@@ -121,7 +121,7 @@ class SchedulerSide:
     def _lookup(self, req_id: str, chain_keys: list[bytes]):
         """On the lookup thread: the chunks to load as LookupCounts (their codes say where each
         was found) when all are in this host's arena; otherwise the staging that brings them
-        there (a callable, run on the staging thread, returning those LookupCounts)."""
+        there (a callable, run on a staging thread, returning those LookupCounts)."""
         client = self.agent.client
         if client is None:
             return LookupCounts(0, 0)  # no agent: nothing to load
@@ -166,7 +166,8 @@ class SchedulerSide:
         return skip + load
 
     def _stage(self, client, block_keys: list[bytes], tiers: list[str], groups: int):
-        """On the staging thread: bring the chunks to load into this host's arena now, while
+        """On a staging thread (on the lookup thread when every chunk is in the arena already):
+        bring the chunks to load into this host's arena now, while
         vLLM is told to ask again: disk chunks promoted, then other hosts' chunks pulled, so
         the forward pass copies from the arena only (no disk read and no remote fetch runs
         inside it); the time each took teaches the cost model its tier. What arrived is the
