@@ -128,8 +128,7 @@ class KVStoreClient:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvstore-client")
         self._pin_mapping = pin_mapping
         try:
-            hello = pb.HelloRequest(worker=worker, credential=credential)
-            self.info = self._call("hello", hello).hello
+            self.info = self._call("hello", worker=worker, credential=credential).hello
             self._mapping = self._receive_mapping()
         except BaseException:
             self._executor.shutdown(wait=False)
@@ -157,9 +156,10 @@ class KVStoreClient:
         return self.info.access
 
     # ---- protocol --------------------------------------------------------------------------
-    def _call(self, name: str, message) -> pb.AgentResponse:
-        request = pb.AgentRequest(request_id=next(self._ids))
-        getattr(request, name).CopyFrom(message)
+    def _call(self, name: str, **fields) -> pb.AgentResponse:
+        """One request and its answer; `fields` are those of the `name` call's message (one
+        message built from a dict: a lookup pays no copy)."""
+        request = pb.AgentRequest(request_id=next(self._ids), **{name: fields})
         with self._lock:
             if self._broken:
                 raise errors.UnavailableError("this client's agent connection broke; reconnect")
@@ -208,8 +208,7 @@ class KVStoreClient:
     def lookup(self, tenant: str, keys: Sequence[bytes], local_only: bool = False) -> LookupCounts:
         """How many leading `keys` can be loaded (local tiers, then other nodes) and where each
         is (`codes`, `tier_names`); no side effect."""
-        request = pb.LookupKeysRequest(tenant=tenant, keys=keys, local_only=local_only)
-        result = self._call("lookup", request).lookup
+        result = self._call("lookup", tenant=tenant, keys=keys, local_only=local_only).lookup
         codes = result.tiers.decode("ascii", "replace")
         return LookupCounts(result.local_hits, result.remote_hits, codes)
 
@@ -223,8 +222,8 @@ class KVStoreClient:
         A consumer that copies the payloads out should pass verify=False and copy with
         `LoadedBlocks.copy_to`, which verifies the copy itself in the same pass.
         """
-        request = pb.LoadRequest(tenant=tenant, keys=keys, timeout_ms=int(timeout_s * 1000))
-        result = self._call("load", request).load
+        timeout_ms = int(timeout_s * 1000)
+        result = self._call("load", tenant=tenant, keys=keys, timeout_ms=timeout_ms).load
         payloads = [
             self._payload_view(offset, size)
             for offset, size in zip(result.offsets, result.payload_bytes, strict=True)
@@ -247,7 +246,7 @@ class KVStoreClient:
 
     def release(self, loaded: LoadedBlocks) -> None:
         """Unpin a load. Its payload views must not be read afterwards."""
-        self._call("release", pb.ReleaseRequest(load_id=loaded.load_id))
+        self._call("release", load_id=loaded.load_id)
 
     # ---- writes ----------------------------------------------------------------------------
     def save(
@@ -255,11 +254,10 @@ class KVStoreClient:
         first_parent: bytes | None = None, layout_hash: int = 0, codec_id: int = 0,
     ) -> SaveReservation:  # fmt: skip
         """Reserve arena pages for a chain of chunk keys; write payloads in place, then commit."""
-        request = pb.SaveRequest(
-            tenant=tenant, keys=keys, first_parent=first_parent or b"",
+        result = self._call(
+            "save", tenant=tenant, keys=keys, first_parent=first_parent or b"",
             payload_bytes=payload_bytes, layout_hash=layout_hash, codec_id=codec_id,
-        )  # fmt: skip
-        result = self._call("save", request).save
+        ).save  # fmt: skip
         views = [
             self._payload_view(offset, payload_bytes) if reserved else None
             for reserved, offset in zip(result.reserved, result.offsets, strict=True)
@@ -272,18 +270,19 @@ class KVStoreClient:
     ) -> int:  # fmt: skip
         """Make written payloads readable (all reserved keys by default); returns how many."""
         keys = reservation.reserved_keys() if keys is None else list(keys)
-        request = pb.CommitRequest(save_id=reservation.save_id, keys=keys, checksums=checksums)
-        return self._call("commit", request).commit.committed
+        return self._call(
+            "commit", save_id=reservation.save_id, keys=keys, checksums=checksums
+        ).commit.committed
 
     def commit_async(self, reservation: SaveReservation, **options) -> Future[int]:
         return self._executor.submit(self.commit, reservation, **options)
 
     def abort(self, reservation: SaveReservation) -> None:
         """Free every page of the reservation that was not committed."""
-        self._call("abort", pb.AbortRequest(save_id=reservation.save_id))
+        self._call("abort", save_id=reservation.save_id)
 
     def stats(self) -> str:
-        return self._call("stats", pb.AgentStatsRequest()).stats.json
+        return self._call("stats").stats.json
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
