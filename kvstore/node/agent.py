@@ -304,9 +304,8 @@ class NodeAgent:
             self.link.stop()
         if self.engine is not None:
             self.engine.close()
-        if self.demotion is not None:
-            self.demotion.stop()
+        writing = self.demotion is not None and not self.demotion.stop()
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
-        if self.store is not None:
+        if self.store is not None and not writing:  # never close a tier a thread writes into
             self.store.close()

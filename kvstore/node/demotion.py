@@ -15,6 +15,7 @@ logger = logging.getLogger(__name__)
 
 POLL_S = 0.01  # how often the free pages are checked (a check is a few microseconds)
 BACKOFF_S = 1.0  # after a failure (a full disk of pinned blocks, LMDB's map full)
+STOP_S = 10.0  # stop waits this long for a block being written down; then leaves it running
 AUTO_FRACTION = 32  # host_free_pages -1: 1/32 of the arena (none for arenas under 32 pages)
 
 
@@ -41,10 +42,19 @@ class DemotionThread:
     def running(self) -> bool:
         return self._thread.is_alive()
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float | None = None) -> bool:
+        """Stop, waiting up to `timeout_s` (STOP_S) for a block being written down. False when
+        the write still runs (a hung disk): the caller must not close the disk tier under it;
+        the process's exit ends it."""
+        timeout_s = STOP_S if timeout_s is None else timeout_s
         self._stopped.set()
         if self._thread.is_alive():
-            self._thread.join()
+            self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            logger.error("a block is still being written to the disk tier %.0f s after the "
+                         "stop; the disk tier is left open", timeout_s)  # fmt: skip
+            return False
+        return True
 
     def _run(self) -> None:
         while not self._stopped.wait(POLL_S):

@@ -145,6 +145,10 @@ class DiskTier(Tier):
     def used_pages(self) -> int:
         return len(self._committed) + len(self._staging)
 
+    @property
+    def closed(self) -> bool:
+        return self._env is None
+
     def close(self) -> None:
         if self._env is not None:
             self._env.close()

@@ -7,6 +7,8 @@ import time
 
 from kvstore.client import KVStoreClient
 from kvstore.keys import Namespace, chunk_keys
+from kvstore.node import demotion
+from kvstore.node.agent import NodeAgent, NodeConfig
 from tests.metadata.servers import running_server, wait_until
 from tests.node.agents import running_agent
 from tests.node.test_client import PAYLOAD, save_chain
@@ -101,3 +103,27 @@ def test_a_load_joins_the_fetch_another_worker_has_under_way(tmp_path):
                 assert reader.fetcher.stats.blocks == 2, "each block is fetched once"
                 first.release(loads[0])
                 second.release(joined)
+
+
+def test_an_agent_stops_promptly_while_the_disk_hangs_in_a_demotion(tmp_path, monkeypatch):
+    """A block write that does not return (a hung disk) holds the agent's stop no longer than
+    the demotion thread's stop timeout, and the disk tier is left open under that write."""
+    monkeypatch.setattr(demotion, "STOP_S", 0.3)
+    settings = {
+        "disk_dir": tmp_path / "disk",
+        "host_capacity_bytes": 8 << 20,
+        "host_policy": "lru",
+        "host_free_pages": 2,
+        "disk_write_bytes_per_s": int(PAYLOAD / 4),
+    }  # fmt: skip: 4 s a block
+    agent = NodeAgent(NodeConfig(node_id="hung", socket_path=tmp_path / "hung.sock",
+                                 transfer="none", page_size_bytes=1 << 20, **settings))  # fmt: skip
+    agent.start()
+    with KVStoreClient(agent.config.socket_path, "writer") as writer:
+        save_chain(writer, KEYS[:8], fill=lambda i: i + 1)  # a full arena: demotion starts
+    disk = agent.store.slots[1].tier
+    assert wait_until(lambda: disk.used_pages > 0, timeout_s=5)  # a block is being written
+    started = time.perf_counter()
+    agent.stop()
+    assert time.perf_counter() - started < 2, "the stop waited for the hung disk write"
+    assert not disk.closed, "the disk tier was closed under the demotion's write"
