@@ -9,11 +9,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from typing import TypeVar
 
 from kvstore.client import KVStoreClient
 from kvstore.errors import KVStoreError
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class AgentConnection:
@@ -37,6 +39,18 @@ class AgentConnection:
             except KVStoreError as exc:
                 logger.warning("kvstore agent unavailable (%s); prefixes are computed", exc)
         return self._client
+
+    def call(self, use: Callable[[KVStoreClient], T], otherwise: T) -> T:
+        """`use(client)`, or `otherwise` while no agent answers; a KVStoreError drops the
+        connection (the next call reconnects) and is raised."""
+        client = self.client
+        if client is None:
+            return otherwise
+        try:
+            return use(client)
+        except KVStoreError:
+            self.drop()
+            raise
 
     @property
     def node_id(self) -> str | None:

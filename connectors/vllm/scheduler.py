@@ -22,7 +22,6 @@ from connectors.vllm.request_keys import RequestKeys
 from connectors.vllm.stats import LatencySamples
 from kvstore.client import TIER_OF_CODE, TIERS, LookupCounts
 from kvstore.costmodel import OnlineLoadPlanner
-from kvstore.errors import KVStoreError
 
 logger = logging.getLogger(__name__)
 _CODE_OF_TIER = {tier: code for code, tier in TIER_OF_CODE.items()}
@@ -122,16 +121,13 @@ class SchedulerSide:
         """On the lookup thread: the chunks to load as LookupCounts (their codes say where each
         was found) when all are in this host's arena; otherwise the staging that brings them
         there (a callable, run on a staging thread, returning those LookupCounts)."""
-        client = self.agent.client
-        if client is None:
-            return LookupCounts(0, 0)  # no agent: nothing to load
+        plan = functools.partial(self._plan_loads, req_id, chain_keys)
+        return self.agent.call(plan, otherwise=LookupCounts(0, 0))  # no agent: nothing to load
+
+    def _plan_loads(self, req_id: str, chain_keys: list[bytes], client):
         groups = self.kv.lookup_blocks_per_chunk  # every rank's groups of every PP stage
         block_keys = self.kv.lookup_keys(chain_keys)  # chunk-major
-        try:
-            tiers = chunk_tiers(client.lookup(self.settings.tenant, block_keys), groups)
-        except KVStoreError:
-            self.agent.drop()
-            raise
+        tiers = chunk_tiers(client.lookup(self.settings.tenant, block_keys), groups)
         tiers = tiers[: self._chunks_worth_loading(req_id, tiers)]
         if set(tiers) <= {"host"}:
             return self._stage(client, block_keys, tiers, groups)  # nothing to bring
@@ -139,15 +135,8 @@ class SchedulerSide:
 
     def _stage_apart(self, block_keys: list[bytes], tiers: list[str], groups: int):
         """On a staging thread, over that thread's own connection (see _stage)."""
-        connection = self.stage_agents.connection
-        client = connection.client
-        if client is None:
-            return LookupCounts(0, 0)
-        try:
-            return self._stage(client, block_keys, tiers, groups)
-        except KVStoreError:
-            connection.drop()
-            raise
+        stage = functools.partial(self._stage, block_keys=block_keys, tiers=tiers, groups=groups)
+        return self.stage_agents.connection.call(stage, otherwise=LookupCounts(0, 0))
 
     def _chunks_worth_loading(self, req_id: str, tiers: list[str]) -> int:
         """On the lookup thread: the leading cached chunks (`tiers[i]`: where chunk i is)
