@@ -112,11 +112,10 @@ class MetadataClient:
         except grpc.FutureTimeoutError:
             raise errors.UnavailableError(f"no connection within {timeout_s} s") from None
 
-    def _call(self, method: str, request):
+    def _call(self, method: str, request, timeout_s: float | None = None):
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         try:
-            return getattr(self._stub, method)(
-                request, timeout=self.timeout_s, metadata=self._metadata
-            )
+            return getattr(self._stub, method)(request, timeout=timeout_s, metadata=self._metadata)
         except grpc.RpcError as exc:
             raise error_from_rpc(exc) from None
 
@@ -152,12 +151,13 @@ class MetadataClient:
         return self._call("Unpublish", request).removed
 
     def lookup(
-        self, tenant: str, keys: Sequence[bytes], caller_node_id: str = "", chunk_tokens: int = 0
-    ) -> LookupResult:
+        self, tenant: str, keys: Sequence[bytes], caller_node_id: str = "", chunk_tokens: int = 0,
+        timeout_s: float | None = None,
+    ) -> LookupResult:  # fmt: skip
         request = pb.LookupRequest(
             tenant=tenant, keys=keys, caller_node_id=caller_node_id, chunk_tokens=chunk_tokens
         )
-        return lookup_result(self._call("Lookup", request))
+        return lookup_result(self._call("Lookup", request, timeout_s))
 
     def route(
         self, tenant: str, keys: Sequence[bytes], candidates: Sequence[str] = ()

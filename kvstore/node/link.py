@@ -76,10 +76,15 @@ class MetadataLink:
         """Ask the link to publish pending events now (it also does so every heartbeat/3)."""
         self._wake.set()
 
-    def lookup(self, tenant: str, keys: Sequence[bytes]) -> LookupResult | None:
-        """Who else holds the leading `keys`; None while the service is unreachable."""
+    def lookup(
+        self, tenant: str, keys: Sequence[bytes], timeout_s: float | None = None
+    ) -> LookupResult | None:  # fmt: skip
+        """Who else holds the leading `keys`; None while the service is unreachable or has not
+        answered within `timeout_s` (the client's own timeout by default)."""
         try:
-            return self.client.lookup(tenant, keys, caller_node_id=self.node.node_id)
+            return self.client.lookup(
+                tenant, keys, caller_node_id=self.node.node_id, timeout_s=timeout_s
+            )
         except UnavailableError as exc:
             logger.debug("remote lookup skipped: %s", exc)
             return None

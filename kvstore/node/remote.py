@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvstore.errors import CapacityError, TransferError
 from kvstore.keys import BlockKey
@@ -21,6 +22,9 @@ from kvstore.node.link import MetadataLink
 from kvstore.node.view import ClusterView
 from kvstore.store import TieredStore
 from kvstore.transfer.base import TransferEngine
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +65,8 @@ class RemoteFetcher:
     def fetch(self, tenant: str, keys: Sequence[BlockKey], timeout_s: float) -> int:
         """Copy the leading `keys` from their holders into the store; returns how many arrived.
         A holder that failed to deliver keys is no longer named for them by the view."""
-        plan = self._holders(tenant, keys)
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + timeout_s  # the service's answer counts against it too
+        plan = self._holders(tenant, keys, deadline)
         done, stalled = 0, False
         while done < len(plan):
             joined = self._arrived_meanwhile(keys[done : len(plan)], deadline)
@@ -74,7 +78,7 @@ class RemoteFetcher:
             arrived, tried = self._fetch_run(address, tenant, wanted, deadline)
             if arrived < tried:
                 self.stats.failed_fetches += 1
-                self._correct_view(tenant, wanted[arrived:tried], node_id, address)
+                self._correct_view(tenant, wanted[arrived:tried], node_id, address, deadline)
                 return done + arrived
             done += arrived
             # none reserved: the first key may have been taken by another load since it was
@@ -93,14 +97,17 @@ class RemoteFetcher:
         return count
 
     def _correct_view(
-        self, tenant: str, keys: Sequence[BlockKey], node_id: str, address: str
-    ) -> None:
-        """After a failed fetch, ask the service (the failure path only): a holder it names at
-        a new address restarted there (its keys came back by events), so the view learns the
-        address; otherwise the view stops naming that holder for `keys`."""
+        self, tenant: str, keys: Sequence[BlockKey], node_id: str, address: str,
+        deadline: float,
+    ) -> None:  # fmt: skip
+        """After a failed fetch, ask the service (the failure path only) within the load's
+        deadline: a holder it names at a new address restarted there (its keys came back by
+        events), so the view learns the address; otherwise (or with no time left) the view
+        stops naming that holder for `keys`, and forgets its address until the service says."""
         if self.view is None:
             return
-        result = self.link.lookup(tenant, keys)
+        left_s = deadline - time.monotonic()
+        result = self.link.lookup(tenant, keys, timeout_s=left_s) if left_s > 0 else None
         if result is not None:
             current = self._address(result, node_id)
             if current and current != address:
@@ -108,13 +115,16 @@ class RemoteFetcher:
                 return
         self.view.forget(tenant, keys, node_id)
 
-    def _holders(self, tenant: str, keys: Sequence[BlockKey]) -> list[tuple[str, str]]:
-        """Per leading key, (node id, address) of its best other holder."""
+    def _holders(
+        self, tenant: str, keys: Sequence[BlockKey], deadline: float
+    ) -> list[tuple[str, str]]:  # fmt: skip
+        """Per leading key, (node id, address) of its best other holder: the view's, else the
+        service's answer by `deadline` (none after it)."""
         ucx = self.engine.name == "ucx"
         plan = self.view.plan(tenant, keys, ucx) if self.view is not None else None
         if plan is not None:
             return plan
-        result = self.link.lookup(tenant, keys)
+        result = self.link.lookup(tenant, keys, timeout_s=max(deadline - time.monotonic(), 0))
         if result is None:
             return []
         if self.view is not None:
@@ -143,15 +153,7 @@ class RemoteFetcher:
         self, address: str, tenant: str, keys: Sequence[BlockKey], deadline: float
     ) -> tuple[int, int]:
         """(blocks that arrived and were committed, blocks asked of the holder)."""
-        pages = []
-        for key in keys:
-            try:
-                page = self.store.reserve_page(key)
-            except CapacityError:
-                break
-            if page is None:  # arrived meanwhile (another worker's load): not ours to fetch
-                break
-            pages.append(page)
+        pages = self._reserve(keys)
         wanted = keys[: len(pages)]
         checksums: list[int | None] = [None] * len(wanted)  # hashed as they land, if the engine can
         started = time.monotonic()
@@ -167,6 +169,25 @@ class RemoteFetcher:
             raise
         self.stats.seconds += time.monotonic() - started
         return self._commit(tenant, wanted, received, checksums), len(wanted)
+
+    def _reserve(self, keys: Sequence[BlockKey]) -> list[torch.Tensor]:
+        """Arena pages for the leading `keys` that can have one now; on an error (a victim's
+        write to disk failing), those reserved so far are given back, never left pending."""
+        pages = []
+        try:
+            for key in keys:
+                try:
+                    page = self.store.reserve_page(key)
+                except CapacityError:
+                    break
+                if page is None:  # arrived meanwhile (another worker's load): not ours
+                    break
+                pages.append(page)
+        except BaseException:
+            for key in keys[: len(pages)]:
+                self.store.abort(key)
+            raise
+        return pages
 
     def _commit(
         self, tenant: str, keys: Sequence[BlockKey], received: list[int],

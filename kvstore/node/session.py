@@ -157,10 +157,10 @@ class WorkerSession:
         if local < len(keys) and self.fetcher is not None:
             try:
                 fetched = self.fetcher.fetch(tenant, keys[local:], timeout_s)
+                remote = self._pin_in_arena(keys[local : local + fetched], tenant)
             except BaseException:
                 self.store.unpin(keys[:local])  # not registered under a load id yet
                 raise
-            remote = self._pin_in_arena(keys[local : local + fetched], tenant)
         return list(keys[: local + remote]), local, remote
 
     def _copy_out(self, load: _Load, pages: list[int], headers: list[block.BlockHeader]):
