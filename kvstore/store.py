@@ -55,6 +55,7 @@ class TieredStore(TierMoves, ReceivedBlocks):
         self._tenants: dict[BlockKey, str] = {}  # key -> tenant, for events
         self.removals: Counter[str] = Counter()  # per tier: evicted, demoted or purged
         self.checksum_failures = 0
+        self.write_failures = 0  # victims a lower tier failed to store (evicted, not demoted)
         self._recover()
 
     # ---- lookups -------------------------------------------------------------------------

@@ -47,12 +47,21 @@ class TierMoves:
         self._remove(index, key)
 
     def _copy_into(self, index: int, key: BlockKey, header, page: torch.Tensor) -> None:
+        """Write a victim down to tier `index`; where that fails (no room, a failing disk) the
+        victim is only evicted: a miss later, and the save that needed its page goes on."""
         slot = self.slots[index]
         try:
             self._make_room(index)
             slot.tier.write(key, page)
         except CapacityError:
             logger.debug("no room in %s tier for %r; not copied", slot.tier.kind, key)
+            return
+        except Exception as exc:  # an I/O error; the tier's write stored nothing
+            self.write_failures += 1
+            if self.write_failures & (self.write_failures - 1) == 0:  # 1st, 2nd, 4th, ...
+                logger.warning("writing a block down to the %s tier failed (%s; %d so far); "
+                               "evicted without a copy", slot.tier.kind, exc,
+                               self.write_failures)  # fmt: skip
             return
         self._announce(index, header)
 

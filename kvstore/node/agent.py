@@ -273,6 +273,7 @@ class NodeAgent:
                 "engine_events": dataclasses.asdict(self.engine.stats) if self.engine else {},
             },
             "checksum_failures": self.store.checksum_failures,
+            "demotion_write_failures": self.store.write_failures,
             "evictions": dict(self.store.removals),
             "demoted_ahead": self.demotion.written if self.demotion else 0,
             "pins": self.store.pins_held(),

@@ -1,11 +1,14 @@
-"""A load whose fetch fails part-way gives back everything it took, and returns within its
-deadline: pages reserved before a reservation raised (a victim's write to a failing disk),
-the local prefix's pins when pinning the fetched part raises, and the metadata service's
-answers (before the fetch, and in the view's correction after a failed one) inside the
-load's timeout. A real store over a disk that fails on demand; stand-in holder and service.
+"""Loads and saves that meet a fault: a load whose fetch fails part-way gives back the pages
+it reserved and the pins it took, and returns within its deadline, the metadata service's
+answers included (before the fetch, and in the view's correction after a failed one); a
+disk that fails to store an evicted block costs a miss, never a failed save (a failed read
+raises, the block kept: see test_store_moves.py). Real stores (host arena, LMDB disk that
+fails on demand); stand-in holder, view and service.
 """
 
 import errno
+import itertools
+import logging
 import time
 
 import pytest
@@ -23,12 +26,11 @@ from kvstore.tiers import HostTier
 from kvstore.tiers.disk import DiskTier
 
 PAGE = 1024
-KEYS = chunk_keys(Namespace("sha256:review-fetch", "layout"), range(12), 4)
-OTHER = chunk_keys(Namespace("sha256:review-other", "layout"), range(4), 4)
+KEYS = chunk_keys(Namespace("sha256:fetch-failures", "layout"), range(24), 4)
 
 
 class FailingDisk(DiskTier):
-    """A disk tier whose writes fail with an I/O error once `fail` is set (EIO, a dying
+    """A disk tier whose writes fail with an I/O error while `fail` is set (EIO, a dying
     device, an LMDB error other than MapFull: anything but CapacityError)."""
 
     fail = False
@@ -37,6 +39,24 @@ class FailingDisk(DiskTier):
         if self.fail:
             raise OSError(errno.EIO, "Input/output error (simulated)")
         super()._put(key, block)
+
+
+def failing_on_call(method, call: int):
+    """`method`, raising RuntimeError on its `call`-th call (a fault deep in the store)."""
+    calls = itertools.count(1)
+
+    def wrapped(*args, **kwargs):
+        if next(calls) == call:
+            raise RuntimeError("injected fault")
+        return method(*args, **kwargs)
+
+    return wrapped
+
+
+def host_and_disk(tmp_path, host_pages: int = 2) -> tuple[TieredStore, FailingDisk]:
+    disk = FailingDisk(tmp_path / "disk", 8 * PAGE, PAGE)
+    host = TierSlot(HostTier(host_pages * PAGE, PAGE), make_policy("lru"))
+    return TieredStore([host, TierSlot(disk, make_policy("lru"))]), disk
 
 
 def host_store(pages: int = 8) -> TieredStore:
@@ -81,56 +101,17 @@ class EveryKeyOnTheHolder:
         pass
 
 
-# ---- 1. a reservation leaked when reserve_page raises anything but CapacityError --------------
-def test_reserved_pages_are_freed_when_a_later_reservation_raises(tmp_path):
-    """Reserving the 2nd key evicts a victim whose demotion to disk fails with an I/O error:
-    the 1st key's page, reserved already, is given back (it was left pending, its `arrived`
-    never set, the key unreservable for good)."""
-    holder = holder_with(KEYS[:2])
-    disk = FailingDisk(tmp_path / "disk", 8 * PAGE, PAGE)
-    reader = TieredStore(
-        [
-            TierSlot(HostTier(2 * PAGE, PAGE), make_policy("lru")),
-            TierSlot(disk, make_policy("lru")),
-        ]
-    )
+# ---- a fault while reserving or pinning gives back what the load took ---------------------
+def test_reserved_pages_are_given_back_when_a_later_reservation_raises():
+    """The 2nd key's reservation raises: the 1st key's page, reserved already, is given back
+    (it stayed pending, its arrival never announced, the key unreservable for good), and a
+    later load fetches that key at once instead of waiting its deadline for it."""
+    holder, reader = holder_with(KEYS[:2]), host_store()
     try:
-        reader.put(OTHER[0], None, b"x" * 500)  # 1 of the 2 host pages in use, evictable
         fetcher = RemoteFetcher(reader, None, HolderEngine(holder), "reader", EveryKeyOnTheHolder())
-        disk.fail = True
-        with pytest.raises(OSError):
+        reader.reserve_page = failing_on_call(reader.reserve_page, 2)
+        with pytest.raises(RuntimeError):
             fetcher.fetch("default", KEYS[:2], timeout_s=2)
-        disk.fail = False  # the disk recovered (or the error was transient)
-
-        # every page reserved by the failed fetch should have been given back
-        page = reader.reserve_page(KEYS[0])
-        assert page is not None, "KEYS[0] left reserved by the failed fetch"
-        reader.abort(KEYS[0])
-
-    finally:
-        holder.close()
-        reader.close()
-
-
-def test_a_load_after_a_failed_fetch_is_not_stuck_on_its_leaked_reservation(tmp_path):
-    """After that failure a load of KEYS[0] fetches it at once (a leaked reservation made
-    every later load wait its whole deadline for an arrival no one would announce)."""
-    holder = holder_with(KEYS[:2])
-    disk = FailingDisk(tmp_path / "disk", 8 * PAGE, PAGE)
-    reader = TieredStore(
-        [
-            TierSlot(HostTier(2 * PAGE, PAGE), make_policy("lru")),
-            TierSlot(disk, make_policy("lru")),
-        ]
-    )
-    try:
-        reader.put(OTHER[0], None, b"x" * 500)
-        fetcher = RemoteFetcher(reader, None, HolderEngine(holder), "reader", EveryKeyOnTheHolder())
-        disk.fail = True
-        with pytest.raises(OSError):
-            fetcher.fetch("default", KEYS[:2], timeout_s=2)
-        disk.fail = False
-
         started = time.monotonic()
         fetched = fetcher.fetch("default", KEYS[:1], timeout_s=1.0)
         waited = time.monotonic() - started
@@ -142,47 +123,38 @@ def test_a_load_after_a_failed_fetch_is_not_stuck_on_its_leaked_reservation(tmp_
         reader.close()
 
 
-# ---- 2. the local prefix's pins leak when the second _pin_in_arena raises --------------------
-def test_local_pins_are_released_when_pinning_the_fetched_part_raises(tmp_path):
-    """KEYS[0] is in the arena, KEYS[1] on this node's disk (no room to promote it on the
-    first pin: another worker pinned the other page). That worker releases its load while
-    this load's fetch runs; the fetch finds KEYS[1] stored (joined), and the second pin
-    promotes it, evicting the released block, whose demotion hits a disk I/O error. The load
-    raises, and KEYS[0] is unpinned (it stayed pinned under no load id, never evictable)."""
-    holder = holder_with(KEYS[:2])
-    disk = FailingDisk(tmp_path / "disk", 8 * PAGE, PAGE)
-    with holder.open_block(KEYS[1]) as whole:  # KEYS[1] already on this node's disk
-        disk.write(KEYS[1], whole.clone())
-    reader = TieredStore(
-        [
-            TierSlot(HostTier(2 * PAGE, PAGE), make_policy("lru")),
-            TierSlot(disk, make_policy("lru")),
-        ]
-    )
+def test_local_pins_are_released_when_pinning_the_fetched_part_raises():
+    """KEYS[0] is in the arena, KEYS[1] is fetched; pinning it raises: the load fails with
+    KEYS[0] unpinned (it stayed pinned under no load id, never evictable again)."""
+    holder, reader = holder_with(KEYS[:2]), host_store()
     try:
-        assert reader.tier_of(KEYS[1]) == "disk"
         reader.put(KEYS[0], None, bytes([1]) * 500)
-        reader.put(OTHER[0], None, b"x" * 500)
-        assert reader.pin([OTHER[0]]) == 1  # another worker's load: the arena is full, pinned
-
-        class ViewWhileAnotherWorkerReleases(EveryKeyOnTheHolder):
-            def plan(self, tenant, keys, ucx):
-                reader.unpin([OTHER[0]])  # the other worker releases its load meanwhile
-                return super().plan(tenant, keys, ucx)
-
-        fetcher = RemoteFetcher(
-            reader, None, HolderEngine(holder), "reader", ViewWhileAnotherWorkerReleases()
-        )
+        fetcher = RemoteFetcher(reader, None, HolderEngine(holder), "reader", EveryKeyOnTheHolder())
         identity = WorkerIdentity(PeerCredentials(0, 0, 0), frozenset({ALL_TENANTS}), "test")
         session = WorkerSession(reader, fetcher, RequestCounters(), identity, 64)
-        disk.fail = True
-        with pytest.raises(OSError):
+        reader.pin = failing_on_call(reader.pin, 2)  # the 1st pins KEYS[0], the 2nd KEYS[1]
+        with pytest.raises(RuntimeError):
             session.load("default", KEYS[:2], timeout_s=1)
-        disk.fail = False
         session.close()
         assert reader.pins_held() == 0, f"{reader.pins_held()} pin(s) leaked"
     finally:
         holder.close()
+        reader.close()
+
+
+# ---- a disk that fails to store a victim costs a miss, never a failed save ----------------
+def test_a_victim_the_disk_fails_to_store_is_evicted_and_the_save_goes_on(tmp_path, caplog):
+    reader, disk = host_and_disk(tmp_path)
+    try:
+        reader.put(KEYS[0], None, bytes([1]) * 500)
+        reader.put(KEYS[1], KEYS[0], bytes([2]) * 500)
+        disk.fail = True
+        with caplog.at_level(logging.WARNING, logger="kvstore.store_moves"):
+            reader.put(KEYS[2], KEYS[1], bytes([3]) * 500)  # evicts KEYS[0]: its write fails
+            reader.put(KEYS[3], KEYS[2], bytes([4]) * 500)
+        assert reader.tier_of(KEYS[0]) is None and reader.tier_of(KEYS[3]) == "host"
+        assert reader.write_failures == 2 and len(caplog.records) == 2  # the 1st, the 2nd
+    finally:
         reader.close()
 
 
