@@ -22,6 +22,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
+    PoolName,
 )
 
 from connectors.sglang import copies, pages
@@ -80,6 +81,20 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             self._format.layout_id, self._groups.count, self._format.payload_bytes,
             config.tp_rank, config.tp_size, config.is_storage_writer,
         )  # fmt: skip
+
+    def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
+        """SGLang's hybrid controller registers each host pool by name. Only the KV pool's
+        pages are stored: a sidecar pool (an EAGLE draft's, SWA, Mamba, an indexer) is refused
+        here, failing the attach with this message, since its pages would never be stored and
+        SGLang's v2 calls for them would fail every backup and prefetch."""
+        name = getattr(host_pool_name, "value", host_pool_name)
+        if name != PoolName.KV.value:
+            raise errors.ConfigError(
+                f"the kvstore HiCache backend stores the KV pool only, not SGLang's {name!r} "
+                "pool (an EAGLE draft, SWA, Mamba or indexer pool): run this model without "
+                "--hicache-storage-backend kvstore, or without that pool"
+            )
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
 
     def _namespace(self, pool) -> Namespace:
         """MHA: the block layout (one head group), the model's kv heads and the layer range,
@@ -236,13 +251,28 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             )  # fmt: skip
             written, checksums = self._write(starts, store_keys, reservation.payloads)
             if written:
-                client.commit(reservation, keys=written, checksums=checksums)
-            return [True] * len(keys)
+                committed = client.commit(reservation, keys=written, checksums=checksums)
+                written = written if committed == len(written) else []  # then none is sure
+            return self._pages_stored(client, store_keys, reservation.payloads, written)
         except _FAILURES as exc:
             logger.warning("kvstore save of %d pages failed: %s", len(keys), exc)
             if reservation is not None:
                 self._abort(client, reservation)
             return [False] * len(keys)
+
+    def _pages_stored(self, client, store_keys, payloads, written) -> list[bool]:
+        """Per page: True when each of its blocks was written now or is held already (the
+        agent reserves no page for those; nor for a block being written or with no room)."""
+        held = set(written)
+        unreserved = [key for key, view in zip(store_keys, payloads, strict=True) if view is None]
+        if unreserved:  # the leading ones stored in this node's tiers
+            found = client.lookup(self.settings.tenant, unreserved, local_only=True).total
+            held.update(unreserved[:found])
+        count = self._groups.count
+        return [
+            all(key in held for key in store_keys[start : start + count])
+            for start in range(0, len(store_keys), count)
+        ]
 
     def _write(self, starts: list[int], store_keys, payloads) -> tuple[list, list[int]]:
         """Copy every reserved block out of its host page: the keys written, their checksums."""
@@ -284,6 +314,15 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         """SGLang's StorageMetrics of the calls since the last get_stats, plus running totals
         of hits, misses and bytes (`totals`)."""
         return self.stats.take()
+
+    def clear(self) -> None:
+        """Refused: kvstore's blocks are shared by every engine of the cluster, so one engine
+        does not drop them (SGLang reports the clear failed). They age out by eviction; a new
+        `salt` or `tenant` starts afresh."""
+        raise NotImplementedError(
+            "kvstore's blocks are shared by every engine of the cluster: one engine does not "
+            "clear them (they are evicted as they age; a new salt or tenant starts afresh)"
+        )
 
     def close(self) -> None:
         with self._client_lock:

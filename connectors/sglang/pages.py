@@ -19,6 +19,12 @@ from kvstore.errors import ConfigError
 from kvstore.layout import DTYPES, KVLayout
 
 SUPPORTED_LAYOUTS = ("page_first", "page_first_direct")
+# The host pools whose pages are wholly in kv_buffer. Not their subclasses: the MXFP8 pool
+# keeps each page's scales in buffers of its own (SGLang refuses it L3 pages too).
+SUPPORTED_POOLS = (
+    "sglang.srt.mem_cache.pool_host.mha.MHATokenToKVPoolHost",
+    "sglang.srt.mem_cache.pool_host.mla.MLATokenToKVPoolHost",
+)
 
 
 @dataclass(frozen=True)
@@ -100,6 +106,13 @@ def page_format(pool, mla: bool, codec: str, group_heads: int = 0) -> PageFormat
     """The format of a real SGLang host pool (MHATokenToKVPoolHost / MLATokenToKVPoolHost),
     its heads stored in blocks of `group_heads` (0: all of them); ConfigError, naming what is
     supported, for anything else."""
+    kind = type(pool)
+    if f"{kind.__module__}.{kind.__qualname__}" not in SUPPORTED_POOLS:
+        names = " or ".join(name.rpartition(".")[2] for name in SUPPORTED_POOLS)
+        raise ConfigError(
+            f"the kvstore HiCache backend stores the pages of {names}, not {kind.__name__} "
+            "(whose pages hold more than its kv_buffer, or are laid out otherwise)"
+        )
     layout = getattr(pool, "layout", None)
     if layout not in SUPPORTED_LAYOUTS:
         raise ConfigError(
