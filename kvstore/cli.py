@@ -133,11 +133,9 @@ def _stats(args: argparse.Namespace) -> dict | int:
 
 
 def _events(args: argparse.Namespace) -> dict:
-    import signal
-    import threading
-
     from kvstore.config import read_secret_file
     from kvstore.events_zmq import EventsConfig, run_events
+    from kvstore.stop_signals import StopSignals
 
     token = read_secret_file(args.token_file, "metadata token") if args.token_file else None
     config = EventsConfig(
@@ -145,10 +143,8 @@ def _events(args: argparse.Namespace) -> dict:
         replay_endpoint=args.replay, tenant=args.tenant, token=token, tls_ca=args.tls_ca,
         block_tokens=args.block_tokens, int_hashes=not args.bytes_hashes,
     )  # fmt: skip
-    stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
-    return run_events(config, stop)
+    with StopSignals() as stop:
+        return run_events(config, stop)
 
 
 def _add_metadata_flags(parser: argparse.ArgumentParser, with_backend: bool) -> None:

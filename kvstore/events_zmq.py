@@ -240,8 +240,9 @@ class Republisher:
         self._stop.set()
 
 
-def run_events(config: EventsConfig, stop: threading.Event) -> dict:
-    """Follow and republish until `stop` is set; returns the counters."""
+def run_events(config: EventsConfig, stop) -> dict:
+    """Follow and republish until `stop` (a threading.Event or kvstore.serve.StopSignals) is
+    set; returns the counters."""
     client = MetadataClient(config.metadata_address, token=config.token, tls_ca=config.tls_ca)
     republisher = Republisher(config, client)
     context = zmq.Context()

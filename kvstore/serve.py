@@ -8,42 +8,20 @@ from __future__ import annotations
 import dataclasses
 import faulthandler
 import logging
-import signal
-import socket
 import sys
 
 from kvstore.metadata.server import MetadataConfig, MetadataServer
 from kvstore.node.agent import NodeAgent, NodeConfig
+from kvstore.stop_signals import StopSignals
 
 logger = logging.getLogger(__name__)
 # stuck, not slow: the agent's stop joins a few threads for at most 5 s each
 SHUTDOWN_STACKS_AFTER_S = 20.0
 
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-
 def _wait_for_signal() -> None:
-    """Block until SIGTERM or SIGINT (later ones are ignored: shutdown is under way). The
-    handlers do nothing; the interpreter writes each signal's number to a socket this thread
-    reads (set_wakeup_fd). A handler that takes a lock deadlocks when the signal lands while
-    this thread holds that lock: Event.set inside Event.wait hung `kvstore serve` for good."""
-    wake, wakeup_fd = socket.socketpair()
-    wakeup_fd.setblocking(False)
-    previous_fd = signal.set_wakeup_fd(wakeup_fd.fileno())  # before the handlers: none lost
-    try:
-        for signum in STOP_SIGNALS:
-            signal.signal(signum, _ignore)
-        while wake.recv(1)[0] not in STOP_SIGNALS:  # other handled signals wake it too
-            pass
-    finally:
-        signal.set_wakeup_fd(previous_fd)
-        wake.close()
-        wakeup_fd.close()
-
-
-def _ignore(signum: int, frame: object) -> None:
-    """A stop signal's handler: `_wait_for_signal` hears it through its wakeup socket."""
+    with StopSignals() as signals:
+        signals.wait()
 
 
 def _announce_metrics(what: str, listen: str, port: int) -> None:

@@ -14,7 +14,6 @@ import json
 import random
 import signal
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass
 
@@ -22,6 +21,7 @@ import numpy as np
 
 from kvstore.errors import KVStoreError
 from kvstore.keys import BlockKey, Namespace, chunk_key
+from kvstore.stop_signals import StopSignals
 
 TENANT = "chaos"
 PREFIXES = 48  # a window of 48 prefix ids; every worker saves and loads from the same one
@@ -75,7 +75,7 @@ class Worker:
         self.counts = Counts()
         self.client = None
         self.corrupt_pending = args.corrupt_expected
-        self.stopping = threading.Event()  # set by SIGTERM
+        self.stopping = StopSignals()  # SIGTERM or SIGINT, heard without a lock
         self._last_report = 0.0
 
     def emit(self, kind: str, **fields) -> None:
@@ -190,9 +190,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main() -> int:
     worker = Worker(_parser().parse_args())
-    signal.signal(signal.SIGTERM, lambda *_: worker.stopping.set())
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks of a worker that hangs
-    worker.run()
+    with worker.stopping:
+        worker.run()
     return 0
 
 
