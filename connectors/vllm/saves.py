@@ -59,6 +59,8 @@ class SavePipeline:
         self._uncommitted: dict[str, int] = {}  # req id -> submitted steps not yet committed
         self._requests_with_saves: set[str] = set()
         self._finished: set[str] = set()  # finished by vLLM, waiting for their commits
+        self._load_failed: set[str] = set()  # requests whose saves are never committed
+        self._failed_finished: set[str] = set()  # of those, finished, saves still submitted
         self.committed: list[bytes] | None = None  # with KV events: chunks stored this step
 
     def expect(self, saves: list[SaveSpec]) -> None:
@@ -67,6 +69,12 @@ class SavePipeline:
         scheduler delays its blocks' free on that promise)."""
         if self.delayed_frees:
             self._requests_with_saves.update(spec.req_id for spec in saves)
+
+    def load_failed(self, req_id: str) -> None:
+        """A load of `req_id` failed: the chunks it computes over the missing blocks are
+        wrong, so none of its saves is committed any more (their reservations are aborted);
+        vLLM recomputes from the failed block."""
+        self._load_failed.add(req_id)
 
     def save_layer(self, saves: list[SaveSpec], layer: int, paged: PagedLayer) -> None:
         if self._step is None:
@@ -143,6 +151,11 @@ class SavePipeline:
         complete &= step.done is None  # CUDA: the hashers were not fed; the agent hashes
         for spec, reservation in step.reserved:
             self._uncommitted[spec.req_id] -= 1
+            if not self._uncommitted[spec.req_id]:
+                del self._uncommitted[spec.req_id]
+            if spec.req_id in self._load_failed:
+                self._drop(reservation)
+                continue
             try:
                 checksums = _checksums(reservation, step.digests[reservation.save_id], complete)
                 committed = self.agent.client.commit(reservation, checksums=checksums)
@@ -156,6 +169,13 @@ class SavePipeline:
                 self.committed += stored_chunks(spec.keys, reservation.payloads, groups)
             self.stats["saved_bytes"] += committed * self.kv.layout.payload_bytes
 
+    def _drop(self, reservation: SaveReservation) -> None:
+        self.stats["saves_dropped_after_load_errors"] += len(reservation.reserved_keys())
+        try:
+            self.agent.client.abort(reservation)
+        except (KVStoreError, AttributeError) as exc:  # the agent frees a broken connection's
+            logger.info("kvstore abort failed (%s)", exc)
+
     def finished_saving(self, finished_req_ids: set[str]) -> set[str]:
         """Requests vLLM finished whose saves are all committed: their blocks may be freed."""
         self.commit_ready(block=False)
@@ -163,9 +183,15 @@ class SavePipeline:
         done = {r for r in self._finished if not self._uncommitted.get(r)}
         self._finished -= done
         self._requests_with_saves -= done
-        for req_id in done:
-            self._uncommitted.pop(req_id, None)
+        self._forget_load_failures(finished_req_ids)
         return done
+
+    def _forget_load_failures(self, finished_req_ids: set[str]) -> None:
+        """A finished request's load failure is kept until its last submitted save is gone."""
+        self._failed_finished |= finished_req_ids & self._load_failed
+        settled = {r for r in self._failed_finished if not self._uncommitted.get(r)}
+        self._failed_finished -= settled
+        self._load_failed -= settled
 
 
 def _checksums(reservation: SaveReservation, digests, complete: bool) -> list[int]:

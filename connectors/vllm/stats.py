@@ -30,6 +30,7 @@ COUNTERS = {  # name in the connector halves' stats -> what it counts
     "load_failures": "kvstore blocks that could not be loaded (recomputed)",
     "save_failures": "kvstore blocks that could not be saved",
     "verify_failures": "kvstore blocks whose checksum failed as they were copied (recomputed)",
+    "saves_dropped_after_load_errors": "kvstore blocks not saved: computed over a failed load",
     "saves_out_of_window": "Requests whose later chunks went unsaved: sliding-window KV freed",
 }
 BYPASS_PREFIX = "bypassed_"  # bypassed_<reason>: requests the store neither loads nor saves

@@ -99,7 +99,7 @@ class WorkerSide:
         self.failed_block_ids: set[int] = set()
         self.stats = {"loaded_blocks": 0, "loaded_bytes": 0, "load_s": 0.0, "saved_blocks": 0,
                       "saved_bytes": 0, "load_failures": 0, "save_failures": 0,
-                      "verify_failures": 0}  # fmt: skip
+                      "verify_failures": 0, "saves_dropped_after_load_errors": 0}  # fmt: skip
         self.saves = SavePipeline(settings, kv, self.agent, self.stats, groups)
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -184,9 +184,11 @@ class WorkerSide:
         ]
 
     def _fail_blocks(self, spec: LoadSpec, first: int, stop: int | None = None) -> None:
-        """Engine blocks [first, stop) of every KV cache group are load errors (recomputed)."""
+        """Engine blocks [first, stop) of every KV cache group are load errors (recomputed);
+        the request's saves are dropped from now on (their chunks attended to those blocks)."""
         for ids in spec.block_ids:
             self.failed_block_ids.update(compat.live_blocks(ids[first:stop]))
+        self.saves.load_failed(spec.req_id)
 
     def _copy_layer_in(self, layer: int, paged: PagedLayer) -> None:
         start, stop = self.kv.layout.layer_range(layer)
@@ -261,6 +263,9 @@ class WorkerSide:
             logger.info("release after a lost agent: %s", exc)
 
     def take_failed_block_ids(self) -> set[int]:
+        """The step's load errors, its load finished (and verified) first: with speculative
+        decoding vLLM asks before wait_for_save, and must hear of this step's failures now."""
+        self.finish_load()
         failed, self.failed_block_ids = self.failed_block_ids, set()
         return failed
 
