@@ -8,11 +8,19 @@ enforces leases and quotas.
 
 from __future__ import annotations
 
+import secrets
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvstore.errors import ConfigError
+
+
+def new_lease_id() -> int:
+    """A node's lease id, which gates its heartbeats, publishes and deregistration: 63
+    random bits, never 0, so no other caller guesses it (counters were guessable)."""
+    return secrets.randbits(63) | 1
+
 
 TIERS = ("device", "host", "disk")  # fastest first; the proto's Tier enum in the same order
 

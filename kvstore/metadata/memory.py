@@ -8,7 +8,6 @@ applied to memory only once that succeeded; stats are kept as counters.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import secrets
 import threading
@@ -26,6 +25,7 @@ from kvstore.metadata.index import (
     IndexEvent,
     MetadataIndex,
     NodeRecord,
+    new_lease_id,
 )
 from kvstore.metadata.journal import DEFAULT_MAP_SIZE_BYTES, Journal, JournalWriter
 from kvstore.metadata.ring import EventRing
@@ -66,8 +66,6 @@ class MemoryIndex(MetadataIndex):
         self._journal = Journal(data_dir, map_size_bytes) if data_dir else None
         self._last_seq = self._journal.counter("last_seq") if self._journal else 0
         self.incarnation = self._incarnation()
-        first_lease = self._journal.counter("last_lease") + 1 if self._journal else 1
-        self._lease_ids = itertools.count(first_lease)
         self._load()
 
     def _incarnation(self) -> int:
@@ -98,7 +96,7 @@ class MemoryIndex(MetadataIndex):
     # ---- nodes ----------------------------------------------------------------------------
     def register_node(self, node: NodeRecord, lease_ttl_ms: int) -> NodeRecord:
         with self._cond:
-            lease_id = next(self._lease_ids)
+            lease_id = new_lease_id()
             record = replace(
                 node, lease_id=lease_id, lease_ttl_ms=lease_ttl_ms,
                 expires_at=self._clock() + lease_ttl_ms / 1000,
@@ -106,7 +104,6 @@ class MemoryIndex(MetadataIndex):
 
             def write(txn: JournalWriter) -> None:
                 txn.put_node(record)
-                txn.put_counter("last_lease", lease_id)
 
             self._commit(write)
             self._nodes[node.node_id] = record

@@ -29,6 +29,7 @@ from kvstore.metadata.index import (
     IndexEvent,
     MetadataIndex,
     NodeRecord,
+    new_lease_id,
 )
 from kvstore.metadata.redis_cluster import ClusterLink, Durability, StandaloneLink
 from kvstore.metadata.redis_scripts import SCRIPTS, WRITES
@@ -38,8 +39,8 @@ WAIT_CHUNK_S = 2.0  # XREAD BLOCK slices, so a blocked read never meets the sock
 SNAPSHOT_SCAN_COUNT = 512  # keys asked of each SCAN page of a snapshot (one bounded reply each)
 
 
-# Keys, after the prefix P (bytes; `{prefix}` on a cluster, so all share one slot): :seq, :lease
-# (counters), :ev (event stream, ids 0-<seq>), :exp (zset node -> expires_at: the node
+# Keys, after the prefix P (bytes; `{prefix}` on a cluster, so all share one slot): :seq
+# (counter), :ev (event stream, ids 0-<seq>), :exp (zset node -> expires_at: the node
 # registry), :node:<id> (hash lease, ttl, info), :held:<id> (set of tier\0tenant\0key),
 # :ncount:<id> / :tiers / :tenants (count hashes), :h:<tenant>\0<key> (string of
 # node\0tier\0size\0checksum\0 records: one MGET serves a lookup), :inc (the incarnation).
@@ -114,8 +115,9 @@ class RedisIndex(MetadataIndex):
     def register_node(self, node: NodeRecord, lease_ttl_ms: int) -> NodeRecord:
         expires_at = self._clock() + lease_ttl_ms / 1000
         info = json.dumps([node.tcp_address, node.ucx_address, node.tier_capacity_bytes])
-        args = [self._prefix, node.node_id, repr(expires_at), lease_ttl_ms, info]
-        lease_id = self._run("register", args)
+        lease_id = new_lease_id()  # a string in Redis: Lua's numbers are doubles
+        self._run("register", [self._prefix, node.node_id, repr(expires_at), lease_ttl_ms, info,
+                               str(lease_id)])  # fmt: skip
         return NodeRecord(
             node.node_id, node.tcp_address, node.ucx_address, dict(node.tier_capacity_bytes),
             lease_id=lease_id, lease_ttl_ms=lease_ttl_ms, expires_at=expires_at,

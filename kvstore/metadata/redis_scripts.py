@@ -72,11 +72,10 @@ end
 """
 
 _REGISTER = r"""
-local P, node = ARGV[1], ARGV[2]
-local lease = redis.call("INCR", P .. ":lease")
+local P, node, lease = ARGV[1], ARGV[2], ARGV[6]
 redis.call("HSET", P .. ":node:" .. node, "lease", lease, "ttl", ARGV[4], "info", ARGV[5])
 redis.call("ZADD", P .. ":exp", ARGV[3], node)
-return lease
+return 1
 """
 
 _HEARTBEAT = r"""

@@ -171,6 +171,7 @@ class MetadataServicer:
     # ---- holdings -------------------------------------------------------------------------
     @_unary(pb.PublishRequest)
     def Publish(self, request: pb.PublishRequest, scope: TenantScope):
+        scope.require_all_tenants("publish blocks: node agents do, with a node token")
         tenant = self._tenant(request.tenant, scope)
         entries = wire.entries_from_proto(request.entries, self.limits.max_batch)
         node_id = wire.check_name(request.node_id, "node_id")
@@ -180,6 +181,7 @@ class MetadataServicer:
 
     @_unary(pb.UnpublishRequest)
     def Unpublish(self, request: pb.UnpublishRequest, scope: TenantScope):
+        scope.require_all_tenants("unpublish blocks: node agents do, with a node token")
         tenant = self._tenant(request.tenant, scope)
         entries = wire.entries_from_proto(request.entries, self.limits.max_batch)
         node_id = wire.check_name(request.node_id, "node_id")
@@ -287,30 +289,39 @@ class MetadataServicer:
 
     async def Snapshot(self, payload: bytes, context: grpc.aio.ServicerContext):
         """A copy of the index in pages, for node agents' views; copied and paged in the
-        unary pool (a big tenant's copy must not stall the loop)."""
+        unary pool (a big tenant's copy must not stall the loop). Each open one holds a
+        stream slot of the caller's scope, as WatchEvents does (each holds a whole copy)."""
         try:
-            _, request = self._stream_request(
+            scope, request = self._stream_request(
                 pb.SnapshotRequest, payload, context, "copy every tenant's index"
             )
-            page_keys = min(request.page_keys or 1024, self.limits.max_batch)
-            loop = asyncio.get_running_loop()
-            copy, incarnation = await loop.run_in_executor(
-                self.pool, _copy_of, self.index, request.tenant
-            )
+            self.streams.acquire(scope.tenant)
         except errors.KVStoreError as exc:
             self.metrics.rpcs.labels("Snapshot", status_for(exc).name).inc()
             await context.abort(status_for(exc), str(exc))
-        self.metrics.rpcs.labels("Snapshot", "OK").inc()
-        pages = wire.snapshot_pages(copy, request.max_keys, page_keys, incarnation)
-        while (page := await loop.run_in_executor(self.pool, next, pages, None)) is not None:
-            yield page
+        try:
+            loop = asyncio.get_running_loop()
+            try:
+                pages = await loop.run_in_executor(self.pool, _snapshot_pages, self.index,
+                                                   request, self.limits.max_batch)  # fmt: skip
+            except errors.KVStoreError as exc:
+                self.metrics.rpcs.labels("Snapshot", status_for(exc).name).inc()
+                await context.abort(status_for(exc), str(exc))
+            self.metrics.rpcs.labels("Snapshot", "OK").inc()
+            while (page := await loop.run_in_executor(self.pool, next, pages, None)) is not None:
+                yield page
+        finally:
+            self.streams.release(scope.tenant)
 
 
-def _copy_of(index: MetadataIndex, tenant: str) -> tuple[tuple, int]:
-    """(the index's snapshot, its incarnation read first): a copy of a newer incarnation than
-    it says is one the agent's next Stats check resyncs (the Redis index's is a round trip)."""
+def _snapshot_pages(index: MetadataIndex, request: pb.SnapshotRequest, max_batch: int):
+    """The pages of a copy of the index, its incarnation read first: a copy of a newer
+    incarnation than it says is one the agent's next Stats check resyncs (the Redis index's
+    is a round trip)."""
     incarnation = index.incarnation
-    return index.snapshot(tenant), incarnation
+    copy = index.snapshot(request.tenant)
+    page_keys = min(request.page_keys or 1024, max_batch)
+    return wire.snapshot_pages(copy, request.max_keys, page_keys, incarnation)
 
 
 _UNARY_METHODS = (

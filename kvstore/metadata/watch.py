@@ -106,7 +106,7 @@ class EventStreams:
         if self._open[scope_tenant] >= limit:
             setting = "max_watch_streams_all_tenants" if every else "max_watch_streams_per_tenant"
             raise CapacityError(
-                f"{self._open[scope_tenant]} WatchEvents streams are open for tenant "
+                f"{self._open[scope_tenant]} streams (WatchEvents, Snapshot) are open for tenant "
                 f"{scope_tenant!r}: the limit is {limit} per tenant ({setting}); close one or "
                 "reuse it"
             )

@@ -89,6 +89,13 @@ class NodeConfig:
             raise ConfigError("host_free_pages must be >= 0, or -1 (1/32 of the arena)")
         if self.page_size_bytes <= HEADER_BYTES:
             raise ConfigError(f"page_size_bytes must exceed the {HEADER_BYTES}-byte header")
+        if self.worker_credentials and self.transfer != "none" and not self.cluster_secret_file:
+            raise ConfigError(
+                "worker credentials keep tenants apart, but without a cluster secret the "
+                f"{self.transfer} transfer engine serves any tenant's blocks to any process "
+                "that reaches its port (the loopback one too): give --cluster-secret-file, or "
+                "--transfer none on a single node"
+            )
         if self.transfer == "none" and self.metadata_address:
             logger.warning("no transfer engine: blocks of other nodes cannot be fetched")
         self.control_limits()  # validates the bounds now, not at start

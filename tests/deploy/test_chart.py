@@ -276,3 +276,13 @@ def test_no_template_leaves_a_value_unset():
         assert "<no value>" not in manifest and "%!" not in manifest
         for obj in objects(manifest):
             yaml.safe_dump(obj)
+
+
+def test_worker_credentials_without_a_cluster_secret_are_refused():
+    """The agent would refuse them at start (its transfer port would serve any tenant)."""
+    result = helm_template(None, "--set", "node.workerCredentials.existingSecret=creds",
+                           check=False)  # fmt: skip
+    assert result.returncode != 0
+    assert "keeps tenants apart only with clusterSecret.existingSecret set" in result.stderr
+    assert helm_template(None, "--set", "node.workerCredentials.existingSecret=creds",
+                         "--set", "node.transfer=none", check=False).returncode == 0  # fmt: skip

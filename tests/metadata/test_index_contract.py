@@ -250,3 +250,14 @@ def test_stats_equal_a_full_recount_after_every_kind_of_change(backend, tmp_path
         index = open_index()
         assert _counted(index.stats()) == _recount(model), "after a restart"
     index.close()
+
+
+def test_lease_ids_cannot_be_guessed_from_one_another(index):
+    """They gate a node's heartbeats, publishes and deregistration: counters (1, 2, 3...)
+    let any caller that saw one, or none, act as another node."""
+    leases = [register(index, f"n{i}") for i in range(8)]
+    assert len(set(leases)) == 8 and max(leases) - min(leases) > 1 << 32
+    assert all(0 < lease < 1 << 63 for lease in leases)
+    with pytest.raises(LeaseError):
+        index.publish("n1", leases[0], "t", entries(KEYS[:1]))  # n0's lease, for n1
+    assert index.publish("n1", leases[1], "t", entries(KEYS[:1])) == 1

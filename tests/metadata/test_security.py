@@ -51,6 +51,10 @@ def test_a_tenant_token_sees_only_its_tenant(tmp_path, token_file):
                 alice.lookup("bob", KEYS)
             with pytest.raises(PermissionDeniedError):
                 alice.register_node(NodeRecord("rogue"))
+            for write in (alice.publish, alice.unpublish):  # as node "n", her own tenant
+                with pytest.raises(PermissionDeniedError, match="node token"):
+                    write("n", lease, "alice", [BlockEntry(KEYS[3], "host")])
+            assert alice.lookup("alice", KEYS).prefix_length == 3
             with pytest.raises(PermissionDeniedError):
                 next(alice.watch_events(from_seq=1))
             events = alice.watch_events(from_seq=1, tenant="alice")

@@ -7,11 +7,11 @@ import uuid
 
 import pytest
 
-from kvstore.errors import ConfigError, PermissionDeniedError
+from kvstore.errors import CapacityError, ConfigError, PermissionDeniedError
 from kvstore.metadata.index import BlockEntry, NodeRecord
 from kvstore.metadata.redis_index import RedisIndex
 from tests.metadata.conftest import FakeClock, make_index, url_for
-from tests.metadata.servers import client_for, running_server
+from tests.metadata.servers import client_for, running_server, wait_until
 
 ADMIN = "admin-token-0123456789"
 ALICE = "alice-token-0123456789"
@@ -168,3 +168,30 @@ def lose_everything(index) -> None:
             client.delete(name)
 
     index._link.call(delete)
+
+
+def test_snapshot_streams_hold_the_tenant_tokens_stream_slots(tmp_path):
+    """Each open Snapshot holds a whole copy of its tenant's index in the service: it takes a
+    stream slot like WatchEvents (any number could be opened, and left unread)."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{ADMIN} *\n{ALICE} alice\n")
+    with running_server(tmp_path, token_file=tokens, max_watch_streams_per_tenant=2) as server:
+        with client_for(server, token=ADMIN) as admin:
+            lease, _ = admin.register_node(NodeRecord("n"))
+            admin.publish("n", lease, "alice", [BlockEntry(k, "host") for k in KEYS])
+        with client_for(server, token=ALICE) as alice:
+            watch = alice.open_events(tenant="alice")
+            snapshot = alice.snapshot("alice")  # 3 pages of 1,024 keys
+            assert len(next(snapshot).keys) == 1024  # open, its later pages unread
+            with pytest.raises(CapacityError, match=r"streams \(WatchEvents, Snapshot\)"):
+                next(alice.snapshot("alice"))
+            snapshot.close()
+            assert wait_until(lambda: _snapshot_opens(alice))  # the slot came back
+            watch.cancel()
+
+
+def _snapshot_opens(client) -> bool:
+    try:
+        return next(client.snapshot("alice", max_keys=1)).keys != []
+    except CapacityError:
+        return False

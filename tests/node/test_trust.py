@@ -323,3 +323,17 @@ def test_a_connection_that_never_says_hello_holds_no_slot(tmp_path):
         with KVStoreClient(agent.config.socket_path) as client:  # the one slot is free again
             assert client.lookup("t", KEYS).total == 0
         silent.close()
+
+
+def test_worker_credentials_with_an_open_transfer_port_are_refused_at_start(tmp_path):
+    """Tenants kept apart on the control socket would meet on the transfer port: without a
+    cluster secret any local process could fetch any tenant's blocks there by naming it."""
+    table = credentials(tmp_path, f"token:{ALICE_TOKEN} alice")
+    for transfer in ("tcp", "ucx"):
+        with pytest.raises(ConfigError, match="give --cluster-secret-file"):
+            NodeConfig(node_id="n", socket_path=tmp_path / "n.sock", transfer=transfer,
+                       worker_credentials=table)  # fmt: skip
+    secret = tmp_path / "cluster.secret"
+    secret.write_text("s" * 32)
+    NodeConfig(node_id="n", socket_path=tmp_path / "n.sock", transfer="tcp",
+               worker_credentials=table, cluster_secret_file=secret)  # fmt: skip

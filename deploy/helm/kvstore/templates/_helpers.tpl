@@ -150,6 +150,9 @@ Secrets are mounted files; the node id and the advertised address come from the 
     - /etc/kvstore/cluster/{{ $v.clusterSecret.key }}
     {{- end }}
     {{- if $v.node.workerCredentials.existingSecret }}
+    {{- if and (ne $v.node.transfer "none") (not $v.clusterSecret.existingSecret) }}
+    {{- fail "node.workerCredentials keeps tenants apart only with clusterSecret.existingSecret set: without it the transfer port serves any tenant's blocks" }}
+    {{- end }}
     - --worker-credentials
     - /etc/kvstore/workers/{{ $v.node.workerCredentials.key }}
     {{- end }}
