@@ -97,7 +97,7 @@ class ControlServer:
         self.limits = limits or ControlLimits()
         self.sessions: set[WorkerSession] = set()
         self.connections = 0
-        self.refused = {"workers": 0, "auth": 0, "frames": 0}
+        self.refused = {"workers": 0, "auth": 0, "frames": 0, "orphan_pins": 0}
         self.orphans = OrphanedSessions(self.limits.orphan_pin_ttl_s)
         self._listener: socket.socket | None = None
         self._lock = threading.Lock()
@@ -160,9 +160,10 @@ class ControlServer:
             if request.WhichOneof("call") != "hello":
                 raise errors.AuthError("the first call on a connection must be hello")
             identity = self.credentials.identify(peer, request.hello.credential)
+            self._require_orphan_room(identity)
         except (OSError, errors.KVStoreError) as exc:
             with self._lock:
-                self.refused["auth" if isinstance(exc, errors.AuthError) else "frames"] += 1
+                self.refused[_refusal(exc)] += 1
             logger.warning("refusing worker pid %d uid %d: %s", peer.pid, peer.uid, exc)
             _refuse(conn, status_for(exc).name, str(exc), getattr(request, "request_id", 0))
             return None
@@ -173,6 +174,17 @@ class ControlServer:
         framing.send_message(conn, self._answer(session, request))
         self._send_mapping(conn, session)
         return session
+
+    def _require_orphan_room(self, identity) -> None:
+        """A worker whose broken connections still hold max_pins_per_worker pages connects
+        again once its process exits or their pins time out (reconnecting held any number)."""
+        held = self.orphans.pages_held_by(identity)
+        if held >= self.limits.max_pins_per_worker:
+            raise errors.CapacityError(
+                f"this worker's broken connections ({identity.via}) still hold {held} pages, "
+                f"the limit per worker; they are freed when its process exits, or after "
+                f"{self.limits.orphan_pin_ttl_s:.0f} s"
+            )
 
     def _send_mapping(self, conn: socket.socket, session: WorkerSession) -> None:
         """The descriptor the worker maps, right after the hello: the arena, or its buffer."""
@@ -292,6 +304,13 @@ _CALLS = {
     "abort": ControlServer._abort,
     "stats": ControlServer._stats,
 }
+
+
+def _refusal(exc: Exception) -> str:
+    """The `refused` counter a failed handshake counts into."""
+    if isinstance(exc, errors.AuthError):
+        return "auth"
+    return "orphan_pins" if isinstance(exc, errors.CapacityError) else "frames"
 
 
 def _refuse(conn: socket.socket, code: str, message: str, request_id: int = 0) -> None:

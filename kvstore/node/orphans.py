@@ -17,6 +17,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from kvstore.node.identity import WorkerIdentity
 from kvstore.node.session import WorkerSession
 
 logger = logging.getLogger(__name__)
@@ -63,8 +64,9 @@ class OrphanedSessions:
         self._thread.start()
 
     def adopt(self, session: WorkerSession, pidfd: int | None) -> None:
-        """Take over a session whose connection ended; frees it now if its process is gone."""
-        if process_exited(pidfd) or not session.pages_held():
+        """Take over a session whose connection ended; frees it now if its process is gone,
+        or if it is a private worker's (it never maps arena pages: nothing reads them)."""
+        if session.private is not None or process_exited(pidfd) or not session.pages_held():
             _finish(session, pidfd)
             return
         logger.info(
@@ -77,6 +79,14 @@ class OrphanedSessions:
     def pages_held(self) -> int:
         with self._lock:
             return sum(orphan.session.pages_held() for orphan in self._orphans)
+
+    def pages_held_by(self, identity: WorkerIdentity) -> int:
+        """Pages the broken sessions of workers authenticated as `identity` (the same way,
+        for the same tenants) still hold."""
+        key = _identity_key(identity)
+        with self._lock:
+            return sum(o.session.pages_held() for o in self._orphans
+                       if _identity_key(o.session.identity) == key)  # fmt: skip
 
     def __len__(self) -> int:
         with self._lock:
@@ -103,6 +113,10 @@ class OrphanedSessions:
             orphans, self._orphans = self._orphans, []
         for orphan in orphans:
             _finish(orphan.session, orphan.pidfd)
+
+
+def _identity_key(identity: WorkerIdentity) -> tuple[str, frozenset[str]]:
+    return identity.via, identity.tenants
 
 
 def _finish(session: WorkerSession, pidfd: int | None) -> None:

@@ -337,3 +337,38 @@ def test_worker_credentials_with_an_open_transfer_port_are_refused_at_start(tmp_
     secret.write_text("s" * 32)
     NodeConfig(node_id="n", socket_path=tmp_path / "n.sock", transfer="tcp",
                worker_credentials=table, cluster_secret_file=secret)  # fmt: skip
+
+
+def test_a_worker_whose_broken_connections_hold_its_pin_limit_is_refused_until_freed(tmp_path):
+    """Broken sessions of shared-arena workers keep their pins while the process lives; one
+    process that saved and broke its connection in a loop held the whole arena. Now its next
+    connection is refused (RESOURCE_EXHAUSTED) while its orphans hold max_pins_per_worker
+    pages, and it connects again once their pins time out."""
+    with running_agent(tmp_path, max_pins_per_worker=2, orphan_pin_ttl_s=2.0) as agent:
+        path = agent.config.socket_path
+        worker = KVStoreClient(path, "loop")
+        worker.save("t", KEYS[:2], PAYLOAD)  # reserved, never committed
+        worker._break()  # this process lives on: the session is orphaned, its pages held
+        assert wait_until(lambda: len(agent.control.orphans) == 1)
+        with pytest.raises(CapacityError, match=r"broken connections \(uid:\d+\) still hold 2"):
+            KVStoreClient(path, "loop")
+        assert agent.stats()["refused"]["orphan_pins"] == 1
+        assert wait_until(lambda: len(agent.control.orphans) == 0, timeout_s=6)
+        with KVStoreClient(path, "loop") as again:
+            assert save(again, "t", KEYS[:2]) == 2
+        worker.close()
+
+
+def test_a_private_workers_broken_session_frees_its_pages_at_once(tmp_path):
+    """A private worker never maps arena pages (it has copies in a buffer of its own): its
+    broken session holds nothing for it, so nothing is kept."""
+    table = credentials(tmp_path, f"token:{ALICE_TOKEN} alice")
+    with running_agent(tmp_path, worker_credentials=table) as agent:
+        token = token_file(tmp_path, "alice", ALICE_TOKEN)
+        worker = KVStoreClient(agent.config.socket_path, "alice", credential_file=token)
+        assert worker.access == "private"
+        worker.save("alice", KEYS[:2], PAYLOAD)
+        worker._break()
+        assert wait_until(lambda: agent.store.slots[0].tier.used_pages == 0)
+        assert len(agent.control.orphans) == 0
+        worker.close()
