@@ -154,6 +154,13 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker.saves.committed = []
         return events.CommittedChunks(committed)
 
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """False: a best-effort cache (a dropped save is a later miss), whose handle_preemptions
+        commits every save before a preempted request's blocks are reused: vLLM need not
+        recompute a request preempted with saves pending."""
+        return False
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_failed_block_ids() if self.worker else set()
 

@@ -148,6 +148,9 @@ class WorkerSide:
         self._digests = [self._new_digests(spec, loaded) for spec, loaded in self._loaded]
         names = list(self.kv_caches)
         tensors = [compat.paged_layer_view(self.kv_caches[name], self.kv.isa) for name in names]
+        # CUDA, on the forward's thread: loads go after the compute stream's work so far
+        # (vLLM may zero new blocks there), as vLLM's own offloader orders them
+        self._loader.after_compute()
         self._load = LayerwiseLoad(names, lambda i: self._copy_layer_in(i, tensors[i]),
                                    background=self._load_thread)  # fmt: skip
         self.stats["load_s"] += time.perf_counter() - started

@@ -170,24 +170,24 @@ def lose_everything(index) -> None:
     index._link.call(delete)
 
 
-def test_snapshot_streams_hold_the_tenant_tokens_stream_slots(tmp_path):
-    """Each open Snapshot holds a whole copy of its tenant's index in the service: it takes a
+def test_snapshot_streams_take_the_tenant_tokens_stream_slots(tmp_path):
+    """An open Snapshot holds a whole copy of its tenant's index in the service: it takes a
     stream slot like WatchEvents (any number could be opened, and left unread)."""
     tokens = tmp_path / "tokens"
     tokens.write_text(f"{ADMIN} *\n{ALICE} alice\n")
     with running_server(tmp_path, token_file=tokens, max_watch_streams_per_tenant=2) as server:
         with client_for(server, token=ADMIN) as admin:
             lease, _ = admin.register_node(NodeRecord("n"))
-            admin.publish("n", lease, "alice", [BlockEntry(k, "host") for k in KEYS])
+            admin.publish("n", lease, "alice", [BlockEntry(k, "host") for k in KEYS[:10]])
         with client_for(server, token=ALICE) as alice:
-            watch = alice.open_events(tenant="alice")
-            snapshot = alice.snapshot("alice")  # 3 pages of 1,024 keys
-            assert len(next(snapshot).keys) == 1024  # open, its later pages unread
+            watches = [alice.open_events(tenant="alice") for _ in range(2)]
+            assert wait_until(lambda: server.streams.open_count("alice") == 2)
             with pytest.raises(CapacityError, match=r"streams \(WatchEvents, Snapshot\)"):
                 next(alice.snapshot("alice"))
-            snapshot.close()
-            assert wait_until(lambda: _snapshot_opens(alice))  # the slot came back
-            watch.cancel()
+            watches.pop().cancel()
+            assert wait_until(lambda: _snapshot_opens(alice))  # a slot is free again
+            assert wait_until(lambda: server.streams.open_count("alice") == 1)  # given back
+            watches.pop().cancel()
 
 
 def _snapshot_opens(client) -> bool:

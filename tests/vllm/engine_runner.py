@@ -83,13 +83,15 @@ def connector_stats(llm) -> dict:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
         worker = get_kv_transfer_group().worker
-        scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler
+        vllm_scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        scheduler = vllm_scheduler.connector.scheduler
     except Exception:  # no connector configured
         return {}
     bypassed = {f"bypassed_{reason}": n for reason, n in scheduler.bypassed.items()}
     return {**worker.stats, **scheduler.stats, **bypassed,
             "longest_match_s": scheduler.longest_match_s,
-            "cache_group_windows": list(scheduler.groups.windows)}  # fmt: skip
+            "cache_group_windows": list(scheduler.groups.windows),
+            "requires_kv_delivery": vllm_scheduler.requires_kv_delivery}  # fmt: skip
 
 
 def vllm_metrics(llm) -> dict:
