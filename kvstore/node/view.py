@@ -163,15 +163,20 @@ class ClusterView:
 
     # ---- resync ---------------------------------------------------------------------------
     def reset(self) -> None:
-        """Forget everything before loading a snapshot; lookups go to the service meanwhile."""
+        """Forget everything before loading a snapshot (the nodes' addresses too: departed
+        nodes' would pile up); lookups go to the service meanwhile."""
         with self._lock:
             self.ready = False
             self.overflowed = False
             self.keys = 0
             self._held, self._slots, self._node_ids, self._masks = {}, {}, [], {}
+            self._addresses = {}
 
     def load(self, page: SnapshotPage) -> None:
-        """One page of a snapshot (after `reset`)."""
+        """One page of a snapshot (after `reset`). A truncated page marks the view overflowed
+        even when its tenant is not followed: a snapshot of several tenants cut inside one
+        the view ignores also left out every later tenant's keys."""
+        self.overflowed |= page.truncated
         if not self.follows(page.tenant):
             return
         self.learn_addresses(page.holders.addresses)
@@ -181,7 +186,6 @@ class ClusterView:
                     if holding.node_id != self.node_id:
                         bit = 1 << (3 * self._slot(holding.node_id) + TIERS.index(holding.tier))
                         self._add(page.tenant, key, bit)
-            self.overflowed |= page.truncated
 
     def synced(self) -> None:
         self.ready = True
