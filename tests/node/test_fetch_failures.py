@@ -12,7 +12,6 @@ import logging
 import time
 
 import pytest
-import torch
 
 from kvstore.eviction import make_policy
 from kvstore.keys import Namespace, chunk_keys
@@ -24,6 +23,7 @@ from kvstore.node.session import RequestCounters, WorkerSession
 from kvstore.store import TieredStore, TierSlot
 from kvstore.tiers import HostTier
 from kvstore.tiers.disk import DiskTier
+from tests.node.test_fetch_join import EveryKeyOnTheHolder, HolderEngine, host_store
 
 PAGE = 1024
 KEYS = chunk_keys(Namespace("sha256:fetch-failures", "layout"), range(24), 4)
@@ -59,46 +59,11 @@ def host_and_disk(tmp_path, host_pages: int = 2) -> tuple[TieredStore, FailingDi
     return TieredStore([host, TierSlot(disk, make_policy("lru"))]), disk
 
 
-def host_store(pages: int = 8) -> TieredStore:
-    return TieredStore([TierSlot(HostTier(pages * PAGE, PAGE), make_policy("lru"))])
-
-
 def holder_with(keys) -> TieredStore:
     holder = host_store(16)
     for index, key in enumerate(keys):
         holder.put(key, keys[index - 1] if index else None, bytes([index + 1]) * 500)
     return holder
-
-
-def copy_block(holder: TieredStore, key, page: torch.Tensor) -> int:
-    with holder.open_block(key) as data:
-        if data is None:
-            return 0
-        page[: data.numel()].copy_(data)
-        return data.numel()
-
-
-class HolderEngine:
-    name = "tcp"
-
-    def __init__(self, holder: TieredStore) -> None:
-        self.holder = holder
-        self.fetched: list[bytes] = []
-
-    def fetch(self, address, tenant, keys, pages, timeout_s, checksums):
-        self.fetched.extend(keys)
-        return [copy_block(self.holder, key, page) for key, page in zip(keys, pages, strict=True)]
-
-
-class EveryKeyOnTheHolder:
-    def plan(self, tenant, keys, ucx):
-        return [("holder", "127.0.0.1:1")] * len(keys)
-
-    def forget(self, tenant, keys, node_id):
-        pass
-
-    def learn_addresses(self, addresses):
-        pass
 
 
 # ---- a fault while reserving or pinning gives back what the load took ---------------------
