@@ -244,9 +244,10 @@ class KVStoreClient:
     def load_async(self, tenant: str, keys: Sequence[bytes], **options) -> Future[LoadedBlocks]:
         return self._executor.submit(self.load, tenant, keys, **options)
 
-    def release(self, loaded: LoadedBlocks) -> None:
-        """Unpin a load. Its payload views must not be read afterwards."""
-        self._call("release", load_id=loaded.load_id)
+    def release(self, loaded: LoadedBlocks, suspect: Sequence[int] = ()) -> None:
+        """Unpin a load. Its payload views must not be read afterwards. `suspect`: positions
+        of payloads whose copy failed its checksum (the agent purges them if corrupt)."""
+        self._call("release", load_id=loaded.load_id, suspect=suspect)
 
     # ---- writes ----------------------------------------------------------------------------
     def save(

@@ -247,14 +247,29 @@ class TieredStore(TierMoves, ReceivedBlocks):
         finally:
             self.unpin([key])
 
+    def purge_if_corrupt(self, key: BlockKey) -> None:
+        """Checksum `key`'s stored block (a reader's copy of it failed its checksum) and purge
+        it if its bytes are not the checksum's; a block whose page was reused under the reader
+        is not in doubt and stays."""
+        with self._lock:
+            index = self._slot_of(key)
+            if index is None:
+                return
+            self._pins[key] += 1
+        try:
+            with self.slots[index].tier.open(key) as page:
+                self._checked_header(index, key, page, verify=True)
+        finally:
+            self.unpin([key])
+
     def _checked_header(
-        self, index: int, key: BlockKey, page: torch.Tensor | None
+        self, index: int, key: BlockKey, page: torch.Tensor | None, verify: bool = False
     ) -> block.BlockHeader | None:
         tier = self.slots[index].tier
         try:
             if page is None:
                 raise ChecksumError(f"{tier.kind} tier lost {key!r}")
-            if tier.verify_reads:
+            if verify or tier.verify_reads:
                 return block.verify(page, key)
             header = block.unpack_header(page if page.device.type == "cpu" else page[:64].cpu())
             if header.key != key:

@@ -184,20 +184,21 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             return results
         started = time.perf_counter()
         starts = host_indices[:: self._format.page_tokens].tolist()
-        loaded = None
+        loaded, suspect = None, ()
         try:
             loaded = client.load(self.settings.tenant, self._store_keys(keys),
                                  timeout_s=self.settings.load_timeout_s, verify=False)  # fmt: skip
             for i in range(self._pages(len(loaded))):
                 if not self._load_page(loaded, i, starts[i]):
                     logger.warning("kvstore page %s changed while it was read: a miss", keys[i])
+                    suspect = range(i * self._groups.count, (i + 1) * self._groups.count)
                     break
                 results[i] = True
         except _FAILURES as exc:
             logger.warning("kvstore load failed: %s", exc)
         finally:
             if loaded is not None:
-                self._release(client, loaded)
+                self._release(client, loaded, suspect)
         got = results.index(False) if False in results else len(results)
         results[got:] = [False] * (len(keys) - got)
         self.stats.record_get(got, len(keys) - got, got * self._page_bytes,
@@ -214,9 +215,11 @@ class KVStoreHiCacheStorage(HiCacheStorage):
     def _page_bytes(self) -> int:
         return self._groups.count * self._format.payload_bytes
 
-    def _release(self, client: KVStoreClient, loaded) -> None:
+    def _release(self, client: KVStoreClient, loaded, suspect=()) -> None:
+        """Unpin a load; `suspect`: blocks whose copy failed its checksum (the agent purges
+        them if their stored bytes are corrupt)."""
         try:
-            client.release(loaded)
+            client.release(loaded, suspect)
         except _FAILURES as exc:  # the agent frees a broken connection's pins itself
             logger.warning("kvstore release failed: %s", exc)
 

@@ -13,6 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: F401 (r
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 
@@ -51,6 +52,12 @@ def scheduled_requests(scheduler_output) -> Iterator[ScheduledRequest]:
             cached.num_computed_tokens[index],
             scheduler_output.num_scheduled_tokens.get(req_id, 0), None,
         )  # fmt: skip
+
+
+def allocated_block_ids(blocks) -> list[list[int]]:
+    """The block table per KV cache group of the KVCacheBlocks vLLM hands to
+    update_state_after_alloc."""
+    return [list(ids) for ids in blocks.get_block_ids()]
 
 
 def saves_outlive_steps() -> bool:
@@ -217,6 +224,14 @@ class CacheGroups:
 
     windows: tuple[int | None, ...]
     of_layer: dict[str, int]
+
+    @property
+    def loads_asynchronously(self) -> bool:
+        """Whether loads go through vLLM's asynchronous mode: vLLM 0.32 cannot map load
+        errors reported as block ids back to requests when there are several groups (their
+        block ids overlap), and stops its engine core on one; a failed asynchronous load is
+        reported per request (failed_recving) and recomputed."""
+        return len(self.windows) > 1
 
 
 ONE_GROUP = CacheGroups((None,), {})  # no KV cache config: every layer in one full group

@@ -61,21 +61,23 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---- scheduler side --------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
-        """(tokens, False): loads are synchronous (layer-wise, in the forward); (None, False)
-        while the lookup is in flight: vLLM asks again on a later step."""
+        """(tokens, False): loads are synchronous (layer-wise, in the forward), or
+        (tokens, True) for a model of several KV cache groups, whose loads vLLM must be able
+        to fail per request (CacheGroups.loads_asynchronously); (None, False) while the
+        lookup is in flight: vLLM asks again on a later step."""
         started = time.perf_counter()
         if self.events is not None:
             self.events.seen(request)
         tokens = self.scheduler.matched_tokens(request, num_computed_tokens)
         self.scheduler.note_match_s(time.perf_counter() - started)
-        return tokens, False
+        return tokens, bool(tokens) and self.scheduler.groups.loads_asynchronously
 
     def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict:
         shares = self.scheduler.hit_sources(request, num_external_tokens)
         return compat.hit_sources(shares)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        self.scheduler.after_alloc(request, num_external_tokens)
+        self.scheduler.after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> KVStoreConnectorMetadata:
         meta = self.scheduler.build_meta(scheduler_output)
@@ -98,7 +100,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return self.scheduler.finished(request)
 
     def update_connector_output(self, connector_output) -> None:
-        """The workers' reports of a step: the chunks they committed (KV events)."""
+        """The workers' reports of a step: failed asynchronous loads, the chunks they
+        committed (KV events)."""
+        self.scheduler.loads_failed(connector_output.failed_recving or ())
         if self.events is not None:
             self.events.committed(connector_output.kv_cache_events)
 
@@ -141,7 +145,15 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self._samples.add("save_seconds", time.perf_counter() - started)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self.worker.finished_saving(finished_req_ids) or None, None
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> compat.KVConnectorTransferResults:
+        """Requests whose saves are committed (their blocks may be freed), and asynchronous
+        loads finished, the failed ones among them (recomputed from their first token)."""
+        finished, failed = self.worker.take_finished_loads()
+        saved = self.worker.finished_saving(finished_req_ids)
+        return compat.KVConnectorTransferResults(saved, finished, failed)
 
     def handle_preemptions(self, kv_connector_metadata) -> None:
         self.worker.commit_all()  # a preempted request's blocks may be reused next

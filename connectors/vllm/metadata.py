@@ -15,6 +15,7 @@ class LoadSpec:
     keys: list[bytes]  # chunk keys 0..n-1 of the prompt's loadable prefix
     block_ids: list[list[int]]  # the request's block table per KV cache group
     skip_blocks: int  # leading engine blocks already computed locally: not overwritten
+    asynchronous: bool = False  # vLLM's async mode: finished (or failed) per request
 
 
 @dataclass

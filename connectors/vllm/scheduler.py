@@ -37,6 +37,7 @@ class RequestState:
     prompt_tokens: int = 0
     hit_tiers: list[str] = field(default_factory=list)  # of the last lookup: tier per chunk
     saves_scheduled: bool = False  # some worker may still be saving: delay the blocks' free
+    load_failed: bool = False  # an asynchronous load failed: vLLM recomputes it, unloaded
 
 
 class SchedulerSide:
@@ -92,7 +93,7 @@ class SchedulerSide:
         leaving at least one prompt token to compute); None while the lookup is in flight (vLLM
         asks again on a later step). No side effects on the store."""
         state = self._state(request)
-        if state is None:
+        if state is None or state.load_failed:
             return 0
         state.computed_at_load = num_computed_tokens
         chunk = self.kv.layout.chunk_tokens
@@ -194,10 +195,12 @@ class SchedulerSide:
         self.stats["lookups"] += 1
         self.samples.add("lookup_seconds", answer.lookup_s)
 
-    def after_alloc(self, request, num_external_tokens: int) -> None:
+    def after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
             return
         state = self._state(request)
+        if self.groups.loads_asynchronously:  # not scheduled this step: its blocks are here
+            state.block_ids = compat.allocated_block_ids(blocks)
         computed = state.computed_at_load  # what get_num_new_matched_tokens was told
         self.stats["hit_tokens"] += num_external_tokens
         for tier, tokens in self.hit_sources(request, num_external_tokens).items():
@@ -229,20 +232,29 @@ class SchedulerSide:
                 state.block_ids = scheduled.block_ids
             for group, new_ids in enumerate(scheduled.new_block_ids):
                 state.block_ids[group].extend(new_ids)
-            if scheduled.req_id in self._pending_loads:
-                meta.loads.append(self._load_spec(scheduled.req_id, state))
             done = scheduled.num_computed_tokens + scheduled.num_scheduled_tokens
             save = self._save_spec(scheduled.req_id, state, done, scheduled.num_computed_tokens)
             if save is not None:
                 meta.saves.append(save)
+        # synchronous loads are of requests scheduled now; asynchronous ones wait for theirs
+        meta.loads = [self._load_spec(req_id, state)
+                      for req_id, state in self._pending_loads.items()]  # fmt: skip
         self._pending_loads.clear()
         return meta
 
     def _load_spec(self, req_id: str, state: RequestState) -> LoadSpec:
         return LoadSpec(
             req_id, state.keys[: state.load_chunks], [list(ids) for ids in state.block_ids],
-            state.computed_at_load // self.kv.block_size,
+            state.computed_at_load // self.kv.block_size, self.groups.loads_asynchronously,
         )  # fmt: skip
+
+    def loads_failed(self, req_ids) -> None:
+        """The workers' failed asynchronous loads: vLLM computes those requests from their
+        first token, so they are not loaded again, and every chunk they compute is saved."""
+        for req_id in req_ids:
+            state = self.requests.get(req_id)
+            if state is not None:
+                state.load_failed, state.load_chunks, state.saved_chunks = True, 0, 0
 
     def _save_spec(
         self, req_id: str, state: RequestState, done_tokens: int, step_start_tokens: int

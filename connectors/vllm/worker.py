@@ -97,6 +97,8 @@ class WorkerSide:
         self._loader: ChunkCopier | None = None  # on the load thread
         self._load_thread = False
         self.failed_block_ids: set[int] = set()
+        self._finished_loads: set[str] = set()  # asynchronous loads done (or failed), by request
+        self._failed_loads: set[str] = set()
         self.stats = {"loaded_blocks": 0, "loaded_bytes": 0, "load_s": 0.0, "saved_blocks": 0,
                       "saved_bytes": 0, "load_failures": 0, "save_failures": 0,
                       "verify_failures": 0, "saves_dropped_after_load_errors": 0}  # fmt: skip
@@ -188,7 +190,11 @@ class WorkerSide:
 
     def _fail_blocks(self, spec: LoadSpec, first: int, stop: int | None = None) -> None:
         """Engine blocks [first, stop) of every KV cache group are load errors (recomputed);
-        the request's saves are dropped from now on (their chunks attended to those blocks)."""
+        the request's saves are dropped from now on (their chunks attended to those blocks).
+        An asynchronous load fails whole: vLLM computes its request from the first token."""
+        if spec.asynchronous:
+            self._failed_loads.add(spec.req_id)
+            return
         for ids in spec.block_ids:
             self.failed_block_ids.update(compat.live_blocks(ids[first:stop]))
         self.saves.load_failed(spec.req_id)
@@ -211,23 +217,29 @@ class WorkerSide:
                                         blocks, keep)  # fmt: skip
         self._loader.record(layer)
 
-    def _verified_blocks(self, spec: LoadSpec, loaded: LoadedBlocks, digests: list) -> int:
+    def _mismatched(self, loaded: LoadedBlocks, digests: list) -> list[int]:
+        """Positions of the loaded blocks whose copies are not the blocks' bytes."""
+        if not self.settings.verify_checksums:
+            return []
+        checksums = loaded.checksums
+        return [index for index, digest in enumerate(digests)
+                if digest is not None and digest.intdigest() != checksums[index]]  # fmt: skip
+
+    def _verified_blocks(self, spec: LoadSpec, loaded: LoadedBlocks, mismatched: list) -> int:
         """After every layer was copied: how many leading whole chunks' private copies are
         the blocks that were loaded, in blocks. The first that is not (its page was reused,
         or corrupted) fails with every later chunk: its engine blocks are load errors,
         recomputed by vLLM."""
         groups = self.kv.groups.count
-        for index, digest in enumerate(digests):
-            if not self.settings.verify_checksums or digest is None:
-                continue
-            if digest.intdigest() != loaded.checksums[index]:
-                chunk = index // groups
-                self._fail_blocks(spec, max(chunk * self.kv.blocks_per_chunk, spec.skip_blocks))
-                self.stats["verify_failures"] += len(digests) // groups - chunk
-                self.stats["load_failures"] += len(digests) // groups - chunk
-                logger.warning("chunk %d failed its checksum as copied; recomputing", chunk)
-                return chunk * groups
-        return len(digests)
+        blocks = len(loaded) // groups * groups  # the loaded blocks of whole chunks
+        if not mismatched:
+            return blocks
+        chunk = mismatched[0] // groups
+        self._fail_blocks(spec, max(chunk * self.kv.blocks_per_chunk, spec.skip_blocks))
+        self.stats["verify_failures"] += blocks // groups - chunk
+        self.stats["load_failures"] += blocks // groups - chunk
+        logger.warning("chunk %d failed its checksum as copied; recomputing", chunk)
+        return chunk * groups
 
     def _chunk_blocks(self, block_ids: list[int], chunk: int) -> list[int]:
         per_chunk = self.kv.blocks_per_chunk
@@ -249,19 +261,24 @@ class WorkerSide:
                 for spec, _ in self._loaded:
                     self._fail_blocks(spec, spec.skip_blocks)
         for (spec, loaded), digests in zip(self._loaded, self._digests, strict=True):
+            if spec.asynchronous:
+                self._finished_loads.add(spec.req_id)
             if loaded is None:
                 continue
+            mismatched = [] if failed else self._mismatched(loaded, digests)
             if not failed:
-                good = self._verified_blocks(spec, loaded, digests)
+                good = self._verified_blocks(spec, loaded, mismatched)
+                if spec.req_id in self._failed_loads:  # asynchronous: none of it is used
+                    good = 0
                 self.stats["loaded_blocks"] += good
                 self.stats["loaded_bytes"] += sum(p.numel() for p in loaded.payloads[:good])
-            self._release(loaded)
+            self._release(loaded, mismatched)
         self._loaded, self._digests, self._load = [], [], None
         self.agent.drop_if_broken()
 
-    def _release(self, loaded: LoadedBlocks) -> None:
+    def _release(self, loaded: LoadedBlocks, suspect: list[int]) -> None:
         try:
-            self.agent.client.release(loaded)
+            self.agent.client.release(loaded, suspect)
         except (KVStoreError, AttributeError) as exc:
             logger.info("release after a lost agent: %s", exc)
 
@@ -271,6 +288,14 @@ class WorkerSide:
         self.finish_load()
         failed, self.failed_block_ids = self.failed_block_ids, set()
         return failed
+
+    def take_finished_loads(self) -> tuple[set[str], set[str]]:
+        """The asynchronous loads finished since the last call, by request, and the failed
+        ones among them (vLLM's finished_recving and failed_recving)."""
+        self.finish_load()
+        finished, failed = self._finished_loads, self._failed_loads
+        self._finished_loads, self._failed_loads = set(), set()
+        return finished, failed
 
     # ---- saves -----------------------------------------------------------------------------
     def save_layer(self, meta: KVStoreConnectorMetadata, layer_name: str, kv_layer) -> None:

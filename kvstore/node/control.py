@@ -261,7 +261,7 @@ class ControlServer:
         out.local_blocks, out.remote_blocks = loaded.local_blocks, loaded.remote_blocks
 
     def _release(self, session, call: pb.ReleaseRequest, response) -> None:
-        session.release(call.load_id)
+        session.release(call.load_id, call.suspect)
         response.release.SetInParent()
 
     def _save(self, session, call: pb.SaveRequest, response) -> None:

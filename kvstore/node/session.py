@@ -198,10 +198,15 @@ class WorkerSession:
         page = self.arena.pages[self.arena.page_index(key), : block.HEADER_BYTES]
         return block.unpack_header(page)
 
-    def release(self, load_id: int) -> None:
+    def release(self, load_id: int, suspect: Sequence[int] = ()) -> None:
+        """Unpin a load; its blocks at the `suspect` positions are checked first (purged if
+        their stored bytes are not their checksum's: a worker cannot purge a good block)."""
         load = self.loads.pop(load_id, None)
         if load is None:
             raise NotFoundError(f"no load {load_id} in this session (released already?)")
+        for position in sorted(set(suspect)):
+            if position < len(load.keys):
+                self.store.purge_if_corrupt(load.keys[position])
         self.store.unpin(load.keys)
         if self.private is not None:
             self.private.give_back(load.slots)

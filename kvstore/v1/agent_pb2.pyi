@@ -135,10 +135,12 @@ class LoadResponse(_message.Message):
     def __init__(self, load_id: _Optional[int] = ..., payload_bytes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., local_blocks: _Optional[int] = ..., remote_blocks: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("load_id",)
+    __slots__ = ("load_id", "suspect")
     LOAD_ID_FIELD_NUMBER: _ClassVar[int]
+    SUSPECT_FIELD_NUMBER: _ClassVar[int]
     load_id: int
-    def __init__(self, load_id: _Optional[int] = ...) -> None: ...
+    suspect: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, load_id: _Optional[int] = ..., suspect: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ()

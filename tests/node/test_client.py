@@ -51,6 +51,21 @@ def test_a_worker_saves_in_place_and_another_loads_in_place(tmp_path):
                 reader.release(loaded)
 
 
+def test_a_release_naming_a_corrupt_block_purges_it_and_spares_a_good_one(tmp_path):
+    """A worker whose copy of a block failed its checksum names it at release: the agent
+    checksums the stored bytes itself, purges the corrupt block (no later load gets it) and
+    keeps a good one named by a mistaken or hostile worker."""
+    with running_agent(tmp_path) as agent, KVStoreClient(agent.config.socket_path) as client:
+        save_chain(client, KEYS[:3])
+        with agent.store.read(KEYS[1]) as stored:
+            stored[PAYLOAD // 2] += 1  # the arena page's bytes no longer match its checksum
+        loaded = client.load("t", KEYS[:3], verify=False)
+        client.release(loaded, suspect=[0, 1, 1, 7])  # 7: past the load, ignored
+        assert client.lookup("t", KEYS[:3], local_only=True).total == 1
+        assert agent.store.checksum_failures == 1 and agent.store.pins_held() == 0
+        assert len(client.load("t", KEYS[:3])) == 1
+
+
 def test_saving_keys_already_stored_reserves_only_the_new_ones(tmp_path):
     with running_agent(tmp_path) as agent, KVStoreClient(agent.config.socket_path) as client:
         save_chain(client, KEYS[:3])

@@ -65,6 +65,28 @@ def test_a_sliding_window_model_shares_prefixes_with_the_hybrid_manager_on(tmp_p
         assert altered[0]["tokens"] != baseline[1]["tokens"], "the loaded KV must drive the output"
 
 
+def test_a_failed_load_of_a_hybrid_model_is_recomputed_and_the_engine_serves_on(
+    tmp_path, tiny_gemma2
+):
+    """A chunk whose bytes no longer match its checksum, loaded by a two-group model: vLLM
+    0.32 stops an engine core told of block-level load errors with several KV cache groups,
+    so the load is asynchronous and fails per request (failed_recving). The request is
+    recomputed from its first token, with the tokens of a no-connector engine; the agent,
+    told of the bad copy, purged the corrupt chunk, the recomputed request saved it again,
+    and the engine's next request loads the whole shared prefix."""
+    baseline, _ = run_engine(tmp_path, tiny_gemma2, [PROMPT_B, PROMPT_B])
+    with running_agent(tmp_path, **AGENT) as agent:
+        run_engine(tmp_path, tiny_gemma2, [PROMPT_A], agent.config.socket_path)
+        alter(agent, stored_chain(agent)[1], reseal=False)  # chunk 1: a checksum mismatch
+        results, stats = run_engine(tmp_path, tiny_gemma2, [PROMPT_B, PROMPT_B],
+                                    agent.config.socket_path)  # fmt: skip
+        assert agent.store.checksum_failures == 1
+    assert [r["tokens"] for r in results] == [b["tokens"] for b in baseline]
+    assert [r["num_cached_tokens"] for r in results] == [0, SHARED_CHUNKS * CHUNK_TOKENS]
+    assert stats["verify_failures"] == SHARED_CHUNKS - 1
+    assert stats["loaded_blocks"] == SHARED_CHUNKS
+
+
 def _config(*specs) -> KVCacheConfig:
     groups = [KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn"], spec)
               for i, spec in enumerate(specs)]  # fmt: skip

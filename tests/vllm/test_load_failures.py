@@ -60,7 +60,7 @@ def scheduler_step_meta(sched, prompt, external, scheduled, block_ids):
         cache_salt=None,
     )
     sched._state(request).computed_at_load = 0  # get_num_new_matched_tokens(request, 0)
-    sched.after_alloc(request, external)
+    sched.after_alloc(request, None, external)
     output = SimpleNamespace(
         scheduled_new_reqs=[
             SimpleNamespace(
@@ -149,6 +149,36 @@ def test_load_errors_are_reported_before_wait_for_save(tmp_path):
             f"load errors reported at the end of the forward: {reported_now}; "
             f"only after wait_for_save: {reported_late}"
         )
+        writer.close()
+        reader.close()
+
+
+def test_an_asynchronous_load_finishes_and_fails_per_request(tmp_path):
+    """A model of several KV cache groups loads in vLLM's asynchronous mode (vLLM 0.32 stops
+    its engine core on block-level load errors there): every load is reported finished for
+    its request, a failed one (its chunk 1 is not in the store) also as failed, and no block
+    id is reported; the good load's blocks hold what was saved."""
+    with running_agent(tmp_path, **AGENT) as agent:
+        settings = ConnectorSettings(socket_path=str(agent.config.socket_path))
+        writer = WorkerSide(settings, KV)
+        saved = paged(0.5)
+        writer.register(saved)
+        forward(writer, KVStoreConnectorMetadata(saves=[SaveSpec("w", CHAIN[:1], b"", [[1, 2]])]),
+                saved)  # fmt: skip
+        writer.finish_save()
+
+        reader = WorkerSide(settings, KV)
+        target = paged(0.0)
+        reader.register(target)
+        loads = [LoadSpec("good", CHAIN[:1], [[2, 3]], 0, asynchronous=True),
+                 LoadSpec("bad", CHAIN[:2], [[4, 5, 6, 7]], 0, asynchronous=True)]  # fmt: skip
+        forward(reader, KVStoreConnectorMetadata(loads=loads), target)
+        assert reader.take_failed_block_ids() == set()
+        assert reader.take_finished_loads() == ({"good", "bad"}, {"bad"})
+        assert reader.take_finished_loads() == (set(), set())
+        for name in saved:
+            assert torch.equal(target[name][2:4], saved[name][1:3])
+        assert reader.stats["loaded_blocks"] == 1
         writer.close()
         reader.close()
 
