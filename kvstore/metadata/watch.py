@@ -28,9 +28,13 @@ READ_THREADS = 4  # page reads are short (O(log n) in the ring, one round trip t
 
 
 class EventNotifier:
-    """Tells streams on the loop that the index has events newer than `last_seq`.
+    """Tells streams on the loop that the index's newest seq changed: up with new events, or
+    down when a Redis failover lost the newest ones (their seqs are issued again).
 
-    `start` and the wake-ups run on the loop thread; only `_watch` runs in its own thread."""
+    A stream takes `changed()` before it reads and waits on that after an empty read, so a
+    change during its read wakes it at once; no seq is compared, and a seq going back can
+    neither make a stream spin nor miss a wake-up. `start` and the wake-ups run on the loop
+    thread; only `_watch` runs in its own thread."""
 
     def __init__(self, index: MetadataIndex, poll_s: float) -> None:
         self._index = index
@@ -53,8 +57,10 @@ class EventNotifier:
     def _watch(self, seen: int) -> None:
         while not self._stopping.is_set():
             try:
-                if self._index.wait_for_events(seen, self._poll_s):
-                    seen = self._index.events_since(0, 0).last_seq
+                self._index.wait_for_events(seen, self._poll_s)  # newer, or a poll's time
+                newest = self._index.events_since(0, 0).last_seq
+                if newest != seen:  # an index that went back is noticed within a poll
+                    seen = newest
                     self._loop.call_soon_threadsafe(self._advance, seen)
             except RuntimeError:  # the loop closed under us: shutting down
                 return
@@ -63,17 +69,19 @@ class EventNotifier:
                 self._stopping.wait(self._poll_s)
 
     def _advance(self, seq: int) -> None:
-        if seq > self.last_seq:
-            self.last_seq = seq
-            self._changed.set()
-            self._changed = asyncio.Event()
+        self.last_seq = seq
+        self._changed.set()
+        self._changed = asyncio.Event()
 
-    async def wait(self, after_seq: int, timeout_s: float) -> None:
-        """Return once an event newer than `after_seq` may exist, or after `timeout_s`."""
-        if self.last_seq > after_seq:
-            return
+    def changed(self) -> asyncio.Event:
+        """Set at the next change of the index's newest seq (take it before reading)."""
+        return self._changed
+
+    @staticmethod
+    async def wait(changed: asyncio.Event, timeout_s: float) -> None:
+        """Return once `changed` is set, or after `timeout_s`."""
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._changed.wait(), timeout_s)
+            await asyncio.wait_for(changed.wait(), timeout_s)
 
 
 class EventStreams:
@@ -129,6 +137,7 @@ class EventStreams:
 
         next_seq = request.from_seq or (await read(0, 0)).last_seq + 1
         while True:
+            changed = self.notifier.changed()
             page = await read(next_seq, self.batch)
             if page.gap:
                 resume_at = page.events[0].seq if page.events else page.last_seq + 1
@@ -141,7 +150,7 @@ class EventStreams:
             elif page.gap:
                 next_seq = page.last_seq + 1
             else:
-                await self.notifier.wait(next_seq - 1, self.poll_s)
+                await self.notifier.wait(changed, self.poll_s)
 
 
 def event_to_proto(event: IndexEvent) -> pb.Event:
