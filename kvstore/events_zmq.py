@@ -11,7 +11,7 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,6 +88,7 @@ class EventsConfig:
     max_batch_events: int = 1024
     max_queued_events: int = 100_000
     replay_batches: int = 10_000  # per topic
+    replay_bytes: int = 256 << 20  # every topic's replay buffers together: the oldest go first
     snapshot_max_keys: int = 1_000_000
 
     def __post_init__(self) -> None:
@@ -95,7 +96,7 @@ class EventsConfig:
             raise ConfigError(f"--zmq {self.zmq_endpoint!r}: use tcp://HOST:PORT or ipc://PATH")
         if "@" in self.model or not self.model:
             raise ConfigError("--model must be a non-empty name without '@'")
-        for name in ("max_batch_events", "max_queued_events", "replay_batches"):
+        for name in ("max_batch_events", "max_queued_events", "replay_batches", "replay_bytes"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
 
@@ -106,8 +107,11 @@ def block_hash(key: bytes, int_hashes: bool) -> bytes | int:
 
 
 class TopicPublisher:
-    """One PUB socket (and an optional ROUTER for replays); a seq and a bounded replay buffer
-    per topic. Only the publisher thread calls it."""
+    """One PUB socket (and an optional ROUTER for replays); a seq and a replay buffer per
+    topic, the buffers bounded per topic and together (`replay_bytes`: the oldest batches of
+    any topic go first, and a topic whose last batch went keeps only its seq, so nodes that
+    came and went hold no memory but an int: a topic's seq never restarts while the process
+    runs). Only the publisher thread calls it."""
 
     def __init__(self, config: EventsConfig, context: zmq.Context) -> None:
         self.config = config
@@ -125,7 +129,11 @@ class TopicPublisher:
             self.replay.bind(config.replay_endpoint)
         self._encoder = msgspec.msgpack.Encoder()
         self._seqs: dict[bytes, int] = {}
-        self._buffers: dict[bytes, deque[tuple[int, bytes]]] = {}
+        self._buffers: dict[bytes, deque[tuple[int, bytes, int]]] = {}  # (seq, payload, order)
+        self._order: deque[tuple[int, bytes]] = deque()  # (order, topic), oldest first
+        self._published = 0  # the order of the next batch, over every topic
+        self._buffered = 0  # batches in the buffers
+        self.replay_bytes = 0
         self.published_batches = 0
 
     def topic(self, node_id: str) -> bytes:
@@ -137,9 +145,39 @@ class TopicPublisher:
         self._seqs[topic] = seq + 1
         payload = self._encoder.encode(KVEventBatch(ts=time.time(), events=events))
         self.pub.send_multipart((topic, seq.to_bytes(8, "big"), payload))
-        buffer = self._buffers.setdefault(topic, deque(maxlen=self.config.replay_batches))
-        buffer.append((seq, payload))
+        self._buffer(topic, seq, payload)
         self.published_batches += 1
+
+    def _buffer(self, topic: bytes, seq: int, payload: bytes) -> None:
+        order, self._published = self._published, self._published + 1
+        buffer = self._buffers.setdefault(topic, deque())
+        buffer.append((seq, payload, order))
+        self._order.append((order, topic))
+        self._buffered += 1
+        self.replay_bytes += len(payload)
+        if len(buffer) > self.config.replay_batches:
+            self._drop_oldest(topic)
+        while self.replay_bytes > self.config.replay_bytes:
+            order, topic = self._order.popleft()
+            if self._buffered_still(order, topic):
+                self._drop_oldest(topic)
+        if len(self._order) > 2 * self._buffered + 64:  # entries of batches dropped per topic
+            self._order = deque(e for e in self._order if self._buffered_still(*e))
+
+    def _buffered_still(self, order: int, topic: bytes) -> bool:
+        """Whether the batch published `order`-th (on `topic`) is buffered: a topic's batches
+        are dropped oldest first, so it is unless the topic's oldest is newer."""
+        buffer = self._buffers.get(topic)
+        return buffer is not None and buffer[0][2] <= order
+
+    def _drop_oldest(self, topic: bytes) -> None:
+        """Drop `topic`'s oldest buffered batch, and the topic's buffer once empty."""
+        buffer = self._buffers[topic]
+        _, payload, _ = buffer.popleft()
+        self._buffered -= 1
+        self.replay_bytes -= len(payload)
+        if not buffer:
+            del self._buffers[topic]
 
     def serve_replay(self) -> None:
         """Answer one waiting replay request: (topic, 8-byte start seq) → buffered batches of
@@ -152,7 +190,7 @@ class TopicPublisher:
             return
         client, _, topic, start = frames
         start_seq = int.from_bytes(start, "big")
-        for seq, payload in self._buffers.get(topic, ()):
+        for seq, payload, _ in self._buffers.get(topic, ()):
             if seq >= start_seq:
                 self.replay.send_multipart((client, b"", topic, seq.to_bytes(8, "big"), payload))
         self.replay.send_multipart((client, b"", b"", END_SEQ, b""))
@@ -171,7 +209,7 @@ class Republisher:
     def __init__(self, config: EventsConfig, client: MetadataClient) -> None:
         self.config = config
         self.client = client
-        self.nodes: set[str] = set()  # topics announced so far
+        self.held: Counter[str] = Counter()  # per node: the (key, tier) it holds, as announced
         self.counters = {"stored": 0, "removed": 0, "resyncs": 0, "snapshot_truncated": 0}
         self._queue: queue.Queue[tuple[str, KVCacheEvent]] = queue.Queue(config.max_queued_events)
         self._stop = threading.Event()
@@ -187,8 +225,9 @@ class Republisher:
             self.counters["snapshot_truncated"] += page.truncated
             for key, holders in zip(page.keys, page.holders.holders, strict=True):
                 held.extend((key, h.node_id, h.tier) for h in holders)
-        for node_id in sorted(self.nodes | {node for _, node, _ in held}):
+        for node_id in sorted(set(self.held) | {node for _, node, _ in held}):
             self._put(node_id, AllBlocksCleared())
+        self.held.clear()
         for key, node_id, tier in held:
             self.apply("stored", "", key, node_id, tier)
         return last_seq
@@ -203,10 +242,17 @@ class Republisher:
         else:
             event = BlockRemoved(block_hashes=hashes, medium=medium)
         self.counters[kind] += 1
+        self._count_held(kind, node_id)
         self._put(node_id, event)
 
+    def _count_held(self, kind: str, node_id: str) -> None:
+        """A node that holds nothing is forgotten (a departed one's removals all came): the
+        next resync clears the topics of nodes that hold something."""
+        self.held[node_id] += 1 if kind == "stored" else -1
+        if self.held[node_id] <= 0:
+            del self.held[node_id]
+
     def _put(self, node_id: str, event: KVCacheEvent) -> None:
-        self.nodes.add(node_id)
         while not self._stop.is_set():
             try:
                 self._queue.put((node_id, event), timeout=0.5)

@@ -174,3 +174,79 @@ def test_events_per_node_topic_in_vllms_format(cluster):
         assert publisher.wait(timeout=20) == 0, publisher.stderr.read()
         subscriber.socket.close(linger=0)
         context.term()
+
+
+def _replay_seqs(publisher, context: zmq.Context, endpoint: str, topic: bytes) -> list[int]:
+    """The seqs of `topic` that `publisher` replays from seq 0 (served here, in this thread)."""
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(endpoint)
+    dealer.send_multipart((b"", topic, (0).to_bytes(8, "big")))
+    seqs = []
+    while True:
+        publisher.serve_replay()
+        if not dealer.poll(10):
+            continue
+        _, _, seq, _ = dealer.recv_multipart()
+        if seq == (-1).to_bytes(8, "big", signed=True):
+            dealer.close()
+            return seqs
+        seqs.append(int.from_bytes(seq, "big"))
+
+
+def test_the_replay_buffers_of_churning_nodes_are_bounded_together():
+    """Each node's topic kept up to 10,000 batches for good: node ids that came and went (a
+    pod's name changes with each restart) piled up until the process ran out of memory. The
+    buffers are bounded together now, oldest first; a topic keeps its seq."""
+    from kvstore.events_zmq import EventsConfig, TopicPublisher
+
+    config = EventsConfig(metadata_address="unused:1", zmq_endpoint="inproc://events-bound",
+                          replay_endpoint="inproc://events-bound-replay",
+                          replay_batches=4, replay_bytes=64 << 10)  # fmt: skip
+    context = zmq.Context()
+    publisher = TopicPublisher(config, context)
+    stored = BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=[], block_size=16,
+                         lora_id=None, medium="CPU", lora_name=None)  # fmt: skip
+    try:
+        for node in range(2000):
+            for _ in range(3):
+                publisher.publish(f"node-{node}", [stored] * 16)
+        publisher.publish("node-0", [stored])  # a node that came back: its seq goes on
+        assert publisher.replay_bytes <= config.replay_bytes
+        assert len(publisher._buffers) < 300 and len(publisher._order) < 1000
+        assert _replay_seqs(publisher, context, config.replay_endpoint, b"kv@node-1999@kvstore") \
+            == [0, 1, 2]  # fmt: skip
+        assert _replay_seqs(publisher, context, config.replay_endpoint, b"kv@node-0@kvstore") \
+            == [3]  # fmt: skip
+        for _ in range(6):  # one busy topic: its own cap
+            publisher.publish("node-busy", [stored])
+        assert _replay_seqs(publisher, context, config.replay_endpoint, b"kv@node-busy@kvstore") \
+            == [2, 3, 4, 5]  # fmt: skip
+    finally:
+        publisher.close()
+        context.term()
+
+
+def test_a_node_that_holds_nothing_is_forgotten_and_one_that_holds_is_cleared_at_a_resync():
+    """The republisher kept every node id it ever saw, and sent each an AllBlocksCleared at
+    every resync; a node whose blocks were all removed is forgotten now."""
+    from kvstore.events_zmq import EventsConfig, Republisher
+
+    class Snapshot:  # a metadata client whose snapshot holds nothing
+        def snapshot(self, tenant, max_keys):
+            return iter(())
+
+    republisher = Republisher(EventsConfig("unused:1", "inproc://unused"), Snapshot())
+    for node in range(1000):
+        republisher.apply("stored", "t", b"k", f"node-{node}", "host")
+        republisher.apply("stored", "t", b"k", f"node-{node}", "disk")
+        republisher.apply("removed", "t", b"k", f"node-{node}", "host")
+        if node != 7:
+            republisher.apply("removed", "t", b"k", f"node-{node}", "disk")
+    assert dict(republisher.held) == {"node-7": 1}
+    while not republisher._queue.empty():
+        republisher._queue.get_nowait()
+    republisher.resync()
+    cleared = [republisher._queue.get_nowait() for _ in range(republisher._queue.qsize())]
+    assert [(node, type(event)) for node, event in cleared] == [("node-7", AllBlocksCleared)]
+    assert not republisher.held
