@@ -1,7 +1,9 @@
 """Bearer-token authentication and tenant scoping for the metadata service; TLS credentials.
 
 Runs in the metadata service process. A token maps to one tenant, or to "*" (every tenant:
-node agents and operators). With no tokens configured, authentication is off.
+node agents and operators); a token may also be bound to one node id (`node=ID`), so the node
+agent holding it can register, heartbeat, publish and unpublish as that node only. With no
+tokens configured, authentication is off.
 """
 
 from __future__ import annotations
@@ -22,6 +24,15 @@ class TenantScope:
     """What one caller may touch."""
 
     tenant: str  # ALL_TENANTS or one tenant
+    node: str | None = None  # the only node id it may act as (None: any)
+
+    def require_node(self, node_id: str, action: str) -> None:
+        """A node-bound token acts as its own node only (another node's agent, compromised,
+        cannot take over a live node's id or drop its holdings)."""
+        if self.node is not None and node_id != self.node:
+            raise PermissionDeniedError(
+                f"this token is bound to node {self.node!r}: it cannot {action} as {node_id!r}"
+            )
 
     def require(self, tenant: str) -> None:
         if self.tenant != ALL_TENANTS and tenant != self.tenant:
@@ -33,10 +44,12 @@ class TenantScope:
 
 
 class TokenAuth:
-    """Checks `authorization: Bearer <token>` metadata against a token → tenant table."""
+    """Checks `authorization: Bearer <token>` metadata against a token → scope table (a bare
+    tenant name is that tenant's scope)."""
 
-    def __init__(self, tokens: dict[str, str]) -> None:
-        self._tokens = [(token.encode(), tenant) for token, tenant in tokens.items()]
+    def __init__(self, tokens: dict[str, TenantScope | str]) -> None:
+        self._tokens = [(token.encode(), scope if isinstance(scope, TenantScope) else
+                         TenantScope(scope)) for token, scope in tokens.items()]  # fmt: skip
 
     @property
     def enabled(self) -> bool:
@@ -48,9 +61,9 @@ class TokenAuth:
         presented = _bearer_token(context)
         if presented is None:
             raise AuthError("missing 'authorization: Bearer <token>' metadata")
-        for token, tenant in self._tokens:  # compare all, in constant time each
+        for token, scope in self._tokens:  # compare all, in constant time each
             if hmac.compare_digest(token, presented):
-                return TenantScope(tenant)
+                return scope
         raise AuthError("the bearer token is not valid")
 
 
@@ -62,19 +75,21 @@ def _bearer_token(context: grpc.ServicerContext) -> bytes | None:
     return None
 
 
-def load_tokens(path: Path) -> dict[str, str]:
-    """A token file: one `TOKEN TENANT` pair a line (`*` for every tenant); # comments."""
+def load_tokens(path: Path) -> dict[str, TenantScope]:
+    """A token file: one `TOKEN TENANT [node=NODE_ID]` a line (`*` for every tenant; a node
+    agent's token bound to its node id); # comments."""
     tokens = {}
     for number, line in enumerate(path.read_text().splitlines(), start=1):
         line = line.split("#", 1)[0].strip()
         if not line:
             continue
         parts = line.split()
-        if len(parts) != 2 or len(parts[0]) < 16:
-            raise ConfigError(
-                f"{path}:{number}: expected 'TOKEN TENANT' with a token of 16+ characters"
-            )
-        tokens[parts[0]] = parts[1]
+        bound = len(parts) == 3 and parts[2].startswith("node=")
+        node = parts.pop().removeprefix("node=") if bound else None
+        if len(parts) != 2 or len(parts[0]) < 16 or node == "":
+            raise ConfigError(f"{path}:{number}: expected 'TOKEN TENANT [node=NODE_ID]' with a "
+                              "token of 16+ characters")  # fmt: skip
+        tokens[parts[0]] = TenantScope(parts[1], node)
     return tokens
 
 

@@ -140,7 +140,9 @@ class MetadataServicer:
         if not request.HasField("node"):
             raise errors.ConfigError("node is required")
         ttl_ms = self._lease_ttl(request.lease_ttl_ms)
-        record = self.index.register_node(wire.node_from_proto(request.node), ttl_ms)
+        node = wire.node_from_proto(request.node)
+        scope.require_node(node.node_id, "register")
+        record = self.index.register_node(node, ttl_ms)
         logger.info(
             "node %s registered (lease %d, ttl %d ms)", record.node_id, record.lease_id, ttl_ms
         )
@@ -157,13 +159,14 @@ class MetadataServicer:
     @_unary(pb.HeartbeatRequest)
     def Heartbeat(self, request: pb.HeartbeatRequest, scope: TenantScope):
         scope.require_all_tenants("heartbeat")
-        record = self.index.heartbeat(wire.check_name(request.node_id, "node_id"), request.lease_id)
+        record = self.index.heartbeat(self._node_id(request.node_id, scope, "heartbeat"),
+                                      request.lease_id)  # fmt: skip
         return pb.HeartbeatResponse(lease_ttl_ms=record.lease_ttl_ms)
 
     @_unary(pb.DeregisterNodeRequest)
     def DeregisterNode(self, request: pb.DeregisterNodeRequest, scope: TenantScope):
         scope.require_all_tenants("deregister a node")
-        node_id = wire.check_name(request.node_id, "node_id")
+        node_id = self._node_id(request.node_id, scope, "deregister")
         removed = self.index.deregister_node(node_id, request.lease_id)
         self.metrics.events.labels("removed").inc(removed)
         return pb.DeregisterNodeResponse(removed_blocks=removed)
@@ -174,7 +177,7 @@ class MetadataServicer:
         scope.require_all_tenants("publish blocks: node agents do, with a node token")
         tenant = self._tenant(request.tenant, scope)
         entries = wire.entries_from_proto(request.entries, self.limits.max_batch)
-        node_id = wire.check_name(request.node_id, "node_id")
+        node_id = self._node_id(request.node_id, scope, "publish")
         accepted = self.index.publish(node_id, request.lease_id, tenant, entries)
         self.metrics.events.labels("stored").inc(accepted)
         return pb.PublishResponse(accepted=accepted)
@@ -184,11 +187,17 @@ class MetadataServicer:
         scope.require_all_tenants("unpublish blocks: node agents do, with a node token")
         tenant = self._tenant(request.tenant, scope)
         entries = wire.entries_from_proto(request.entries, self.limits.max_batch)
-        node_id = wire.check_name(request.node_id, "node_id")
+        node_id = self._node_id(request.node_id, scope, "unpublish")
         removed = self.index.unpublish(node_id, request.lease_id, tenant, entries)
         self.metrics.events.labels("removed").inc(removed)
         self.metrics.evictions.inc(removed)
         return pb.UnpublishResponse(removed=removed)
+
+    @staticmethod
+    def _node_id(node_id: str, scope: TenantScope, action: str) -> str:
+        wire.check_name(node_id, "node_id")
+        scope.require_node(node_id, action)
+        return node_id
 
     def _tenant(self, tenant: str, scope: TenantScope) -> str:
         wire.check_name(tenant, "tenant")

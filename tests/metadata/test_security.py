@@ -62,6 +62,47 @@ def test_a_tenant_token_sees_only_its_tenant(tmp_path, token_file):
             events.close()
 
 
+def test_a_node_bound_token_acts_as_its_own_node_only(tmp_path):
+    """Any node agent's `*` token could register a live node's id (taking its lease over, so
+    its heartbeats failed) and drop its holdings; a token bound to a node acts as that node
+    only, while an unbound one (an operator's) still acts as any."""
+    node_a, node_b = "node-a-token-0123456789", "node-b-token-0123456789"
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{ADMIN} *\n{node_a} * node=a\n{node_b} * node=b\n")
+    entries = [BlockEntry(k, "host") for k in KEYS]
+    with running_server(tmp_path, token_file=tokens) as server:
+        with client_for(server, token=node_a) as a, client_for(server, token=node_b) as b:
+            lease_a, _ = a.register_node(NodeRecord("a"))
+            a.publish("a", lease_a, "t", entries)
+            lease_b, _ = b.register_node(NodeRecord("b"))
+            attempts = {
+                "register": lambda: b.register_node(NodeRecord("a")),
+                "heartbeat": lambda: b.heartbeat("a", lease_a),
+                "publish": lambda: b.publish("a", lease_a, "t", entries),
+                "unpublish": lambda: b.unpublish("a", lease_a, "t", entries),
+                "deregister": lambda: b.deregister_node("a", lease_a),
+            }
+            for action, attempt in attempts.items():
+                refused = f"bound to node 'b': it cannot {action} as 'a'"
+                with pytest.raises(PermissionDeniedError, match=refused):
+                    attempt()
+            a.heartbeat("a", lease_a)  # a's lease is still its own
+            assert a.lookup("t", KEYS).prefix_length == len(KEYS)
+        with client_for(server, token=ADMIN) as admin:
+            admin.deregister_node("b", lease_b)
+
+
+def test_a_token_line_with_a_bad_node_binding_is_refused(tmp_path):
+    from kvstore.errors import ConfigError
+    from kvstore.metadata.auth import load_tokens
+
+    path = tmp_path / "tokens"
+    for line in (f"{ADMIN} * node=", f"{ADMIN} * nodes=a", f"{ADMIN} * node=a extra"):
+        path.write_text(line + "\n")
+        with pytest.raises(ConfigError, match=r"TOKEN TENANT \[node=NODE_ID\]"):
+            load_tokens(path)
+
+
 def _certificate(subject, issuer, public_key, signing_key, is_ca, san=None):
     now = datetime.datetime.now(datetime.UTC)
     builder = (
