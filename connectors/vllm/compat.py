@@ -54,6 +54,11 @@ def scheduled_requests(scheduler_output) -> Iterator[ScheduledRequest]:
         )  # fmt: skip
 
 
+def preempted_req_ids(scheduler_output) -> set[str]:
+    """The requests preempted since the last step (their blocks are free again)."""
+    return set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+
+
 def allocated_block_ids(blocks) -> list[list[int]]:
     """The block table per KV cache group of the KVCacheBlocks vLLM hands to
     update_state_after_alloc."""

@@ -156,7 +156,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return compat.KVConnectorTransferResults(saved, finished, failed)
 
     def handle_preemptions(self, kv_connector_metadata) -> None:
-        self.worker.commit_all()  # a preempted request's blocks may be reused next
+        """Called before every forward: saves still running finish first only where they
+        may read blocks vLLM handed to other requests (KVStoreConnectorMetadata.flush_saves);
+        otherwise they go on under this step's forward."""
+        if kv_connector_metadata.flush_saves:
+            self.worker.commit_all()
 
     def get_kv_connector_kv_cache_events(self) -> events.CommittedChunks | None:
         """The chunks this worker committed this step, for the scheduler's KV events."""

@@ -30,3 +30,6 @@ class SaveSpec:
 class KVStoreConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    # saves still running may read blocks vLLM handed to other requests in this step (a
+    # preempted request's): the workers finish them before the forward
+    flush_saves: bool = False

@@ -220,7 +220,8 @@ class SchedulerSide:
 
     def build_meta(self, scheduler_output) -> KVStoreConnectorMetadata:
         self.lookups.new_step()
-        meta = KVStoreConnectorMetadata()
+        meta = KVStoreConnectorMetadata(flush_saves=self._saves_may_read_freed_blocks(
+            compat.preempted_req_ids(scheduler_output)))  # fmt: skip
         steps = [(s.req_id, s.num_scheduled_tokens, s.num_computed_tokens)
                  for s in compat.scheduled_requests(scheduler_output)]  # fmt: skip
         self.cost.step_started(steps, time.perf_counter())
@@ -241,6 +242,14 @@ class SchedulerSide:
                       for req_id, state in self._pending_loads.items()]  # fmt: skip
         self._pending_loads.clear()
         return meta
+
+    def _saves_may_read_freed_blocks(self, preempted: set[str]) -> bool:
+        """Whether saves that outlive their step (CUDA) may still be reading blocks that vLLM
+        freed since: a preempted request's (a finished one's wait for get_finished; with a
+        sliding window, saves complete within their step: saves.py)."""
+        if not self.delay_frees:
+            return False
+        return any(self.requests[r].saves_scheduled for r in preempted if r in self.requests)
 
     def _load_spec(self, req_id: str, state: RequestState) -> LoadSpec:
         return LoadSpec(

@@ -202,3 +202,32 @@ def test_worker_save_bookkeeping_is_bounded_on_the_cpu(tmp_path):
             f"{len(worker.saves._uncommitted)} finished requests still tracked"
         )
         worker.close()
+
+
+def test_saves_are_waited_for_before_a_forward_only_after_a_preemption(tmp_path):
+    """vLLM calls handle_preemptions before every forward, and the worker waited there for
+    every save still on the copy stream (CUDA): a host sync per step. The scheduler half now
+    asks for it only when a request with saves was preempted (its blocks are free again);
+    a finished request's blocks wait for get_finished instead."""
+    from types import SimpleNamespace
+
+    from connectors.vllm.scheduler import SchedulerSide
+
+    with running_agent(tmp_path, **AGENT) as agent:
+        sched = SchedulerSide(ConnectorSettings(socket_path=str(agent.config.socket_path)), KV)
+        sched.delay_frees = True  # as on CUDA
+        meta = scheduler_step_meta(sched, list(range(96)), 0, 64, [1, 2, 3, 4, 5, 6])
+        assert meta.saves and not meta.flush_saves
+        idle = SimpleNamespace(
+            scheduled_new_reqs=[], num_scheduled_tokens={},
+            scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[],
+                                                  resumed_req_ids=set(), num_computed_tokens=[]),
+        )  # fmt: skip
+        flushes = {}
+        for preempted in (None, set(), {"other"}, {"r"}):
+            idle.preempted_req_ids = preempted
+            flushes[str(preempted)] = sched.build_meta(idle).flush_saves
+        assert flushes == {"None": False, "set()": False, "{'other'}": False, "{'r'}": True}
+        sched.delay_frees = False  # the CPU: saves commit within their step
+        assert not sched.build_meta(idle).flush_saves
+        sched.lookups.close()
