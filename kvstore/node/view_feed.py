@@ -75,17 +75,25 @@ class ViewFeed(StreamThread):
         self._follow()
 
     def _snapshot(self) -> None:
-        tenant = _one_tenant(self.view)
+        """A copy of each followed tenant's keys (every tenant's for a view of all), within
+        the view's cap; the events are then followed from the oldest copy's seq (replayed
+        over a newer copy they leave it as it was: each sets or clears one holder's bit)."""
         self.view.reset()
-        last_seq = 0
-        for page in self.client.snapshot(tenant, max_keys=self.view.max_keys):
-            last_seq, self.incarnation = page.last_seq, page.incarnation
-            self.view.load(page)
-        self.seq = last_seq
+        seqs = []
+        for tenant in _snapshot_tenants(self.view):
+            room = self.view.max_keys - self.view.keys
+            if room <= 0:  # the cap is spent: this tenant's misses ask the service
+                self.view.overflowed = True
+                continue
+            for page in self.client.snapshot(tenant, max_keys=room):  # one page at least
+                self.incarnation = page.incarnation
+                self.view.load(page)
+            seqs.append(page.last_seq)
+        self.seq = min(seqs, default=0)
         self._need_snapshot = False
         self._snapshot_at = time.monotonic()
         self.view.synced()
-        logger.info("view synced at seq %d: %d keys", last_seq, self.view.keys)
+        logger.info("view synced at seq %d: %d keys", self.seq, self.view.keys)
 
     def _follow(self) -> None:
         """Apply events from seq + 1 until the stream ends, a gap or a drained overflow."""
@@ -119,6 +127,12 @@ class ViewFeed(StreamThread):
         self.disabled = str(exc)
         self.view.reset()
         logger.warning("no cluster view (lookups ask the metadata service): %s", exc)
+
+
+def _snapshot_tenants(view: ClusterView) -> list[str]:
+    """What to copy: each followed tenant in turn, so that the cap counts their keys only;
+    [""] (every tenant, in one copy) for a view of all (or of none: it keeps only the seq)."""
+    return [""] if ALL_TENANTS in view.tenants or not view.tenants else sorted(view.tenants)
 
 
 def _one_tenant(view: ClusterView) -> str:
