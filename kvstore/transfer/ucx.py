@@ -151,10 +151,10 @@ class UcxEngine(TransferEngine):
         loop until it hangs up (its gate connection ends) or serving ends (we end it)."""
         runtime = self._rt
         deadline = time.monotonic() + self.options.handshake_timeout_s
-        address, send_tag = recv_hello(conn, b"client", deadline)
+        address, send_tag = recv_hello(conn, b"client", runtime.address, deadline)
         recv_tag = _new_tag()
         try:
-            link = runtime.call(self._link_to(conn, address, send_tag, recv_tag), START_TIMEOUT_S)
+            link = self._link_within(conn, address, send_tag, recv_tag, START_TIMEOUT_S)
         except Exception as exc:  # UCX refuses a malformed or unreachable worker address
             raise ProtocolError(f"no UCX endpoint to the peer's address: {_forget(exc)}") from None
         serving = None
@@ -168,6 +168,18 @@ class UcxEngine(TransferEngine):
                 runtime.loop.call_soon_threadsafe(link.endpoint.abort)  # ends serving, if on
             if serving is not None:  # returns once every block it opened is closed
                 concurrent.futures.wait([serving], START_TIMEOUT_S)
+
+    def _link_within(
+        self, conn: Conn, address: bytes, send_tag: int, recv_tag: int, timeout_s: float
+    ) -> _Link:
+        """_link_to on the loop, waited for `timeout_s`; an endpoint made after that is
+        aborted as it arrives (concurrent.futures.TimeoutError to the caller)."""
+        made = self._rt.submit(self._link_to(conn, address, send_tag, recv_tag))
+        try:
+            return made.result(max(0.0, timeout_s))
+        except concurrent.futures.TimeoutError:
+            made.add_done_callback(_abort_late_link)
+            raise
 
     async def _link_to(self, conn: Conn, address: bytes, send_tag: int, recv_tag: int) -> _Link:
         """On the loop: an endpoint to the peer's worker `address`, sending on `send_tag`."""
@@ -336,10 +348,9 @@ class UcxEngine(TransferEngine):
         try:
             recv_tag = _new_tag()
             send_hello(conn, b"client", runtime.address, recv_tag, hello_deadline)
-            peer_address, send_tag = recv_hello(conn, b"server", hello_deadline)
-            link = runtime.call(
-                self._link_to(conn, peer_address, send_tag, recv_tag), START_TIMEOUT_S
-            )
+            peer_address, send_tag = recv_hello(conn, b"server", runtime.address, hello_deadline)
+            link = self._link_within(conn, peer_address, send_tag, recv_tag,  # the fetch's deadline
+                                     min(START_TIMEOUT_S, deadline - time.monotonic()))  # fmt: skip
         except (OSError, TransferError, concurrent.futures.TimeoutError) as exc:
             conn.sock.close()
             raise TransferError(f"cannot reach ucx peer {address}: {exc!r}") from None
@@ -348,6 +359,12 @@ class UcxEngine(TransferEngine):
 
 
 # ---- wire helpers (module level: both sides use them, none touches engine state) ---------
+def _abort_late_link(made: concurrent.futures.Future) -> None:
+    """On the loop: the endpoint of a link whose caller stopped waiting is aborted."""
+    if not made.cancelled() and made.exception() is None:
+        made.result().endpoint.abort()
+
+
 def _new_tag() -> int:
     """A UCX tag no one else guesses: tags are matched per worker, not per endpoint."""
     return int.from_bytes(os.urandom(8), "little")

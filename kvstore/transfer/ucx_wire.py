@@ -33,6 +33,8 @@ _RETIRE_WARN_S = 5.0  # how often a batch whose receives will not die says so
 
 MAX_BATCH_KEYS = 1 << 16
 MAX_ADDRESS_BYTES = 64 << 10  # a UCX worker address (a few hundred bytes per device)
+MIN_ADDRESS_BYTES = 2  # its header: version and flags, then the packed worker
+_VERSION_BITS = 0x0F  # the header byte's low nibble: UCP_ADDRESS_HEADER_VERSION_MASK
 _HELLO = struct.Struct("<QI")  # the tag this side receives on, its worker address's length
 
 
@@ -84,18 +86,23 @@ def send_hello(conn: Conn, role: bytes, address: bytes, tag: int, deadline: floa
     send_parts(conn.sock, [body, seal], deadline)
 
 
-def recv_hello(conn: Conn, role: bytes, deadline: float) -> tuple[bytes, int]:
-    """The peer's UCX worker address and the tag to send it on; ProtocolError if malformed
-    or (with a session) not sealed by the peer of this very handshake."""
+def recv_hello(conn: Conn, role: bytes, own_address: bytes, deadline: float) -> tuple[bytes, int]:
+    """The peer's UCX worker address and the tag to send it on; ProtocolError if malformed,
+    (with a session) not sealed by the peer of this very handshake, or of another UCX address
+    version than `own_address` (UCX asserts, aborting the process, on a version it does not
+    know; a peer on another UCX release is refused here instead)."""
     head = recv_bytes(conn.sock, _HELLO.size, deadline)
     tag, length = _HELLO.unpack(head)
-    if not 0 < length <= MAX_ADDRESS_BYTES:
+    if not MIN_ADDRESS_BYTES <= length <= MAX_ADDRESS_BYTES:
         raise ProtocolError(f"a {length}-byte UCX address")
     address = recv_bytes(conn.sock, length, deadline)
     if conn.session is not None:
         seal = recv_bytes(conn.sock, auth.PROOF_BYTES, deadline)
         if not hmac.compare_digest(seal, conn.session.seal(b"ucx-hello-" + role, head + address)):
             raise ProtocolError("the peer's UCX address is not sealed with the session key")
+    version, own = address[0] & _VERSION_BITS, own_address[0] & _VERSION_BITS
+    if version != own:
+        raise ProtocolError(f"a UCX address of version {version}; this UCX packs version {own}")
     return address, tag
 
 

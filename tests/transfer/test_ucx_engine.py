@@ -465,3 +465,41 @@ def test_a_fetch_whose_loop_is_wedged_returns_only_once_no_receive_can_land(monk
         for arena in SHM_DIR.glob(f"{ARENA_PREFIX}{holder.pid}-*"):
             arena.unlink(missing_ok=True)
         client.close()
+
+
+# A holder that is sent UCX worker addresses of other versions, then garbage of its own
+# version, by a peer it cannot authenticate (no cluster secret), in its own process: UCX
+# asserts on an address version it does not know, which aborts the whole agent.
+FOREIGN_ADDRESS_SCRIPT = """
+import contextlib, os, random, socket, struct
+from kvstore.transfer.ucx import UcxEngine
+@contextlib.contextmanager
+def nothing(key, tenant):
+    yield None
+engine = UcxEngine(tls="tcp", net_devices="lo")
+port = int(engine.serve(nothing, "127.0.0.1", 0).rsplit(":", 1)[1])
+own = engine._runtime().address
+rng = random.Random(7)
+addresses = [bytes([own[0] ^ flip]) + own[1:] for flip in (0x01, 0x0F)]
+addresses += [bytes([own[0]]) + os.urandom(rng.randint(1, 300)) for _ in range(20)]
+for address in addresses:
+    with socket.create_connection(("127.0.0.1", port)) as peer:
+        peer.sendall(struct.pack("<QI", 1234, len(address)) + address)
+        peer.settimeout(3)
+        with contextlib.suppress(OSError):
+            peer.recv(1 << 16)
+print("SURVIVED", flush=True)
+engine.close()
+"""
+
+
+def test_a_foreign_ucx_address_is_refused_and_the_holder_lives():
+    """A hello carrying a UCX address of another version (another UCX release, or any
+    process reaching a port without a cluster secret) aborted the agent inside UCX
+    (address.c: Assertion `*addr_version == UCP_OBJECT_VERSION_V2'); it is refused now,
+    before UCX parses it, and random addresses of the right version are refused by UCX."""
+    env = {**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n", "PYTHONPATH": REPO_ROOT}
+    done = subprocess.run([sys.executable, "-c", FOREIGN_ADDRESS_SCRIPT], capture_output=True,
+                          text=True, timeout=120, env=env, cwd=REPO_ROOT)  # fmt: skip
+    assert done.returncode == 0 and "SURVIVED" in done.stdout, done.stderr[-2000:]
+    assert "this UCX packs version" in done.stderr
