@@ -161,6 +161,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         otherwise they go on under this step's forward."""
         if kv_connector_metadata.flush_saves:
             self.worker.commit_all()
+            self.worker.saves.forget(kv_connector_metadata.preempted)
 
     def get_kv_connector_kv_cache_events(self) -> events.CommittedChunks | None:
         """The chunks this worker committed this step, for the scheduler's KV events."""

@@ -31,5 +31,7 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     # saves still running may read blocks vLLM handed to other requests in this step (a
-    # preempted request's): the workers finish them before the forward
+    # preempted request's): the workers finish them before the forward, and forget that
+    # those requests had saves (their blocks are vLLM's again: no delayed free is owed)
     flush_saves: bool = False
+    preempted: set[str] = field(default_factory=set)

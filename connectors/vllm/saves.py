@@ -176,6 +176,12 @@ class SavePipeline:
         except (KVStoreError, AttributeError) as exc:  # the agent frees a broken connection's
             logger.info("kvstore abort failed (%s)", exc)
 
+    def forget(self, req_ids: set[str]) -> None:
+        """Requests preempted after every save was committed: vLLM freed their blocks, and
+        must not hear of them from finished_saving (an aborted one is gone from vLLM)."""
+        self._requests_with_saves -= req_ids
+        self._finished -= req_ids
+
     def finished_saving(self, finished_req_ids: set[str]) -> set[str]:
         """Requests vLLM finished whose saves are all committed: their blocks may be freed."""
         self.commit_ready(block=False)

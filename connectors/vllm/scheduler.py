@@ -220,8 +220,7 @@ class SchedulerSide:
 
     def build_meta(self, scheduler_output) -> KVStoreConnectorMetadata:
         self.lookups.new_step()
-        meta = KVStoreConnectorMetadata(flush_saves=self._saves_may_read_freed_blocks(
-            compat.preempted_req_ids(scheduler_output)))  # fmt: skip
+        meta = self._flush_for(compat.preempted_req_ids(scheduler_output))
         steps = [(s.req_id, s.num_scheduled_tokens, s.num_computed_tokens)
                  for s in compat.scheduled_requests(scheduler_output)]  # fmt: skip
         self.cost.step_started(steps, time.perf_counter())
@@ -243,13 +242,17 @@ class SchedulerSide:
         self._pending_loads.clear()
         return meta
 
-    def _saves_may_read_freed_blocks(self, preempted: set[str]) -> bool:
-        """Whether saves that outlive their step (CUDA) may still be reading blocks that vLLM
-        freed since: a preempted request's (a finished one's wait for get_finished; with a
-        sliding window, saves complete within their step: saves.py)."""
-        if not self.delay_frees:
-            return False
-        return any(self.requests[r].saves_scheduled for r in preempted if r in self.requests)
+    def _flush_for(self, preempted: set[str]) -> KVStoreConnectorMetadata:
+        """A step's metadata, asking the workers to finish their saves first where those that
+        outlive their step (CUDA) may read blocks vLLM freed since: any preemption (the
+        request may have been aborted since, its state gone; a finished one's blocks wait for
+        get_finished; with a sliding window, saves complete within their step: saves.py).
+        The saves are then done: the preempted requests owe no delayed free."""
+        if not (self.delay_frees and preempted):
+            return KVStoreConnectorMetadata()
+        for req_id in preempted & self.requests.keys():
+            self.requests[req_id].saves_scheduled = False
+        return KVStoreConnectorMetadata(flush_saves=True, preempted=set(preempted))
 
     def _load_spec(self, req_id: str, state: RequestState) -> LoadSpec:
         return LoadSpec(

@@ -206,28 +206,45 @@ def test_worker_save_bookkeeping_is_bounded_on_the_cpu(tmp_path):
 
 def test_saves_are_waited_for_before_a_forward_only_after_a_preemption(tmp_path):
     """vLLM calls handle_preemptions before every forward, and the worker waited there for
-    every save still on the copy stream (CUDA): a host sync per step. The scheduler half now
-    asks for it only when a request with saves was preempted (its blocks are free again);
-    a finished request's blocks wait for get_finished instead."""
+    every save still on the copy stream (CUDA): a host sync per step. It waits only after a
+    preemption now (of any request: one aborted since has no state left, and its freed
+    blocks may be another's in this step). The preempted request's saves are then done, and
+    it owes vLLM no delayed free: reported by finished_saving after vLLM had freed it (aborted
+    during an asynchronous load), it failed vLLM's `assert req_id in self.requests`."""
     from types import SimpleNamespace
 
+    from connectors.vllm.connector import KVStoreConnector
     from connectors.vllm.scheduler import SchedulerSide
 
     with running_agent(tmp_path, **AGENT) as agent:
-        sched = SchedulerSide(ConnectorSettings(socket_path=str(agent.config.socket_path)), KV)
+        settings = ConnectorSettings(socket_path=str(agent.config.socket_path))
+        sched = SchedulerSide(settings, KV)
         sched.delay_frees = True  # as on CUDA
         meta = scheduler_step_meta(sched, list(range(96)), 0, 64, [1, 2, 3, 4, 5, 6])
         assert meta.saves and not meta.flush_saves
+        worker = WorkerSide(settings, KV)
+        worker.saves.delayed_frees = True
+        caches = paged(0.5)
+        worker.register(caches)
+        forward(worker, meta, caches)
+        worker.finish_save()
+
         idle = SimpleNamespace(
             scheduled_new_reqs=[], num_scheduled_tokens={},
             scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[],
                                                   resumed_req_ids=set(), num_computed_tokens=[]),
         )  # fmt: skip
         flushes = {}
-        for preempted in (None, set(), {"other"}, {"r"}):
+        for preempted in (None, set(), {"gone"}, {"r"}):
             idle.preempted_req_ids = preempted
             flushes[str(preempted)] = sched.build_meta(idle).flush_saves
-        assert flushes == {"None": False, "set()": False, "{'other'}": False, "{'r'}": True}
+        assert flushes == {"None": False, "set()": False, "{'gone'}": True, "{'r'}": True}
+        step = sched.build_meta(idle)  # "r" preempted: the workers commit, then forget it
+        connector = SimpleNamespace(worker=worker)
+        KVStoreConnector.handle_preemptions(connector, step)
+        assert worker.finished_saving({"r"}) == set()
+        assert sched.finished(SimpleNamespace(request_id="r")) is False  # no delayed free
         sched.delay_frees = False  # the CPU: saves commit within their step
         assert not sched.build_meta(idle).flush_saves
         sched.lookups.close()
+        worker.close()
