@@ -1,7 +1,9 @@
 """Prefix-aware LRU: evicts the least recently used LEAF of the tier's prefix tree.
 
 A chunk is useless without its parent, so a key is never a victim while one of its children is
-resident in this tier: chains shrink from their tails. Runs in the tier's owning process.
+resident in this tier: chains shrink from their tails. A parent claim that would close a
+cycle (a key its own ancestor) is ignored: no leaf, so no victim, would be left among them, and a
+worker could fill the tier with blocks nothing evicts. Runs in the tier's owning process.
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ class PrefixLRUPolicy(EvictionPolicy):
     def insert(self, key: BlockKey, parent: BlockKey | None) -> None:
         if key in self._nodes:
             raise ConfigError(f"{key!r} is already resident in this tier")
+        if parent is not None and self._is_ancestor(key, parent):
+            parent = None  # a cycle: the key is kept as a root
         node = TreeNode(parent, had_child=key in self._children)
         self._nodes[key] = node
         self._inserts += 1
@@ -61,6 +65,17 @@ class PrefixLRUPolicy(EvictionPolicy):
             if parent_node is not None:
                 parent_node.had_child = True
         self._refresh(key)
+
+    def _is_ancestor(self, key: BlockKey, parent: BlockKey) -> bool:
+        """Whether `key` is `parent` or one of its resident ancestors (O(depth))."""
+        seen = 0
+        while parent is not None and seen <= len(self._nodes):
+            if parent == key:
+                return True
+            node = self._nodes.get(parent)
+            parent = node.parent if node is not None else None
+            seen += 1
+        return False
 
     def touch(self, key: BlockKey) -> None:
         node = self._nodes.get(key)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvstore import block
-from kvstore.errors import CapacityError, NotFoundError
+from kvstore.errors import CapacityError, ChecksumError, ConfigError, NotFoundError
 from kvstore.keys import BlockKey
 from kvstore.kvcopy.verified import copy_and_checksum
 from kvstore.node.identity import WorkerIdentity
@@ -137,7 +137,12 @@ class WorkerSession:
         self.identity.require(tenant)
         self._require_room(len(keys))
         pinned, local, remote = self._pin_prefix(tenant, keys, timeout_s)
-        headers = [self._header(key) for key in pinned]
+        try:
+            headers = self._headers(pinned)  # may end the prefix early
+        except BaseException:
+            self.store.unpin(pinned)  # not registered under a load id yet
+            raise
+        pinned = pinned[: len(headers)]
         pages = [self.arena.page_index(key) for key in pinned]
         load = _Load(pinned)
         if self.private is None:
@@ -178,6 +183,7 @@ class WorkerSession:
                 target = self.private.view(slot, header.payload_bytes)
                 if copy_and_checksum(target, payload) != header.checksum:
                     logger.warning("block %r changed while copied out; the load stops", header.key)
+                    self.store.purge_if_corrupt(header.key)  # if its stored bytes are bad
                     wanted = index
                     break
             self.private.give_back(load.slots[wanted:])
@@ -194,9 +200,24 @@ class WorkerSession:
         self.store.unpin(keys[in_arena:pinned])
         return in_arena
 
-    def _header(self, key: BlockKey) -> block.BlockHeader:
-        page = self.arena.pages[self.arena.page_index(key), : block.HEADER_BYTES]
-        return block.unpack_header(page)
+    def _headers(self, pinned: list[BlockKey]) -> list[block.BlockHeader]:
+        """The pinned blocks' headers, up to the first that is not its key's (corrupt: the
+        block is purged, and it and the rest are unpinned: a miss, never an error)."""
+        headers = []
+        for index, key in enumerate(pinned):
+            page = self.arena.pages[self.arena.page_index(key), : block.HEADER_BYTES]
+            try:
+                header = block.unpack_header(page)
+                if header.key != key or header.block_bytes > self.arena.page_size_bytes:
+                    raise ChecksumError(f"the arena page of {key!r} holds {header.key!r} "
+                                        f"of {header.block_bytes} bytes")  # fmt: skip
+            except ChecksumError as exc:
+                logger.warning("a corrupt block header ends the load: %s", exc)
+                self.store.purge_if_corrupt(key)
+                self.store.unpin(pinned[index:])
+                break
+            headers.append(header)
+        return headers
 
     def release(self, load_id: int, suspect: Sequence[int] = ()) -> None:
         """Unpin a load; its blocks at the `suspect` positions are checked first (purged if
@@ -220,6 +241,9 @@ class WorkerSession:
         (None: already stored, being written, or no room left)."""
         self.identity.require(tenant)
         self._require_room(len(keys))
+        if len(set(keys)) != len(keys) or first_parent in keys:
+            raise ConfigError("a save's keys are a chain: each key once, none its own ancestor "
+                              "(a cycle of parents would make its blocks unevictable)")  # fmt: skip
         reservation = Reservation(next(_ids), payload_bytes)
         offsets: list[int | None] = []
         parent = first_parent

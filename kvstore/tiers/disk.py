@@ -3,10 +3,14 @@
 Owned by the node agent. A block becomes visible in one LMDB write transaction, so a writer
 killed mid-write never leaves a readable partial block; reads are zero-copy views into LMDB's
 map, valid inside `open`'s `with`. Reopening the directory finds every committed block.
+Writes go through write(2), not the map (no MDB_WRITEMAP): with a writable map the file is
+sparse, and a page written when the disk is full killed the agent with SIGBUS; a full disk
+or a full map is an OSError here, the block is not stored, and every other one stays.
 """
 
 from __future__ import annotations
 
+import errno
 import warnings
 from collections.abc import Container, Iterator
 from contextlib import contextmanager
@@ -45,7 +49,7 @@ class DiskTier(Tier):
         try:
             self._env = lmdb.open(
                 str(self.path), map_size=map_size, sync=fsync, metasync=fsync,
-                readahead=False, max_spare_txns=4, writemap=True,
+                readahead=False, max_spare_txns=4, writemap=False,
             )  # fmt: skip
         except lmdb.Error as exc:
             raise ConfigError(f"disk tier: cannot open LMDB at {self.path}: {exc}") from exc
@@ -105,8 +109,10 @@ class DiskTier(Tier):
         try:
             with self._env.begin(write=True) as txn:
                 txn.put(key, memoryview(block.contiguous().numpy()))
-        except lmdb.MapFullError as exc:
-            raise CapacityError(f"disk tier: LMDB map full at {self.path}") from exc
+        except lmdb.MapFullError as exc:  # a write failure, counted and warned about
+            raise OSError(errno.ENOSPC, f"disk tier: LMDB map full at {self.path}") from exc
+        except lmdb.Error as exc:  # e.g. the disk is full (ENOSPC), an I/O error
+            raise OSError(f"disk tier: LMDB write failed at {self.path}: {exc}") from exc
         self._committed.add(key)
 
     def _recycle(self, page: torch.Tensor) -> None:

@@ -56,6 +56,20 @@ class MappedBuffer:
         self._mmap = None
 
 
+def _check_room(size_bytes: int) -> None:
+    """ConfigError if SHM_DIR cannot hold an arena of `size_bytes`: the file is sparse, and a
+    page written past what the filesystem holds kills the agent with SIGBUS (Docker's
+    /dev/shm is 64 MiB unless --shm-size says more)."""
+    stats = os.statvfs(SHM_DIR)
+    free = stats.f_bavail * stats.f_frsize
+    if size_bytes > free:
+        raise ConfigError(
+            f"the host arena needs {size_bytes} bytes but {SHM_DIR} has {free} free: lower "
+            "host_capacity_bytes or enlarge it (docker run --shm-size; in Kubernetes an "
+            "emptyDir with medium: Memory and a sizeLimit, mounted at /dev/shm)"
+        )
+
+
 def map_fd(fd: int, size_bytes: int, pin: bool = False) -> MappedBuffer:
     """Map a descriptor received from the agent (its arena, or a private buffer)."""
     if os.fstat(fd).st_size < size_bytes:
@@ -80,6 +94,7 @@ class SharedArena:
     def __init__(self, name: str, num_pages: int, page_size_bytes: int) -> None:
         self.name = name
         self.path = SHM_DIR / name
+        _check_room(num_pages * page_size_bytes)
         try:
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except FileExistsError:

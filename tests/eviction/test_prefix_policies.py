@@ -129,3 +129,16 @@ def test_prefix_reuse_protects_a_key_asked_for_again_after_its_eviction(ghost_ra
     policy.insert(key("fresh"), None)  # newer, never read
     policy.insert(key("latest"), None)
     assert policy.victim(everything) == key(expected)  # without a ghost list: plain recency
+
+
+@pytest.mark.parametrize("name", PREFIX_POLICIES)
+def test_parents_claimed_in_a_cycle_cannot_make_keys_unevictable(name):
+    """A key its own parent, or two keys each other's: none was ever a leaf, so none was
+    ever a victim, and a full tier refused every save. The claim that closes a cycle is
+    ignored (that key is a root)."""
+    policy = make_policy(name)
+    a, b, c = key("a"), key("b"), key("c")
+    policy.insert(a, a)
+    policy.insert(b, c)
+    policy.insert(c, b)  # closes b -> c -> b: c is a root, b its child
+    assert [evict_one(policy) for _ in range(3)] == [a, b, c]

@@ -195,3 +195,28 @@ def test_copy_to_verifies_the_copy_it_makes(tmp_path):
         loaded.payloads[1][5] = 0x22  # the page changed under the view
         assert not loaded.copy_to(1, destination), "a changed page is a miss, never data"
         client.release(loaded)
+
+
+def test_a_save_whose_keys_are_not_a_chain_is_refused(tmp_path):
+    """A save naming a key as its own parent (or a key twice) was accepted, and prefix-lru
+    never evicted blocks whose parent claims form a cycle: one worker filled the arena with
+    unevictable blocks and every tenant's saves were refused."""
+    with running_agent(tmp_path) as agent, KVStoreClient(agent.config.socket_path) as client:
+        for keys, parent in ((KEYS[:2], KEYS[0]), (KEYS[:2], KEYS[1]), ([KEYS[0], KEYS[0]], None)):
+            with pytest.raises(ConfigError, match="each key once, none its own ancestor"):
+                client.save("t", keys, PAYLOAD, first_parent=parent)
+        assert agent.store.pins_held() == 0 and save_chain(client, KEYS[:2]) == 2
+
+
+def test_a_corrupt_block_header_is_a_miss_purged_and_leaks_no_pin(tmp_path):
+    """A header byte flipped in the arena: every load raised (ChecksumError) with its pins
+    taken and never released, so the block was never purged and the prefix stayed broken."""
+    with running_agent(tmp_path) as agent, KVStoreClient(agent.config.socket_path) as client:
+        save_chain(client, KEYS[:3])
+        host = agent.store.slots[0].tier
+        host.pages[host.page_index(KEYS[1]), 0] ^= 0xFF  # the header's magic
+        loaded = client.load("t", KEYS[:3], verify=False)
+        assert len(loaded) == 1
+        client.release(loaded)
+        assert agent.store.pins_held() == 0 and agent.store.checksum_failures == 1
+        assert client.lookup("t", KEYS[:3]).total == 1

@@ -312,6 +312,8 @@ def test_a_private_workers_load_is_verified_as_it_is_copied_out(two_tenants):
     assert len(loaded) == 2 and all(bool((p == 0x33).all()) for p in loaded.payloads)
     assert agent.store.pins_held() == 0, "a private worker never holds arena pins"
     alice.release(loaded)
+    # the rotten block is purged (it was served as a miss, and kept hot, to every later load)
+    assert alice.lookup("alice", KEYS).total == 2 and agent.store.checksum_failures == 1
 
 
 def test_a_connection_that_never_says_hello_holds_no_slot(tmp_path):

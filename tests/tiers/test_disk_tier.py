@@ -104,3 +104,35 @@ def test_a_writer_killed_mid_write_leaves_no_partial_block(tmp_path):
             assert view is not None and view.numel() == (8 << 20) - 4096
     assert store.checksum_failures == 0
     store.close()
+
+
+_FULL_DISK = textwrap.dedent("""
+    import resource, sys, torch
+    from kvstore.keys import BlockKey
+    from kvstore.tiers import DiskTier
+    resource.setrlimit(resource.RLIMIT_FSIZE, (8 << 20, 8 << 20))  # a disk that fills at 8 MiB
+    tier = DiskTier(sys.argv[1], capacity_bytes=64 << 20, page_size_bytes=1 << 20)
+    stored = []
+    for i in range(64):
+        key = BlockKey(i.to_bytes(16, "little"))
+        try:
+            tier.write(key, torch.full((1 << 20,), i % 251, dtype=torch.uint8))
+        except OSError as exc:
+            print("REFUSED", i, type(exc).__name__, flush=True)
+            break
+        stored.append(key)
+    for i, key in enumerate(stored):
+        with tier.open(key) as page:
+            assert page is not None and int(page[0]) == i % 251
+    print("KEPT", len(stored), flush=True)
+""")
+
+
+def test_a_full_disk_refuses_the_write_and_keeps_every_other_block(tmp_path):
+    """LMDB wrote through a writable map of a sparse file: a page written when the disk was
+    full killed the agent with SIGBUS. It writes through write(2) now: a full disk is an
+    OSError (counted as a failed write-down), and every block stored before stays readable."""
+    done = subprocess.run([sys.executable, "-c", _FULL_DISK, str(tmp_path / "disk")],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "REFUSED" in done.stdout and int(done.stdout.split("KEPT")[1]) >= 4

@@ -91,3 +91,14 @@ def test_workers_get_the_arena_even_after_its_name_was_unlinked():
             os.close(fd)
         assert int(mapped.flat.view(4, PAGE)[1, :8].sum()) == 72
         mapped.close()
+
+
+def test_an_arena_larger_than_its_filesystem_is_refused_at_start():
+    """The arena file is sparse: an agent whose /dev/shm could not hold it (Docker's is 64 MiB)
+    started and died of SIGBUS at the first save past what the filesystem held."""
+    from kvstore.errors import ConfigError
+
+    stats = os.statvfs(SHM_DIR)
+    free = stats.f_bavail * stats.f_frsize
+    with pytest.raises(ConfigError, match=r"host arena needs \d+ bytes but .* free"):
+        HostTier(free + (64 << 20), PAGE)
