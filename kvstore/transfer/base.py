@@ -32,7 +32,9 @@ class TransferStats:
     connections_opened: int = 0  # fetching side
     batches_served: int = 0
     transfers_broken: int = 0  # fetches that ended early (peer gone, timeout, protocol error)
-    connections_refused: int = 0  # serving side: over max_connections(_per_peer)
+    connections_refused: int = 0  # serving side: no handshake or connection slot free
+    idle_closed: int = 0  # serving side: idle connections closed to make room for a new peer
+    handshakes_dropped: int = 0  # serving side: the oldest handshake, dropped for a newcomer
     handshakes_failed: int = 0  # either side: the peer did not prove the cluster secret
     macs_failed: int = 0  # fetching side: a block whose MAC did not verify (transfer broken)
     batches_cut: int = 0  # serving side: batches dropped at the batch deadline (pins released)

@@ -2,6 +2,13 @@
 connection caps in total and per peer host (extras closed at once and counted), the
 cluster-secret handshake under its deadline, and dialling a peer with the same proofs.
 
+Connections still in the handshake have slots of their own (in total and per peer host), so
+peers that cannot prove the secret never take an authenticated peer's. With every handshake
+slot taken, the oldest handshake is dropped for the newcomer (a genuine peer's takes
+milliseconds; a silent one holds its slot until dropped). At the connection cap the
+longest-idle authenticated connection (a peer's pooled one, waiting for its next batch) is
+closed to make room, so idle pools cannot lock new peers out.
+
 Runs inside the node agent: one accept thread per serving engine, one thread per admitted peer.
 """
 
@@ -48,6 +55,8 @@ class LinkOptions:
     idle_timeout_s: float = 300.0  # server: an idle peer connection is closed after this
     max_connections: int = 256  # server: accepted connections at once; extras closed at once
     max_connections_per_peer: int = 32  # server: the same, per peer host
+    max_handshakes: int = 64  # server: connections not authenticated yet, at once
+    max_handshakes_per_peer: int = 8  # server: the same, per peer host
     pool_connections_per_peer: int = 4  # idle connections kept per peer; extras are closed
     socket_buffer_bytes: int = 0  # SO_SNDBUF/SO_RCVBUF; 0 keeps the kernel's autotuning
 
@@ -70,7 +79,7 @@ class LinkOptions:
 
 _POSITIVE = (
     "connect_timeout_s", "handshake_timeout_s", "batch_deadline_s", "idle_timeout_s",
-    "max_connections", "max_connections_per_peer",
+    "max_connections", "max_connections_per_peer", "max_handshakes", "max_handshakes_per_peer",
 )  # fmt: skip
 
 
@@ -82,8 +91,12 @@ class Gate:
         self, engine: str, options: LinkOptions, stats: TransferStats, lock: threading.Lock
     ) -> None:  # fmt: skip
         self.engine, self.options, self.stats, self._lock = engine, options, stats, lock
-        self._peers: dict[socket.socket, threading.Thread] = {}  # connections being served
-        self._hosts: collections.Counter[str] = collections.Counter()  # ... per peer host
+        self._peers: dict[socket.socket, threading.Thread] = {}  # every connection's thread
+        self._hosts: collections.Counter[str] = collections.Counter()  # served, per peer host
+        self._served: dict[socket.socket, str] = {}  # authenticated connections: their host
+        self._shaking: collections.Counter[str] = collections.Counter()  # in the handshake
+        self._shaking_since: dict[socket.socket, float] = {}  # ... since when
+        self._idle: dict[socket.socket, float] = {}  # served ones waiting for a batch: since
         self._listener: socket.socket | None = None
         self._acceptor: threading.Thread | None = None
         self._closed = False
@@ -134,30 +147,86 @@ class Gate:
                 sock.close()
 
     def _admit(self, sock: socket.socket, host: str, serve: ServeConn) -> bool:
-        """Start serving `sock` unless the gate is closed or a connection cap is reached."""
+        """Start the handshake of `sock` on its own thread, unless the gate is closed or the
+        handshake slots (in total, or of its host) are all taken."""
         thread = threading.Thread(
             target=self._run, args=(sock, host, serve), daemon=True,
             name=f"kvstore-{self.engine}-peer-{host}",
         )  # fmt: skip
+        options = self.options
         with self._lock:
             if self._closed:
                 return False
-            if (
-                len(self._peers) >= self.options.max_connections
-                or self._hosts[host] >= self.options.max_connections_per_peer
-            ):
-                self.stats.connections_refused += 1
-                logger.warning("refusing a %s connection from %s: cap reached", self.engine, host)
+            if self._shaking[host] >= options.max_handshakes_per_peer:
+                self._refuse(host, "its handshake slots")
                 return False
+            if self._shaking.total() >= options.max_handshakes:
+                oldest = min(self._shaking_since, key=self._shaking_since.__getitem__)
+                del self._shaking_since[oldest]  # its thread frees the slot as it ends
+                shutdown(oldest)
+                self.stats.handshakes_dropped += 1
             self._peers[sock] = thread
-            self._hosts[host] += 1
-            self.stats.connections_accepted += 1
+            self._shaking[host] += 1
+            self._shaking_since[sock] = time.monotonic()
             thread.start()  # under the lock: close() only ever joins started threads
         return True
 
-    def _run(self, sock: socket.socket, host: str, serve: ServeConn) -> None:
+    def _refuse(self, host: str, what: str) -> None:
+        self.stats.connections_refused += 1
+        logger.warning("refusing a %s connection from %s: %s full", self.engine, host, what)
+
+    def _enter(self, sock: socket.socket, host: str) -> bool:
+        """Under the lock, once `sock` is authenticated: a served connection, if the caps
+        allow or an idle one (of its host, at the per-peer cap) can be closed for it."""
+        options = self.options
+        if self._hosts[host] >= options.max_connections_per_peer:
+            room = self._close_idle(lambda other: self._served.get(other) == host)
+        elif len(self._served) >= options.max_connections:
+            room = self._close_idle(lambda other: True)
+        else:
+            room = True
+        if not room:
+            self._refuse(host, "connection slots")
+            return False
+        self._served[sock] = host
+        self._hosts[host] += 1
+        self.stats.connections_accepted += 1
+        return True
+
+    def _close_idle(self, eligible) -> bool:
+        """Close the longest-idle eligible served connection (its thread ends it)."""
+        candidates = [(since, other) for other, since in self._idle.items() if eligible(other)]
+        if not candidates:
+            return False
+        _, victim = min(candidates, key=lambda c: c[0])
+        del self._idle[victim]
+        host = self._served.pop(victim)
+        self._hosts[host] -= 1
+        if self._hosts[host] <= 0:
+            self._hosts.pop(host, None)
+        shutdown(victim)
+        self.stats.idle_closed += 1
+        return True
+
+    def wait_request(self, sock: socket.socket, timeout_s: float) -> bool:
+        """wait_readable for a served connection's next batch; meanwhile it counts as idle
+        (closed first when a new peer needs its slot)."""
+        with self._lock:
+            self._idle[sock] = time.monotonic()
         try:
-            serve(self._authenticate(sock), host)
+            return wait_readable(sock, timeout_s)
+        finally:
+            with self._lock:
+                self._idle.pop(sock, None)
+
+    def _run(self, sock: socket.socket, host: str, serve: ServeConn) -> None:
+        served = False
+        try:
+            conn = self._handshake(sock, host)
+            with self._lock:
+                served = self._enter(sock, host)
+            if served:
+                serve(conn, host)
         except HandshakeError as exc:
             with self._lock:
                 self.stats.handshakes_failed += 1
@@ -169,10 +238,22 @@ class Gate:
         finally:
             with self._lock:
                 self._peers.pop(sock, None)
-                self._hosts[host] -= 1
-                if not self._hosts[host]:
-                    del self._hosts[host]
+                if served and self._served.pop(sock, None) is not None:  # not closed as idle
+                    self._hosts[host] -= 1
+                if self._hosts[host] <= 0:
+                    self._hosts.pop(host, None)
             sock.close()
+
+    def _handshake(self, sock: socket.socket, host: str) -> Conn:
+        """The cluster-secret handshake, holding one of the handshake slots until it ends."""
+        try:
+            return self._authenticate(sock)
+        finally:
+            with self._lock:
+                self._shaking_since.pop(sock, None)
+                self._shaking[host] -= 1
+                if not self._shaking[host]:
+                    del self._shaking[host]
 
     def _authenticate(self, sock: socket.socket) -> Conn:
         secret = self.options.cluster_secret

@@ -25,7 +25,7 @@ from kvstore.transfer.base import (
     check_fetch_pages,
     register_engine,
 )
-from kvstore.transfer.gate import Gate, LinkOptions, dial, is_quiet, wait_readable
+from kvstore.transfer.gate import Gate, LinkOptions, dial, is_quiet
 from kvstore.transfer.tcp_wire import (
     BATCH,
     FRAME,
@@ -89,7 +89,7 @@ class TcpEngine(TransferEngine):
         """Answer the authenticated peer's batches until it hangs up, errs, idles out, misses
         a batch deadline or close() runs (the gate catches what ends it)."""
         sock = conn.sock
-        while wait_readable(sock, self.options.idle_timeout_s):
+        while self._gate.wait_request(sock, self.options.idle_timeout_s):
             deadline = time.monotonic() + self.options.batch_deadline_s
             try:
                 tenant, keys = recv_request(sock, self.options.max_batch_keys, deadline)

@@ -105,13 +105,19 @@ def test_a_dribbled_request_is_dropped_at_the_batch_deadline(holder):
     assert holder.pins_held() == 0
 
 
+def busy(sock: socket.socket) -> socket.socket:
+    """A connection in the middle of a request (its first byte sent): not idle."""
+    sock.sendall(b"\0")
+    return sock
+
+
 def test_connection_caps_refuse_extras_at_once_and_count_them(holder):
     server, address = serving(holder, max_connections=3, max_connections_per_peer=2)
     try:
-        kept = [connect(address), connect(address)]
+        kept = [busy(connect(address)), busy(connect(address))]
         until(lambda: server.stats.connections_accepted == 2, within_s=2.0)
         third_from_same_host = connect(address)
-        other_host = connect(address, source="127.0.0.2")
+        other_host = busy(connect(address, source="127.0.0.2"))
         until(lambda: server.stats.connections_accepted == 3, within_s=2.0)
         over_total = connect(address, source="127.0.0.3")
         until(lambda: server.stats.connections_refused == 2, within_s=2.0)
@@ -129,6 +135,52 @@ def test_connection_caps_refuse_extras_at_once_and_count_them(holder):
     finally:
         server.close()
     assert server.stats.connections_refused == 2
+
+
+def test_at_the_cap_the_longest_idle_connection_makes_room_for_a_new_peer(holder):
+    """Peers keep idle connections pooled for their next fetch, and the server kept them for
+    its idle timeout (300 s): 64 peers' pools filled the 256 slots and a 65th peer was
+    refused while nothing was transferring. The longest-idle one is closed for it now."""
+    server, address = serving(holder, max_connections=2)
+    try:
+        oldest = connect(address)
+        until(lambda: server.stats.connections_accepted == 1, within_s=2.0)
+        newer = connect(address, source="127.0.0.2")
+        until(lambda: server.stats.connections_accepted == 2, within_s=2.0)
+        newcomer = connect(address, source="127.0.0.3")
+        until(lambda: server.stats.connections_accepted == 3, within_s=2.0)
+        assert hung_up(oldest) and not hung_up(newer) and not hung_up(newcomer)
+        assert server.stats.idle_closed == 1 and server.stats.connections_refused == 0
+        for sock in (newer, newcomer):
+            sock.close()
+    finally:
+        server.close()
+
+
+def test_peers_stuck_in_the_handshake_cannot_take_the_authenticated_peers_slots(holder):
+    """Connections that never prove the secret took the same slots as authenticated peers:
+    eight source addresses of 32 silent sockets each held all 256, and a genuine fetch was
+    refused. They have handshake slots of their own now, capped per host, and with all of
+    them taken the oldest handshake is dropped for a newcomer."""
+    from tests.transfer.conftest import SECRET
+
+    server, address = serving(holder, cluster_secret=SECRET, max_handshakes=4,
+                              max_handshakes_per_peer=2, handshake_timeout_s=30)  # fmt: skip
+    client, reader = TcpEngine(cluster_secret=SECRET), new_store(PAGE_BYTES, 1)
+    try:
+        silent = [connect(address, source=f"127.0.0.{n}") for n in (2, 2, 2, 3, 3, 4)]
+        until(lambda: server.stats.connections_refused == 1, within_s=2.0)  # 2's third
+        assert server.stats.handshakes_dropped == 1  # 4's took the oldest one's slot
+        page = reader.reserve_page(KEYS[0])
+        received = client.fetch(f"{address[0]}:{address[1]}", TENANT, KEYS[:1], [page], 5.0)
+        assert received == [PAGE_BYTES] and server.stats.handshakes_dropped == 2
+        assert hung_up(silent[0]) and hung_up(silent[1])
+        for sock in silent:
+            sock.close()
+    finally:
+        client.close()
+        reader.close()
+        server.close()
 
 
 @pytest.mark.parametrize(
