@@ -6,11 +6,17 @@ map, valid inside `open`'s `with`. Reopening the directory finds every committed
 Writes go through write(2), not the map (no MDB_WRITEMAP): with a writable map the file is
 sparse, and a page written when the disk is full killed the agent with SIGBUS; a full disk
 or a full map is an OSError here, the block is not stored, and every other one stays.
+One agent at a time holds a directory (a lock file). An environment LMDB reads as corrupt (a
+power loss without fsync) is set aside, and the tier starts empty: a cache's loss, not a stop.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
+import logging
+import os
+import time
 import warnings
 from collections.abc import Container, Iterator
 from contextlib import contextmanager
@@ -26,6 +32,10 @@ from kvstore.tiers.base import Tier, pages_for
 # LMDB's read buffers are read-only; torch warns once when wrapping one. The tier's contract
 # already says views are read-only.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+logger = logging.getLogger(__name__)
+_CORRUPT = (lmdb.CorruptedError, lmdb.InvalidError, lmdb.PageNotFoundError,
+            lmdb.VersionMismatchError, lmdb.BadChecksumError, lmdb.PanicError)  # fmt: skip
 
 # B-tree pages and overflow-page rounding: LMDB needs some room beyond the raw values.
 _MAP_OVERHEAD = 1.25
@@ -45,21 +55,38 @@ class DiskTier(Tier):
         super().__init__(pages_for(capacity_bytes, page_size_bytes, self.kind), page_size_bytes)
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = _lock_directory(self.path)
         map_size = int(capacity_bytes * _MAP_OVERHEAD) + _MAP_SLACK_BYTES
+        options = {"map_size": map_size, "sync": fsync, "metasync": fsync, "readahead": False,
+                   "max_spare_txns": 4, "writemap": False}  # fmt: skip
         try:
-            self._env = lmdb.open(
-                str(self.path), map_size=map_size, sync=fsync, metasync=fsync,
-                readahead=False, max_spare_txns=4, writemap=False,
-            )  # fmt: skip
-        except lmdb.Error as exc:
-            raise ConfigError(f"disk tier: cannot open LMDB at {self.path}: {exc}") from exc
-        self._committed = self._scan_keys()
+            self._env, self._committed = self._open(options)
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
         self._staging: dict[BlockKey, torch.Tensor] = {}
         self._spare_pages: list[torch.Tensor] = []  # reused staging pages: no page faults
 
-    def _scan_keys(self) -> set[BlockKey]:
-        with self._env.begin() as txn:
-            return {BlockKey(bytes(k)) for k in txn.cursor().iternext(keys=True, values=False)}
+    def _open(self, options: dict) -> tuple[lmdb.Environment, set[BlockKey]]:
+        """The environment and its keys; one LMDB reads as corrupt is set aside first."""
+        for attempt in range(2):
+            env = None
+            try:
+                env = lmdb.open(str(self.path), **options)
+                with env.begin() as txn:
+                    keys = {BlockKey(bytes(k)) for k in txn.cursor().iternext(values=False)}
+                return env, keys
+            except _CORRUPT as exc:
+                if env is not None:
+                    env.close()
+                if attempt:
+                    raise ConfigError(f"disk tier: LMDB at {self.path} is corrupt: {exc}") from exc
+                _set_aside(self.path, exc)
+            except lmdb.Error as exc:
+                if env is not None:
+                    env.close()
+                raise ConfigError(f"disk tier: cannot open LMDB at {self.path}: {exc}") from exc
+        raise AssertionError("unreachable")
 
     def reserve(self, key: BlockKey) -> torch.Tensor:
         if key in self._committed or key in self._staging:
@@ -159,3 +186,27 @@ class DiskTier(Tier):
         if self._env is not None:
             self._env.close()
             self._env = None
+            os.close(self._lock_fd)
+
+
+def _lock_directory(path: Path) -> int:
+    """An exclusive lock on `path`/kvstore.lock, held until close (or the process ends)."""
+    fd = os.open(path / "kvstore.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ConfigError(f"disk tier: {path} is in use by another agent (its kvstore.lock is "
+                          "held); give each agent its own disk_dir") from None  # fmt: skip
+    return fd
+
+
+def _set_aside(path: Path, exc: Exception) -> None:
+    """Move a corrupt environment's files to path/corrupt-<time>/ (kept for a post-mortem)."""
+    aside = path / f"corrupt-{time.strftime('%Y%m%dT%H%M%S')}"
+    aside.mkdir(exist_ok=True)
+    for name in ("data.mdb", "lock.mdb"):
+        if (path / name).exists():
+            os.replace(path / name, aside / name)
+    logger.warning("disk tier: LMDB at %s is corrupt (%s); moved to %s, starting empty",
+                   path, exc, aside)  # fmt: skip

@@ -1,11 +1,16 @@
 """Disk tier scenarios: blocks survive a reopen, corruption is a miss, a killed writer leaves
-no partial block."""
+no partial block, a full disk refuses one write, a corrupt environment is set aside, one tier
+holds a directory at a time."""
 
 import signal
 import subprocess
 import sys
 import textwrap
 
+import pytest
+import torch
+
+from kvstore.errors import ConfigError
 from kvstore.events import EventKind
 from kvstore.eviction import make_policy
 from kvstore.keys import Namespace, chunk_keys
@@ -14,6 +19,7 @@ from kvstore.tiers import DiskTier
 
 PAGE = 1 << 16
 NS = Namespace("sha256:test", "disk-test")
+KEYS = chunk_keys(NS, range(16 * 4), 16)
 
 
 def disk_store(path, capacity_bytes=64 * PAGE, page=PAGE):
@@ -136,3 +142,33 @@ def test_a_full_disk_refuses_the_write_and_keeps_every_other_block(tmp_path):
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert "REFUSED" in done.stdout and int(done.stdout.split("KEPT")[1]) >= 4
+
+
+def test_a_corrupt_environment_is_set_aside_and_the_tier_starts_empty(tmp_path):
+    """An LMDB environment that reads as corrupt (a power loss without fsync) stopped the
+    agent at start with a raw LMDB error; it is moved aside now, and the tier starts empty."""
+    directory = tmp_path / "disk"
+    tier = DiskTier(directory, capacity_bytes=8 << 20, page_size_bytes=1 << 20)
+    tier.write(KEYS[0], torch.full((1000,), 7, dtype=torch.uint8))
+    tier.close()
+    (directory / "data.mdb").write_bytes(b"\xff" * 65536)  # not an LMDB file any more
+    reopened = DiskTier(directory, capacity_bytes=8 << 20, page_size_bytes=1 << 20)
+    try:
+        assert KEYS[0] not in reopened and reopened.used_pages == 0
+        aside = list(directory.glob("corrupt-*/data.mdb"))
+        assert len(aside) == 1 and aside[0].read_bytes() == b"\xff" * 65536
+        reopened.write(KEYS[1], torch.full((1000,), 8, dtype=torch.uint8))
+        with reopened.open(KEYS[1]) as page:
+            assert int(page[0]) == 8
+    finally:
+        reopened.close()
+
+
+def test_a_directory_is_held_by_one_tier_at_a_time(tmp_path):
+    """Two agents on one disk_dir (a rolling restart) kept separate key sets and capacity
+    counts over one environment; the second is refused while the first holds it."""
+    first = DiskTier(tmp_path / "disk", capacity_bytes=8 << 20, page_size_bytes=1 << 20)
+    with pytest.raises(ConfigError, match="in use by another agent"):
+        DiskTier(tmp_path / "disk", capacity_bytes=8 << 20, page_size_bytes=1 << 20)
+    first.close()
+    DiskTier(tmp_path / "disk", capacity_bytes=8 << 20, page_size_bytes=1 << 20).close()
