@@ -98,6 +98,11 @@ class Session:
         """A tag over `data` for the message `label` names (e.g. one side's UCX address)."""
         return hmac.new(self.key, _LABEL + b"/" + label + b"/" + data, hashlib.sha256).digest()
 
+    def seal_request(self, number: int, request: bytes) -> bytes:
+        """The tag of the connection's `number`-th request (its tenant and keys): a holder
+        serves no request an on-path relay rewrote (another tenant's, say) or replayed."""
+        return self.seal(b"request-%d" % number, request)
+
 
 class BlockMac:
     """GMAC (AES-256-GCM over authenticated data only, ~2x Poly1305's speed where the CPU has

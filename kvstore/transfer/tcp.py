@@ -92,7 +92,7 @@ class TcpEngine(TransferEngine):
         while self._gate.wait_request(sock, self.options.idle_timeout_s):
             deadline = time.monotonic() + self.options.batch_deadline_s
             try:
-                tenant, keys = recv_request(sock, self.options.max_batch_keys, deadline)
+                tenant, keys = recv_request(conn, self.options.max_batch_keys, deadline)
                 send_parts(sock, [BATCH.pack(MAGIC, VERSION, 0, len(keys))], deadline)
                 for key in keys:
                     _send_block(conn, open_block, tenant, key, deadline)
@@ -132,7 +132,7 @@ class TcpEngine(TransferEngine):
         keys = landed.keys
         answered = False
         try:
-            send_parts(conn.sock, [request], deadline)
+            send_parts(conn.sock, [request, conn.request_seal(request)], deadline)
             if recv_response_head(conn.sock, len(keys), deadline) != len(keys):
                 raise ProtocolError(f"peer answered a batch of {len(keys)} keys with fewer")
             answered = True

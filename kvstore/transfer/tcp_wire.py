@@ -7,6 +7,7 @@ Runs inside the node agent, on the tcp engine's serving threads and its fetching
 
 from __future__ import annotations
 
+import hmac
 import socket
 import struct
 import time
@@ -21,7 +22,7 @@ from kvstore.keys import KEY_BYTES, BlockKey
 from kvstore.transfer import auth
 
 MAGIC = b"KVST"
-VERSION = 2
+VERSION = 3  # 3: requests are sealed on authenticated connections
 # A request is BATCH (magic, version, tenant length, key count), the tenant, then the keys. The
 # response is BATCH echoing the count (tenant length 0), then per key in order a FRAME (block
 # length, 0 = absent) and the block; with a cluster secret each frame ends with its MAC tag.
@@ -51,6 +52,12 @@ class Conn:
     sock: socket.socket
     session: auth.Session | None = None
     frames: int = 0  # frames sent (serving side) or received (fetching side) so far
+    requests: int = 0  # requests sent (fetching side) or received (serving side) so far
+
+    def request_seal(self, request: bytes) -> bytes:
+        """The next request's tag (b"" on an unauthenticated connection)."""
+        self.requests += 1
+        return b"" if self.session is None else self.session.seal_request(self.requests, request)
 
     def next_mac(self, key: BlockKey, length: int):
         """The MAC of the next frame, or None on an unauthenticated connection."""
@@ -89,10 +96,16 @@ def pack_request(tenant: str, keys: Sequence[BlockKey]) -> bytes:
     return BATCH.pack(MAGIC, VERSION, len(raw), len(keys)) + raw + b"".join(keys)
 
 
-def recv_request(sock: socket.socket, max_keys: int, deadline: float) -> tuple[str, list]:
-    """Read a whole request by `deadline`; returns its tenant and keys."""
-    tenant_bytes, count = parse_head(recv_bytes(sock, BATCH.size, deadline), max_keys)
+def recv_request(conn: Conn, max_keys: int, deadline: float) -> tuple[str, list]:
+    """Read a whole request by `deadline` (and its seal, on an authenticated connection);
+    returns its tenant and keys."""
+    sock = conn.sock
+    head = recv_bytes(sock, BATCH.size, deadline)
+    tenant_bytes, count = parse_head(head, max_keys)
     body = recv_bytes(sock, tenant_bytes + count * KEY_BYTES, deadline)
+    expected = conn.request_seal(head + body)
+    if expected and not hmac.compare_digest(recv_bytes(sock, len(expected), deadline), expected):
+        raise ProtocolError("a request not sealed with the session key (rewritten on the way?)")
     tenant = auth.decode_tenant(body[:tenant_bytes])
     if tenant is None:
         raise ProtocolError("request names no valid tenant")

@@ -203,7 +203,7 @@ class UcxEngine(TransferEngine):
                 head = await asyncio.wait_for(_recv_head(endpoint), self.options.idle_timeout_s)
                 try:
                     async with asyncio.timeout(self.options.batch_deadline_s):
-                        await self._serve_batch(link, *await _recv_keys(endpoint, head))
+                        await self._serve_batch(link, *await _recv_keys(link, head))
                 except TimeoutError:
                     self._count("batches_cut")
                     raise

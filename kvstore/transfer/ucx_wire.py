@@ -58,10 +58,16 @@ class _Link:
     session: auth.Session | None = None
     control: socket.socket | None = None  # the gate's connection: its end is the peer's end
     frames: int = 0
+    requests: int = 0  # requests sent (fetching side) or received (serving side) so far
 
     def next_mac(self, key: BlockKey, length: int):
         self.frames += 1
         return None if self.session is None else self.session.block_mac(self.frames, key, length)
+
+    def request_seal(self, request: bytes) -> bytes:
+        """The next request's tag (b"" without a session), as tcp's Conn.request_seal."""
+        self.requests += 1
+        return b"" if self.session is None else self.session.seal_request(self.requests, request)
 
 
 @dataclass
@@ -131,14 +137,22 @@ async def _recv_head(endpoint: Any) -> np.ndarray:
     return head
 
 
-async def _recv_keys(endpoint: Any, head: np.ndarray) -> tuple[str, list[BlockKey]]:
-    """The rest of the request `head` began: the tenant and keys in one message."""
+async def _recv_keys(link: _Link, head: np.ndarray) -> tuple[str, list[BlockKey]]:
+    """The rest of the request `head` began: the tenant and keys in one message, then (with
+    a session) its seal in another."""
+    endpoint = link.endpoint
     count, tenant_bytes = int(head[0]), int(head[1])
     if not 0 < count <= MAX_BATCH_KEYS or not 0 < tenant_bytes <= MAX_TENANT_BYTES:
         raise _ProtocolError(f"batch of {count} keys, tenant of {tenant_bytes} bytes")
     raw = np.empty(tenant_bytes + count * KEY_BYTES, dtype=np.uint8)
     await endpoint.recv(raw)
     data = raw.tobytes()
+    expected = link.request_seal(head.tobytes() + data)
+    if expected:
+        seal = np.empty(len(expected), dtype=np.uint8)
+        await endpoint.recv(seal)
+        if not hmac.compare_digest(seal.tobytes(), expected):
+            raise _ProtocolError("a request not sealed with the session key")
     tenant = auth.decode_tenant(data[:tenant_bytes])
     if tenant is None:
         raise _ProtocolError("request names no valid tenant")
@@ -151,8 +165,12 @@ async def _exchange(link: _Link, batch: _Batch) -> None:
     a secret) its tag. The next frame's receive is posted right behind each block's, so no
     wake-up separates them. However this ends, no receive aimed at a page outlives it."""
     endpoint, tenant = link.endpoint, encode_tenant(batch.tenant)
-    await endpoint.send(np.array([len(batch.keys), len(tenant)], dtype=np.uint64))
-    await endpoint.send(_bytes(tenant + b"".join(batch.keys)))
+    head = np.array([len(batch.keys), len(tenant)], dtype=np.uint64)
+    body = tenant + b"".join(batch.keys)
+    await endpoint.send(head)
+    await endpoint.send(_bytes(body))
+    if seal := link.request_seal(head.tobytes() + body):
+        await endpoint.send(_bytes(seal))
     frames = np.zeros(len(batch.keys), dtype=np.uint64)
     tag = np.zeros(auth.TAG_BYTES, dtype=np.uint8)
     pending = [_post_recv(link, frames[0:1], batch)]

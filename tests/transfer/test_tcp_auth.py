@@ -11,12 +11,13 @@ import threading
 import time
 
 import pytest
+import torch
 
 from kvstore.block import HEADER_BYTES, pack_header, payload_checksum, unpack_header
 from kvstore.errors import TransferError
 from kvstore.transfer import auth
 from kvstore.transfer.tcp import BATCH, FRAME, TcpEngine
-from kvstore.transfer.tcp_wire import pack_request
+from kvstore.transfer.tcp_wire import VERSION, pack_request
 from tests.transfer.conftest import KEYS, SECRET, SMALL_PAGE_BYTES, TENANT, Pair
 
 WRONG_SECRET = b"not-the-cluster-secret-at-all-00"
@@ -127,7 +128,7 @@ class FakeHolder:
             conn.sendall(auth.new_nonce())  # not a proof
             try:
                 conn.recv(BATCH.size, socket.MSG_WAITALL)
-                conn.sendall(BATCH.pack(b"KVST", 2, 0, 1) + FRAME.pack(len(self.block)))
+                conn.sendall(BATCH.pack(b"KVST", VERSION, 0, 1) + FRAME.pack(len(self.block)))
                 conn.sendall(self.block + bytes(auth.TAG_BYTES))
                 self.served.set()
             except OSError:
@@ -259,3 +260,44 @@ def test_serving_beyond_loopback_without_a_secret_logs_a_warning(caplog, host, s
     with caplog.at_level("WARNING", logger="kvstore.transfer.auth"):
         auth.warn_if_open("tcp", host, secret)
     assert bool(caplog.records) == warned
+
+
+def test_a_relay_that_rewrites_the_requests_tenant_gets_nothing_served(stores):
+    """An on-path relay forwards a genuine handshake, then rewrites the tenant of the request
+    (tenA to tenB): the request was not authenticated, so the holder served tenant B's block
+    through it in clear (the reader refused it, but the relay had read it). Requests are
+    sealed with the session key now: the holder serves nothing and drops the connection."""
+    holder, _ = stores
+    secret_kv = torch.frombuffer(bytearray(b"tenant-B-secret-KV" * 10), dtype=torch.uint8)
+    holder.reserve(KEYS[0], None, secret_kv.numel(), tenant="tenB").copy_(secret_kv)
+    holder.commit(KEYS[0])
+    server, client = TcpEngine(cluster_secret=SECRET), TcpEngine(cluster_secret=SECRET)
+    host, port = server.serve(holder.open_block).rsplit(":", 1)
+    listener = socket.create_server(("127.0.0.1", 0))
+    seen = bytearray()
+
+    def pump(source, sink, rewrite):
+        with contextlib.suppress(OSError):
+            while data := source.recv(1 << 16):
+                if not rewrite:
+                    seen.extend(data)
+                sink.sendall(data.replace(b"tenA", b"tenB") if rewrite else data)
+            sink.shutdown(socket.SHUT_WR)
+
+    def relay():
+        accepted, _ = listener.accept()
+        upstream = socket.create_connection((host, int(port)))
+        threading.Thread(target=pump, args=(upstream, accepted, False), daemon=True).start()
+        pump(accepted, upstream, True)
+
+    threading.Thread(target=relay, daemon=True).start()
+    page = torch.zeros(SMALL_PAGE_BYTES, dtype=torch.uint8)
+    try:
+        with contextlib.suppress(TransferError):
+            assert client.fetch(f"127.0.0.1:{listener.getsockname()[1]}", "tenA", [KEYS[0]],
+                                [page], 3.0) == [0]  # fmt: skip
+    finally:
+        listener.close()
+        client.close()
+        server.close()
+    assert b"tenant-B-secret-KV" not in seen and server.stats.batches_served == 0

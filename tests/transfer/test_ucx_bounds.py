@@ -38,8 +38,11 @@ runtime = engine._runtime()
 link = engine._dial(runtime, sys.argv[1], time.monotonic() + 10.0)
 async def ask():
     tenant = encode_tenant(TENANT)
-    await link.endpoint.send(np.array([3, len(tenant)], dtype=np.uint64))
-    await link.endpoint.send(np.frombuffer(tenant + b"".join(KEYS[:3]), dtype=np.uint8))
+    head, body = np.array([3, len(tenant)], dtype=np.uint64), tenant + b"".join(KEYS[:3])
+    await link.endpoint.send(head)
+    await link.endpoint.send(np.frombuffer(body, dtype=np.uint8))
+    if seal := link.request_seal(head.tobytes() + body):
+        await link.endpoint.send(np.frombuffer(seal, dtype=np.uint8))
 runtime.call(ask(), 10.0)
 print("asked", flush=True)
 os.kill(os.getpid(), signal.SIGSTOP)
