@@ -100,6 +100,10 @@ class StandaloneLink:
         except UNAVAILABLE_ERRORS as exc:
             raise UnavailableError(f"redis at {self.url} is unavailable: {exc}") from exc
 
+    def replication_id(self) -> str:
+        """The server's replication id: a new one when a replica is promoted in its place."""
+        return _replication_id(self)
+
     def close(self) -> None:
         self._redis.close()
 
@@ -162,8 +166,16 @@ class ClusterLink:
             except (redis.RedisError, RedisClusterException, IndexError) as exc:  # mid-failover
                 logger.debug("redis cluster: slot map refresh failed: %s", exc)
 
+    def replication_id(self) -> str:
+        """The slot master's replication id: a new one when a replica is promoted."""
+        return _replication_id(self)
+
     def close(self) -> None:
         self._cluster.close()
+
+
+def _replication_id(link) -> str:
+    return str(link.call(lambda client: client.info("replication")).get("master_replid", ""))
 
 
 def cluster_seeds(url: str) -> list[ClusterNode]:

@@ -8,6 +8,7 @@ Redis Cluster (redis_cluster.py: all keys in one hash slot, so every script runs
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import secrets
 import time
@@ -231,8 +232,14 @@ class RedisIndex(MetadataIndex):
     def incarnation(self) -> int:  # type: ignore[override]
         """Random, kept at P:inc by whichever replica reads it first, so replicas over one Redis
         agree; a Redis that lost its data (FLUSHALL, a restart without persistence) gets a new
-        one, as its events are numbered afresh. One round trip (Stats and Snapshot ask)."""
-        return int(self._run("incarnation", [self._prefix, secrets.randbits(63) | 1]))
+        one, as its events are numbered afresh. Folded with the master's replication id: a
+        replica promoted by a failover may not have the newest events, and issues their seqs
+        again for others (P:inc, replicated long before, would not tell). Two round trips
+        (Stats, Snapshot and WatchEvents pages ask)."""
+        stored = int(self._run("incarnation", [self._prefix, secrets.randbits(63) | 1]))
+        folded = hashlib.blake2b(b"%d/%s" % (stored, self._link.replication_id().encode()),
+                                 digest_size=8).digest()  # fmt: skip
+        return int.from_bytes(folded, "big") >> 1 | 1
 
     def _round_trip(self, *commands: tuple) -> list:
         """Send `commands` back to back on one pooled connection and read their raw replies:

@@ -203,6 +203,7 @@ class MetadataServer:
             self._on_loop(self._shutdown(grace_s), timeout_s=grace_s + START_TIMEOUT_S)
         self.streams.stop()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self.servicer.snapshot_pool.shutdown(wait=False, cancel_futures=True)
         self._close_loop()
         if self._metrics_http is not None:
             self._metrics_http.shutdown()

@@ -14,7 +14,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
@@ -29,6 +29,7 @@ from kvstore.metadata.watch import EventStreams
 from kvstore.v1 import metadata_pb2 as pb
 
 logger = logging.getLogger(__name__)
+SNAPSHOT_THREADS = 2  # copies of the index at once; more Snapshot streams wait their turn
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Metadata"].full_name
 
@@ -121,6 +122,9 @@ class MetadataServicer:
         self.metrics = metrics
         self.streams = streams
         self.pool = pool
+        # copies of the index (O(keys), a whole SCAN on Redis) run apart from the unary pool,
+        # so that however many Snapshot streams are open, heartbeats keep their threads
+        self.snapshot_pool = ThreadPoolExecutor(SNAPSHOT_THREADS, thread_name_prefix="snapshot")
         self.limits = limits
         self._metric_children: dict[tuple[str, grpc.StatusCode], tuple] = {}
 
@@ -245,7 +249,7 @@ class MetadataServicer:
             raise errors.NotFoundError(f"unknown or expired candidate nodes: {unknown[:5]}")
         return requested
 
-    @_unary(pb.StatsRequest, read=True)
+    @_unary(pb.StatsRequest)  # in the pool: the index's stats take its writer lock
     def Stats(self, request: pb.StatsRequest, scope: TenantScope):
         scope.require_all_tenants("read cluster stats")
         stats = self.index.stats()
@@ -310,14 +314,15 @@ class MetadataServicer:
             await context.abort(status_for(exc), str(exc))
         try:
             loop = asyncio.get_running_loop()
+            pool = self.snapshot_pool
             try:
-                pages = await loop.run_in_executor(self.pool, _snapshot_pages, self.index,
-                                                   request, self.limits.max_batch)  # fmt: skip
+                pages = await loop.run_in_executor(pool, _snapshot_pages, self.index, request,
+                                                   self.limits.max_batch)  # fmt: skip
             except errors.KVStoreError as exc:
                 self.metrics.rpcs.labels("Snapshot", status_for(exc).name).inc()
                 await context.abort(status_for(exc), str(exc))
             self.metrics.rpcs.labels("Snapshot", "OK").inc()
-            while (page := await loop.run_in_executor(self.pool, next, pages, None)) is not None:
+            while (page := await loop.run_in_executor(pool, next, pages, None)) is not None:
                 yield page
         finally:
             self.streams.release(scope.tenant)

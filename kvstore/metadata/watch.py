@@ -133,12 +133,18 @@ class EventStreams:
         loop = asyncio.get_running_loop()
 
         def read(from_seq: int, count: int):
-            return loop.run_in_executor(self._readers, self.index.events_since, from_seq, count)
+            return loop.run_in_executor(self._readers, self._page, from_seq, count)
 
-        next_seq = request.from_seq or (await read(0, 0)).last_seq + 1
+        incarnation, first = await read(0, 0)
+        next_seq = request.from_seq or first.last_seq + 1
         while True:
             changed = self.notifier.changed()
-            page = await read(next_seq, self.batch)
+            now, page = await read(next_seq, self.batch)
+            if now != incarnation:  # seqs from here on may name other events: resync
+                incarnation = now
+                yield pb.Event(seq=page.last_seq, kind=pb.Event.KIND_GAP)
+                next_seq = page.last_seq + 1
+                continue
             if page.gap:
                 resume_at = page.events[0].seq if page.events else page.last_seq + 1
                 yield pb.Event(seq=resume_at - 1, kind=pb.Event.KIND_GAP)
@@ -151,6 +157,11 @@ class EventStreams:
                 next_seq = page.last_seq + 1
             else:
                 await self.notifier.wait(changed, self.poll_s)
+
+    def _page(self, from_seq: int, count: int):
+        """(the index's incarnation, a page of events): a Redis failover may issue seqs that
+        a stream already passed for other events, which only the incarnation tells."""
+        return self.index.incarnation, self.index.events_since(from_seq, count)
 
 
 def event_to_proto(event: IndexEvent) -> pb.Event:

@@ -67,3 +67,36 @@ def test_lookups_racing_publishes_evictions_and_membership_never_fail():
     for thread in threads:
         thread.join()
     assert not failures
+
+
+def test_a_stats_call_beside_a_long_writer_does_not_stall_the_service(tmp_path):
+    """Stats ran on the service's event loop, and the embedded index's stats take its writer
+    lock: while a writer held it (a journal commit, a large node's purge) one Stats call
+    stopped every RPC, lookups included. It runs in the unary pool now."""
+    from tests.metadata.servers import client_for, running_server
+
+    with running_server(tmp_path) as server, client_for(server) as client:
+        lease, _ = client.register_node(NodeRecord("n1"))
+        client.publish("n1", lease, "t", [BlockEntry(key, "host") for key in KEYS])
+        held, release = threading.Event(), threading.Event()
+
+        def slow_writer() -> None:
+            with server.index._cond:  # as a long commit or purge does
+                held.set()
+                release.wait(10)
+
+        writer = threading.Thread(target=slow_writer)
+        writer.start()
+        held.wait(5)
+        stats = threading.Thread(target=client.stats)
+        try:
+            stats.start()
+            time.sleep(0.2)  # the Stats call is in the service, waiting for the lock
+            started = time.monotonic()
+            assert client.lookup("t", KEYS).prefix_length == 64
+            waited_s = time.monotonic() - started
+        finally:
+            release.set()
+            writer.join()
+            stats.join()
+        assert waited_s < 0.5, f"a lookup waited {waited_s:.2f} s behind a Stats call"

@@ -131,3 +131,51 @@ def test_the_unavailable_message_hides_the_redis_password():
         index.stats()
     assert "s3cret" not in str(raised.value) and "user:***@127.0.0.1" in str(raised.value)
     index.close()
+
+
+def test_a_promoted_replica_that_lost_the_newest_events_is_another_incarnation(tmp_path):
+    """Replication is asynchronous: a replica promoted before it received seqs 11-15 issues
+    11-18 for other events, under the same P:inc (replicated long before), so a watcher that
+    had read 11-15 resumed past them with no gap and kept holdings that no longer exist. The
+    incarnation folds in the master's replication id, which a promotion changes."""
+    import subprocess
+    import time
+
+    import redis
+
+    master_port, replica_port = free_port(), free_port()
+    servers = [subprocess.Popen(
+        ["redis-server", "--port", str(port), "--save", "", "--appendonly", "no", "--dir",
+         str(tmp_path), "--dbfilename", f"{port}.rdb",
+         *(["--replicaof", "127.0.0.1", str(master_port)] if port == replica_port else [])],
+        stdout=subprocess.DEVNULL) for port in (master_port, replica_port)]  # fmt: skip
+    try:
+        replica = redis.Redis(port=replica_port)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                if replica.info("replication").get("master_link_status") == "up":
+                    break
+            except redis.ConnectionError:
+                pass
+            assert time.monotonic() < deadline, "the replica never synced"
+            time.sleep(0.05)
+        old = RedisIndex(f"redis://127.0.0.1:{master_port}/0", prefix="p")
+        before = old.incarnation
+        lease = register(old, ttl_ms=600_000)
+        old.publish("n1", lease, "t", entries(KEYS[:10]))
+        while int(replica.get(b"p:seq") or 0) < 10:
+            time.sleep(0.05)
+        replica.execute_command("REPLICAOF", "NO", "ONE")  # promoted; what follows is lost
+        old.publish("n1", lease, "t", entries(KEYS[10:15]))  # seqs 11-15, read by a watcher
+        assert [e.seq for e in old.events_since(11, 100).events] == list(range(11, 16))
+        new = RedisIndex(f"redis://127.0.0.1:{replica_port}/0", prefix="p")  # the failover
+        new.publish("n1", lease, "t", entries(KEYS[15:23]))  # seqs 11-18 again, other keys
+        assert not new.events_since(16, 100).gap, "the seqs alone cannot tell"
+        assert new.incarnation != before and old.incarnation == before
+        old.close()
+        new.close()
+    finally:
+        for server in servers:
+            server.terminate()
+            server.wait()

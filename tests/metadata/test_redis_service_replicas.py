@@ -46,3 +46,52 @@ def test_two_replicas_on_one_redis_agree(redis_url):
         for process in (first, second):
             process.send_signal(signal.SIGTERM)
             assert process.wait(timeout=15) == 0
+
+
+def test_snapshot_streams_leave_the_heartbeats_their_threads(redis_url, tmp_path):
+    """On Redis a copy of the index is a SCAN of every key, run in the unary pool: four
+    Snapshot streams held all four threads, a heartbeat waited seconds and its node's lease
+    ran out. Copies run in a pool of their own now."""
+    import os
+    import threading
+    import time
+    import uuid
+
+    from kvstore.metadata.client import MetadataClient
+    from kvstore.metadata.index import BlockEntry, NodeRecord
+    from kvstore.metadata.redis_index import RedisIndex
+    from kvstore.metadata.server import MetadataConfig, MetadataServer
+
+    prefix = f"starve-{uuid.uuid4().hex[:8]}"
+    filler = RedisIndex(redis_url, prefix=prefix)
+    lease = filler.register_node(NodeRecord("filler"), 600_000).lease_id
+    for _ in range(15):
+        filler.publish("filler", lease, "t", [BlockEntry(os.urandom(16), "host")
+                                             for _ in range(4096)])  # fmt: skip
+    filler.close()
+    config = MetadataConfig(listen="127.0.0.1:0", backend="redis", redis_url=redis_url,
+                            redis_prefix=prefix, max_workers=4, data_dir=tmp_path)  # fmt: skip
+    server = MetadataServer(config)
+    server.start()
+    address = f"127.0.0.1:{server.port}"
+    try:
+        with MetadataClient(address) as client:
+            node_lease, _ = client.register_node(NodeRecord("n1"), 10_000)
+
+            def copy_index():
+                with MetadataClient(address) as reader:
+                    for _ in reader.snapshot("t", max_keys=1):
+                        pass
+
+            copies = [threading.Thread(target=copy_index) for _ in range(4)]
+            for thread in copies:
+                thread.start()
+            time.sleep(0.2)  # every copy has started its SCAN
+            started = time.perf_counter()
+            client.heartbeat("n1", node_lease)
+            waited_s = time.perf_counter() - started
+            for thread in copies:
+                thread.join()
+        assert waited_s < 0.25, f"a heartbeat waited {waited_s:.2f} s behind the copies"
+    finally:
+        server.stop(grace_s=0.5)

@@ -17,6 +17,8 @@ class SeqIndex:
     """events_since / wait_for_events as the Redis index answers them (a reader ahead of the
     newest seq is told of a gap); counts its reads."""
 
+    incarnation = 1  # the same index throughout
+
     def __init__(self, last_seq: int) -> None:
         self.last_seq = last_seq
         self.events: list[IndexEvent] = []
@@ -84,3 +86,27 @@ def test_an_idle_stream_neither_spins_nor_misses_events_after_the_index_went_bac
     assert seen["idle_after"] <= 2 * 0.5 / POLL_S + 2, f"{seen['idle_after']} reads while idle"
     assert seen["event"].kind == pb.Event.KIND_STORED and seen["event"].seq == 901
     assert seen["delivered_s"] < 2 * POLL_S
+
+
+async def _watch_across_an_incarnation() -> list:
+    index = SeqIndex(last_seq=10)
+    streams = EventStreams(index, max_per_tenant=4, batch=64, poll_s=POLL_S)
+    streams.start(asyncio.get_running_loop())
+    events = streams.stream(pb.WatchEventsRequest(from_seq=11))
+    try:
+        index.add()  # seq 11
+        first = await asyncio.wait_for(anext(events), 3 * POLL_S)
+        index.incarnation = 2  # a failover to a replica that issues seqs again
+        index.add()  # seq 12, of the new incarnation
+        return [first, await asyncio.wait_for(anext(events), 3 * POLL_S)]
+    finally:
+        streams.stop()
+        await events.aclose()
+
+
+def test_a_stream_reports_a_gap_when_the_index_becomes_another_incarnation():
+    """The seqs of another incarnation may name other events than the stream already
+    passed: the stream says so (KIND_GAP), and the watcher resyncs."""
+    first, second = asyncio.run(_watch_across_an_incarnation())
+    assert first.kind == pb.Event.KIND_STORED and first.seq == 11
+    assert second.kind == pb.Event.KIND_GAP and second.seq == 12
