@@ -78,6 +78,11 @@ class MetadataConfig:
             raise ConfigError("max_watch_streams_per_tenant and _all_tenants must be at least 1")
         if self.redis_failover_timeout_s <= 0:
             raise ConfigError("redis_failover_timeout_s must be positive")
+        if self.backend == "redis-cluster" and not self.redis_prefix:
+            raise ConfigError(
+                "redis_prefix must be non-empty with the redis-cluster backend: it is the hash "
+                "tag that keeps the index in one slot ('{}' is none)"
+            )
         if self.lmdb_map_size_bytes < MIN_MAP_SIZE_BYTES:
             raise ConfigError(f"lmdb_map_size_bytes must be at least {MIN_MAP_SIZE_BYTES}")
 

@@ -215,3 +215,14 @@ def test_a_cluster_url_without_seeds_is_a_config_error():
     with pytest.raises(ConfigError, match="must be host:port"):
         cluster_seeds("redis://localhost")
     assert [(s.host, s.port) for s in cluster_seeds("redis://a:1,b:2")] == [("a", 1), ("b", 2)]
+
+
+def test_an_empty_prefix_on_a_cluster_is_a_config_error():
+    """An empty prefix made the hash tag "{}", which is no hash tag: the index's keys spread
+    over slots and every script failed CROSSSLOT."""
+    from kvstore.errors import ConfigError
+    from kvstore.metadata.server import MetadataConfig
+
+    with pytest.raises(ConfigError, match="redis_prefix must be non-empty"):
+        MetadataConfig(backend="redis-cluster", redis_url="redis://a:1", redis_prefix="")
+    MetadataConfig(backend="redis", redis_url="redis://a:1", redis_prefix="")  # one server
