@@ -160,7 +160,9 @@ def _add_metadata_flags(parser: argparse.ArgumentParser, with_backend: bool) -> 
         )
         parser.add_argument("--redis-wait-timeout-ms", type=int, help="WAIT timeout (100)")
     parser.add_argument("--data-dir", type=Path, help="where LMDB keeps the index")
-    parser.add_argument("--token-file", type=Path, help="'TOKEN TENANT' lines; enables auth")
+    parser.add_argument(
+        "--token-file", type=Path, help="'TOKEN TENANT [node=NODE_ID]' lines; enables auth"
+    )
     parser.add_argument("--tls-cert", type=Path)
     parser.add_argument("--tls-key", type=Path)
     parser.add_argument("--tls-client-ca", type=Path, help="require client certificates")

@@ -114,7 +114,7 @@ def test_a_socket_path_too_long_for_a_unix_socket_is_refused(files, capsys):
     ("change", "message"),
     [
         (("--tls-key", "{f}/tokens.txt"), "cannot be loaded"),
-        (("--token-file", "{f}/agent.token"), "expected 'TOKEN TENANT'"),
+        (("--token-file", "{f}/agent.token"), "expected 'TOKEN TENANT [node=NODE_ID]'"),
         (("--data-dir", "{f}/tokens.txt/meta"), "is not a directory"),
         (("--listen", ":50051"), "names no host"),
     ],
