@@ -36,6 +36,7 @@ from kvstore.metadata.redis_cluster import ClusterLink, Durability, StandaloneLi
 from kvstore.metadata.redis_scripts import SCRIPTS, WRITES
 
 NO_WAIT = Durability()
+NOW = object()  # a script argument: the clock's time at each attempt (RedisIndex._run)
 WAIT_CHUNK_S = 2.0  # XREAD BLOCK slices, so a blocked read never meets the socket timeout
 SNAPSHOT_SCAN_COUNT = 512  # keys asked of each SCAN page of a snapshot (one bounded reply each)
 
@@ -83,15 +84,19 @@ class RedisIndex(MetadataIndex):
         self._scripts = {name: Script(None, body.encode())
                          for name, body in SCRIPTS.items()}  # fmt: skip
 
-    def _run(self, name: str, args: Sequence[bytes | str | int | float]) -> list:
+    def _run(self, name: str, args: Sequence[bytes | str | int | float | object]) -> list:
         """Run script `name` (keyed on P:seq, so a cluster routes and checks its slot); writes
-        wait for `durability.wait_replicas` replicas when asked to."""
+        wait for `durability.wait_replicas` replicas when asked to. An argument NOW is the
+        clock's time when each attempt runs: the cluster link retries through a failover for
+        seconds, and a lease checked against the first attempt's time could be extended after
+        it expired."""
         script, keys = self._scripts[name], [self._prefix + b":seq"]
         wait = self._durability.wait_replicas if name in WRITES else 0
         if not wait:
-            return self._link.call(lambda client: script(keys=keys, args=args, client=client))
-        reply, acked = self._link.call(lambda client: _run_and_wait(client, script, keys, args,
-                                                                   self._durability))  # fmt: skip
+            return self._link.call(lambda client: script(keys=keys, args=self._at_now(args),
+                                                         client=client))  # fmt: skip
+        reply, acked = self._link.call(lambda client: _run_and_wait(
+            client, script, keys, self._at_now(args), self._durability))  # fmt: skip
         if acked < wait:
             raise UnavailableError(
                 f"redis at {self._url}: a write reached {acked} of {wait} replicas within "
@@ -99,10 +104,13 @@ class RedisIndex(MetadataIndex):
             )
         return reply
 
+    def _at_now(self, args: Sequence) -> list:
+        now = repr(self._clock())
+        return [now if arg is NOW else arg for arg in args]
+
     def _leased(self, name: str, node_id: str, lease_id: int, *extra) -> list:
         """Run a script that checks the lease first; raise for unknown/stale/expired leases."""
-        now = repr(self._clock())
-        reply = self._run(name, [self._prefix, now, self._max_events, node_id, lease_id, *extra])
+        reply = self._run(name, [self._prefix, NOW, self._max_events, node_id, lease_id, *extra])
         status = reply[0]
         if status == b"unknown":
             raise NotFoundError(f"unknown node {node_id!r}: register it first")

@@ -226,3 +226,38 @@ def test_an_empty_prefix_on_a_cluster_is_a_config_error():
     with pytest.raises(ConfigError, match="redis_prefix must be non-empty"):
         MetadataConfig(backend="redis-cluster", redis_url="redis://a:1", redis_prefix="")
     MetadataConfig(backend="redis", redis_url="redis://a:1", redis_prefix="")  # one server
+
+
+def test_a_heartbeat_retried_through_a_failover_cannot_revive_an_expired_lease(redis_cluster):
+    """The lease was checked against the time of the first attempt: a heartbeat that the
+    cluster link retried for seconds through a failover extended a lease that had expired
+    meanwhile (its holdings, hidden from lookups, came back with no event). Each attempt
+    checks against its own time now."""
+    import redis
+
+    from kvstore.errors import LeaseError
+    from kvstore.metadata.redis_index import RedisIndex
+    from tests.metadata.conftest import FakeClock
+
+    clock = FakeClock()
+    index = RedisIndex(redis_cluster.url, prefix=f"retry-{uuid.uuid4().hex[:6]}", cluster=True,
+                       clock=clock)  # fmt: skip
+    lease = index.register_node(NodeRecord("n1"), 1_000).lease_id
+    link, failures = index._link, []
+    master = link.client
+
+    def failing_once():
+        if not failures:
+            failures.append(True)
+            clock.advance(2)  # the failover took longer than the lease
+            raise redis.ConnectionError("the master is gone")
+        return master()
+
+    link.client = failing_once
+    try:
+        with pytest.raises(LeaseError, match="expired"):
+            index.heartbeat("n1", lease)
+    finally:
+        link.client = master
+        index.close()
+    assert failures == [True]
