@@ -175,7 +175,20 @@ class ClusterLink:
 
 
 def _replication_id(link) -> str:
-    return str(link.call(lambda client: client.info("replication")).get("master_replid", ""))
+    """The master's replication id; empty where the user may not run INFO (an ACL of
+    -@dangerous): a failover is then told only by a lost P:inc (grant +info to the user)."""
+    try:
+        info = link.call(lambda client: client.info("replication"))
+    except redis.ResponseError as exc:  # NoPermissionError among them
+        if not _info_refused.is_set():
+            _info_refused.set()
+            logger.warning("redis refuses INFO (%s): a failover that loses events is not "
+                           "detected; grant the kvstore user +info", exc)  # fmt: skip
+        return ""
+    return str(info.get("master_replid", ""))
+
+
+_info_refused = threading.Event()  # warned once per process
 
 
 def cluster_seeds(url: str) -> list[ClusterNode]:

@@ -16,8 +16,10 @@ import errno
 import fcntl
 import logging
 import os
+import shutil
 import time
 import warnings
+import weakref
 from collections.abc import Container, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,8 +36,10 @@ from kvstore.tiers.base import Tier, pages_for
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 logger = logging.getLogger(__name__)
-_CORRUPT = (lmdb.CorruptedError, lmdb.InvalidError, lmdb.PageNotFoundError,
-            lmdb.VersionMismatchError, lmdb.BadChecksumError, lmdb.PanicError)  # fmt: skip
+_CORRUPT = tuple(getattr(lmdb, name) for name in (
+    "CorruptedError", "InvalidError", "PageNotFoundError", "VersionMismatchError", "PanicError",
+    "BadChecksumError",  # lmdb >= 3
+) if hasattr(lmdb, name))  # fmt: skip
 
 # B-tree pages and overflow-page rounding: LMDB needs some room beyond the raw values.
 _MAP_OVERHEAD = 1.25
@@ -56,13 +60,14 @@ class DiskTier(Tier):
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self._lock_fd = _lock_directory(self.path)
+        self._unlock = weakref.finalize(self, os.close, self._lock_fd)  # dropped unclosed too
         map_size = int(capacity_bytes * _MAP_OVERHEAD) + _MAP_SLACK_BYTES
         options = {"map_size": map_size, "sync": fsync, "metasync": fsync, "readahead": False,
                    "max_spare_txns": 4, "writemap": False}  # fmt: skip
         try:
             self._env, self._committed = self._open(options)
         except BaseException:
-            os.close(self._lock_fd)
+            self._unlock()
             raise
         self._staging: dict[BlockKey, torch.Tensor] = {}
         self._spare_pages: list[torch.Tensor] = []  # reused staging pages: no page faults
@@ -186,7 +191,7 @@ class DiskTier(Tier):
         if self._env is not None:
             self._env.close()
             self._env = None
-            os.close(self._lock_fd)
+            self._unlock()
 
 
 def _lock_directory(path: Path) -> int:
@@ -194,15 +199,20 @@ def _lock_directory(path: Path) -> int:
     fd = os.open(path / "kvstore.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    except OSError as exc:
         os.close(fd)
-        raise ConfigError(f"disk tier: {path} is in use by another agent (its kvstore.lock is "
-                          "held); give each agent its own disk_dir") from None  # fmt: skip
+        if isinstance(exc, BlockingIOError):
+            raise ConfigError(f"disk tier: {path} is in use by another agent (its kvstore.lock "
+                              "is held); give each agent its own disk_dir") from None  # fmt: skip
+        raise ConfigError(f"disk tier: cannot lock {path}: {exc}") from None
     return fd
 
 
 def _set_aside(path: Path, exc: Exception) -> None:
-    """Move a corrupt environment's files to path/corrupt-<time>/ (kept for a post-mortem)."""
+    """Move a corrupt environment's files to path/corrupt-<time>/ (kept for a post-mortem;
+    only the newest such copy is kept, so copies cannot fill the disk)."""
+    for older in path.glob("corrupt-*"):
+        shutil.rmtree(older, ignore_errors=True)
     aside = path / f"corrupt-{time.strftime('%Y%m%dT%H%M%S')}"
     aside.mkdir(exist_ok=True)
     for name in ("data.mdb", "lock.mdb"):

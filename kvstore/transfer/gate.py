@@ -55,8 +55,8 @@ class LinkOptions:
     idle_timeout_s: float = 300.0  # server: an idle peer connection is closed after this
     max_connections: int = 256  # server: accepted connections at once; extras closed at once
     max_connections_per_peer: int = 32  # server: the same, per peer host
-    max_handshakes: int = 64  # server: connections not authenticated yet, at once
-    max_handshakes_per_peer: int = 8  # server: the same, per peer host
+    max_handshakes: int = 128  # server: connections not authenticated yet, at once
+    max_handshakes_per_peer: int = 32  # server: the same, per peer host (a TP engine's burst)
     pool_connections_per_peer: int = 4  # idle connections kept per peer; extras are closed
     socket_buffer_bytes: int = 0  # SO_SNDBUF/SO_RCVBUF; 0 keeps the kernel's autotuning
 
@@ -143,7 +143,12 @@ class Gate:
             except OSError:  # the peer already hung up
                 sock.close()
                 continue
-            if not self._admit(sock, peer[0], serve):
+            try:
+                admitted = self._admit(sock, peer[0], serve)
+            except Exception:  # one connection's trouble never ends accepting
+                logger.exception("%s engine could not admit %s", self.engine, peer[0])
+                admitted = False
+            if not admitted:
                 sock.close()
 
     def _admit(self, sock: socket.socket, host: str, serve: ServeConn) -> bool:
@@ -161,6 +166,9 @@ class Gate:
                 self._refuse(host, "its handshake slots")
                 return False
             if self._shaking.total() >= options.max_handshakes:
+                if not self._shaking_since:  # only dropped ones, not ended yet
+                    self._refuse(host, "handshake slots")
+                    return False
                 oldest = min(self._shaking_since, key=self._shaking_since.__getitem__)
                 del self._shaking_since[oldest]  # its thread frees the slot as it ends
                 shutdown(oldest)

@@ -178,7 +178,8 @@ class UcxEngine(TransferEngine):
         try:
             return made.result(max(0.0, timeout_s))
         except concurrent.futures.TimeoutError:
-            made.add_done_callback(_abort_late_link)
+            loop = self._rt.loop
+            made.add_done_callback(lambda late: loop.call_soon_threadsafe(_abort_late_link, late))
             raise
 
     async def _link_to(self, conn: Conn, address: bytes, send_tag: int, recv_tag: int) -> _Link:
@@ -360,7 +361,8 @@ class UcxEngine(TransferEngine):
 
 # ---- wire helpers (module level: both sides use them, none touches engine state) ---------
 def _abort_late_link(made: concurrent.futures.Future) -> None:
-    """On the loop: the endpoint of a link whose caller stopped waiting is aborted."""
+    """On the loop (however the future finished): the endpoint of a link whose caller
+    stopped waiting is aborted."""
     if not made.cancelled() and made.exception() is None:
         made.result().endpoint.abort()
 

@@ -94,9 +94,9 @@ def send_hello(conn: Conn, role: bytes, address: bytes, tag: int, deadline: floa
 
 def recv_hello(conn: Conn, role: bytes, own_address: bytes, deadline: float) -> tuple[bytes, int]:
     """The peer's UCX worker address and the tag to send it on; ProtocolError if malformed,
-    (with a session) not sealed by the peer of this very handshake, or of another UCX address
-    version than `own_address` (UCX asserts, aborting the process, on a version it does not
-    know; a peer on another UCX release is refused here instead)."""
+    (with a session) not sealed by the peer of this very handshake, or of a newer UCX address
+    version than `own_address` packs (UCX asserts, aborting the process, on a version it does
+    not know; a peer on a newer UCX release is refused here instead)."""
     head = recv_bytes(conn.sock, _HELLO.size, deadline)
     tag, length = _HELLO.unpack(head)
     if not MIN_ADDRESS_BYTES <= length <= MAX_ADDRESS_BYTES:
@@ -107,7 +107,7 @@ def recv_hello(conn: Conn, role: bytes, own_address: bytes, deadline: float) -> 
         if not hmac.compare_digest(seal, conn.session.seal(b"ucx-hello-" + role, head + address)):
             raise ProtocolError("the peer's UCX address is not sealed with the session key")
     version, own = address[0] & _VERSION_BITS, own_address[0] & _VERSION_BITS
-    if version != own:
+    if version > own:  # UCX unpacks its own version and older ones
         raise ProtocolError(f"a UCX address of version {version}; this UCX packs version {own}")
     return address, tag
 

@@ -82,3 +82,27 @@ def test_a_lookup_survives_redis_dropping_the_connection(index, redis_url):
     assert killer.client_kill_filter(_type="normal", skipme=True) >= 1
     killer.close()
     assert len(index.lookup("t", [b"k" * 16])) == 1, "retried on a fresh connection"
+
+
+def test_a_user_without_the_dangerous_commands_still_serves_stats_and_streams(redis_url):
+    """INFO is in Redis's @dangerous category, and `+@all -@dangerous` is the least-privilege
+    user of Redis's own docs: reading the replication id for the incarnation raised, and
+    every Stats, Snapshot and WatchEvents call failed. Without INFO the incarnation is
+    P:inc's alone (a warning says a lossy failover is then not detected)."""
+    admin = redis.Redis.from_url(redis_url)
+    user = f"limited-{uuid.uuid4().hex[:6]}"
+    admin.acl_setuser(user, enabled=True, passwords=["+limited-pw"], keys=["*"],
+                      commands=["+@all", "-@dangerous"])  # fmt: skip
+    host_port = redis_url.split("//", 1)[1]
+    limited = RedisIndex(f"redis://{user}:limited-pw@{host_port}", prefix=f"acl-{user}")
+    try:
+        with pytest.raises(redis.ResponseError):
+            limited._link.client().info("replication")  # the user may not run INFO
+        assert limited.incarnation == limited.incarnation != 0
+        lease = limited.register_node(NodeRecord("n1"), 60_000).lease_id
+        limited.publish("n1", lease, "t", [BlockEntry(bytes(16), "host")])
+        assert [e.seq for e in limited.events_since(1, 10).events] == [1]
+    finally:
+        limited.close()
+        admin.acl_deluser(user)
+        admin.close()

@@ -172,3 +172,29 @@ def test_a_directory_is_held_by_one_tier_at_a_time(tmp_path):
         DiskTier(tmp_path / "disk", capacity_bytes=8 << 20, page_size_bytes=1 << 20)
     first.close()
     DiskTier(tmp_path / "disk", capacity_bytes=8 << 20, page_size_bytes=1 << 20).close()
+
+
+def test_a_tier_dropped_without_close_frees_its_directory(tmp_path):
+    import gc
+
+    tier = DiskTier(tmp_path / "disk", capacity_bytes=8 << 20, page_size_bytes=1 << 20)
+    tier._env.close()  # as a process that lost the tier without closing it
+    del tier
+    gc.collect()
+    DiskTier(tmp_path / "disk", capacity_bytes=8 << 20, page_size_bytes=1 << 20).close()
+
+
+def test_the_disk_tier_imports_with_an_lmdb_before_3(monkeypatch):
+    """lmdb.BadChecksumError exists from lmdb 3.0 only; pyproject allows lmdb >= 1.4."""
+    import importlib
+
+    import lmdb
+
+    import kvstore.tiers.disk as disk
+
+    monkeypatch.delattr(lmdb, "BadChecksumError", raising=False)
+    try:
+        assert lmdb.CorruptedError in importlib.reload(disk)._CORRUPT
+    finally:
+        monkeypatch.undo()
+        importlib.reload(disk)

@@ -4,6 +4,7 @@ connection caps (in total and per peer host) refuse extras at once and count the
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 
@@ -191,3 +192,42 @@ def test_peers_stuck_in_the_handshake_cannot_take_the_authenticated_peers_slots(
 def test_bad_bounds_are_refused_with_a_config_error(options):
     with pytest.raises(ConfigError):
         TcpEngine(**options)
+
+
+def test_the_accept_thread_survives_handshake_slots_held_only_by_dropped_ones(holder):
+    """A dropped handshake leaves its slot only when its thread ends: with every other
+    handshake over by then, the next connection found the slots full and no handshake to
+    drop, and min() of nothing ended the accept thread (the node accepted no peer again).
+    The handshake of the first connection is held up here, as a descheduled thread's is."""
+    import threading
+
+    from tests.transfer.conftest import SECRET
+
+    server, address = serving(holder, cluster_secret=SECRET, max_handshakes=1)
+    gate, slow_exit, calls = server._gate, threading.Event(), []
+    genuine = gate._authenticate
+
+    def held_up_first(sock):
+        calls.append(sock)
+        if len(calls) == 1:  # dropped while silent; slow to reach its end
+            with contextlib.suppress(OSError):
+                sock.recv(1)
+            slow_exit.wait(5)
+        return genuine(sock)
+
+    gate._authenticate = held_up_first
+    try:
+        first = connect(address)
+        until(lambda: len(calls) == 1, within_s=2.0)
+        second = connect(address)  # drops the first, then fails its own handshake at once
+        second.sendall(b"\0" * 64)
+        until(lambda: len(gate._shaking_since) == 0, within_s=2.0)
+        third = connect(address)  # no handshake left to drop: refused, not a dead acceptor
+        until(lambda: server.stats.connections_refused == 1, within_s=2.0)
+        assert gate._acceptor.is_alive()
+        slow_exit.set()
+        for sock in (first, second, third):
+            sock.close()
+    finally:
+        slow_exit.set()
+        server.close()
