@@ -30,8 +30,11 @@ class SaveSpec:
 class KVStoreConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
-    # saves still running may read blocks vLLM handed to other requests in this step (a
-    # preempted request's): the workers finish them before the forward, and forget that
-    # those requests had saves (their blocks are vLLM's again: no delayed free is owed)
-    flush_saves: bool = False
+    # requests preempted since the last step whose blocks saves still running may read (set
+    # only where saves outlive their step): the workers finish their saves before the
+    # forward, and forget those requests had saves (no delayed free is owed for them)
     preempted: set[str] = field(default_factory=set)
+
+    @property
+    def flush_saves(self) -> bool:
+        return bool(self.preempted)

@@ -252,7 +252,7 @@ class SchedulerSide:
             return KVStoreConnectorMetadata()
         for req_id in preempted & self.requests.keys():
             self.requests[req_id].saves_scheduled = False
-        return KVStoreConnectorMetadata(flush_saves=True, preempted=set(preempted))
+        return KVStoreConnectorMetadata(preempted=set(preempted))
 
     def _load_spec(self, req_id: str, state: RequestState) -> LoadSpec:
         return LoadSpec(

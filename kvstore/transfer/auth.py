@@ -121,6 +121,25 @@ class BlockMac:
         return self._gcm.tag
 
 
+class Sequenced:
+    """What a connection's two ends count in step, for the dataclasses of both engines'
+    connections (tcp's Conn, ucx's link), which hold `session`, `frames` and `requests`."""
+
+    session: Session | None
+    frames: int
+    requests: int
+
+    def next_mac(self, key: bytes, length: int) -> BlockMac | None:
+        """The MAC of the next frame, or None on an unauthenticated connection."""
+        self.frames += 1
+        return None if self.session is None else self.session.block_mac(self.frames, key, length)
+
+    def request_seal(self, request: bytes) -> bytes:
+        """The next request's tag (b"" on an unauthenticated connection)."""
+        self.requests += 1
+        return b"" if self.session is None else self.session.seal_request(self.requests, request)
+
+
 def tag_matches(mac: BlockMac, tag: bytes | memoryview) -> bool:
     return hmac.compare_digest(mac.finalize(), bytes(tag))
 

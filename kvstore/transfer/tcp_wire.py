@@ -46,23 +46,13 @@ class HandshakeError(TransferError):
 
 
 @dataclass
-class Conn:
+class Conn(auth.Sequenced):
     """A connection and its authenticated session (None without a cluster secret)."""
 
     sock: socket.socket
     session: auth.Session | None = None
     frames: int = 0  # frames sent (serving side) or received (fetching side) so far
     requests: int = 0  # requests sent (fetching side) or received (serving side) so far
-
-    def request_seal(self, request: bytes) -> bytes:
-        """The next request's tag (b"" on an unauthenticated connection)."""
-        self.requests += 1
-        return b"" if self.session is None else self.session.seal_request(self.requests, request)
-
-    def next_mac(self, key: BlockKey, length: int):
-        """The MAC of the next frame, or None on an unauthenticated connection."""
-        self.frames += 1
-        return None if self.session is None else self.session.block_mac(self.frames, key, length)
 
 
 # ---- handshake ------------------------------------------------------------------------------

@@ -51,7 +51,7 @@ class _HandshakeError(_ProtocolError):
 
 
 @dataclass(eq=False)
-class _Link:
+class _Link(auth.Sequenced):
     """An endpoint, its session (None without a cluster secret) and frames passed so far."""
 
     endpoint: Any
@@ -59,15 +59,6 @@ class _Link:
     control: socket.socket | None = None  # the gate's connection: its end is the peer's end
     frames: int = 0
     requests: int = 0  # requests sent (fetching side) or received (serving side) so far
-
-    def next_mac(self, key: BlockKey, length: int):
-        self.frames += 1
-        return None if self.session is None else self.session.block_mac(self.frames, key, length)
-
-    def request_seal(self, request: bytes) -> bytes:
-        """The next request's tag (b"" without a session), as tcp's Conn.request_seal."""
-        self.requests += 1
-        return b"" if self.session is None else self.session.seal_request(self.requests, request)
 
 
 @dataclass

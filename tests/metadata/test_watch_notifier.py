@@ -4,6 +4,7 @@ stream layer alone (EventStreams on an asyncio loop) over a small index of seqs:
 stream neither spins nor misses the events issued after the failover."""
 
 import asyncio
+import contextlib
 import threading
 
 from kvstore.metadata.index import EventPage, IndexEvent
@@ -53,12 +54,22 @@ async def _idle_reads(index: SeqIndex, seconds: float) -> int:
     return index.reads - before
 
 
-async def _watch_through_a_failover() -> dict:
-    index = SeqIndex(last_seq=1000)
+@contextlib.asynccontextmanager
+async def _stream(index: SeqIndex, from_seq: int):
+    """A WatchEvents stream over `index` from `from_seq`, on the running loop."""
     streams = EventStreams(index, max_per_tenant=4, batch=64, poll_s=POLL_S)
     streams.start(asyncio.get_running_loop())
-    events = streams.stream(pb.WatchEventsRequest(from_seq=1001))
+    events = streams.stream(pb.WatchEventsRequest(from_seq=from_seq))
     try:
+        yield events
+    finally:
+        streams.stop()
+        await events.aclose()
+
+
+async def _watch_through_a_failover() -> dict:
+    index = SeqIndex(last_seq=1000)
+    async with _stream(index, 1001) as events:
         pending = asyncio.ensure_future(anext(events))
         idle_before = await _idle_reads(index, 0.5)
         index.fail_over(900)  # the promoted replica's newest seq
@@ -71,9 +82,6 @@ async def _watch_through_a_failover() -> dict:
         event = await asyncio.wait_for(pending, 3 * POLL_S)
         return {"idle_before": idle_before, "idle_after": idle_after, "gap": gap,
                 "event": event, "delivered_s": loop.time() - started}  # fmt: skip
-    finally:
-        streams.stop()
-        await events.aclose()
 
 
 def test_an_idle_stream_neither_spins_nor_misses_events_after_the_index_went_back():
@@ -90,18 +98,12 @@ def test_an_idle_stream_neither_spins_nor_misses_events_after_the_index_went_bac
 
 async def _watch_across_an_incarnation() -> list:
     index = SeqIndex(last_seq=10)
-    streams = EventStreams(index, max_per_tenant=4, batch=64, poll_s=POLL_S)
-    streams.start(asyncio.get_running_loop())
-    events = streams.stream(pb.WatchEventsRequest(from_seq=11))
-    try:
+    async with _stream(index, 11) as events:
         index.add()  # seq 11
         first = await asyncio.wait_for(anext(events), 3 * POLL_S)
         index.incarnation = 2  # a failover to a replica that issues seqs again
         index.add()  # seq 12, of the new incarnation
         return [first, await asyncio.wait_for(anext(events), 3 * POLL_S)]
-    finally:
-        streams.stop()
-        await events.aclose()
 
 
 def test_a_stream_reports_a_gap_when_the_index_becomes_another_incarnation():
