@@ -18,13 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import xxhash
 
 from kvstore import errors, framing
 from kvstore.block import payload_checksum
 from kvstore.config import read_secret_file
 from kvstore.keys import BlockKey
-from kvstore.kvcopy.verified import copy_hashed
+from kvstore.kvcopy.verified import Hasher, copy_hashed
 from kvstore.tiers.host import MappedBuffer, map_fd
 from kvstore.v1 import agent_pb2 as pb
 
@@ -86,7 +85,7 @@ class LoadedBlocks:
         """Copy payload `index` into `destination` (flat uint8, host memory), hashing the copy
         as it is made: False when the copy is not the block that was loaded (its page changed
         meanwhile): then `destination` must be treated as a miss. One pass over the bytes."""
-        hasher = xxhash.xxh3_64()
+        hasher = Hasher()
         copy_hashed(destination, self.payloads[index], hasher)
         return hasher.intdigest() == self.checksums[index]
 

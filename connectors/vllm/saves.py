@@ -12,7 +12,6 @@ import logging
 from dataclasses import dataclass, field
 
 import torch
-import xxhash
 
 from connectors.vllm import compat
 from connectors.vllm.agent import AgentConnection
@@ -24,6 +23,7 @@ from kvstore.codec import CODEC_IDS
 from kvstore.errors import KVStoreError
 from kvstore.kvcopy.engine import ChunkCopier
 from kvstore.kvcopy.paged import PagedLayer
+from kvstore.kvcopy.verified import Hasher
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ class _StepSaves:
     """One step's reservations, and the running digest of each reserved chunk."""
 
     reserved: list[tuple[SaveSpec, SaveReservation]]
-    digests: dict[int, list[xxhash.xxh3_64]] = field(default_factory=dict)  # per save id
+    digests: dict[int, list[Hasher]] = field(default_factory=dict)  # per save id
     layers: int = 0  # layers saved so far
     in_order: bool = True  # layers arrived in payload order: the running digests are valid
     done: torch.cuda.Event | None = None  # CUDA: recorded after the step's last copy
@@ -117,7 +117,7 @@ class SavePipeline:
                 self.stats["save_failures"] += len(spec.keys)
                 continue
             step.reserved.append((spec, reservation))
-            step.digests[reservation.save_id] = [xxhash.xxh3_64() for _ in reservation.payloads]
+            step.digests[reservation.save_id] = [Hasher() for _ in reservation.payloads]
         return step
 
     # ---- commits ---------------------------------------------------------------------------

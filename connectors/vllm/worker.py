@@ -14,7 +14,6 @@ import threading
 import time
 
 import torch
-import xxhash
 
 from connectors.vllm import compat
 from connectors.vllm.agent import AgentConnection
@@ -25,6 +24,7 @@ from kvstore.client import LoadedBlocks
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.kvcopy.engine import ChunkCopier
 from kvstore.kvcopy.paged import PagedLayer, check_paged_layer
+from kvstore.kvcopy.verified import Hasher
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class WorkerSide:
         self._layer_indexes: dict[str, int] = {}
         self._load: LayerwiseLoad | None = None
         self._loaded: list[tuple[LoadSpec, LoadedBlocks]] = []
-        self._digests: list[list[xxhash.xxh3_64 | None]] = []  # per load, per block (None: unused)
+        self._digests: list[list[Hasher | None]] = []  # per load, per block (None: unused)
         self._loader: ChunkCopier | None = None  # on the load thread
         self._load_thread = False
         self.failed_block_ids: set[int] = set()
@@ -184,7 +184,7 @@ class WorkerSide:
         per_chunk, groups = self.kv.blocks_per_chunk, self.kv.groups.count
         chunks = len(loaded) // groups
         return [
-            xxhash.xxh3_64() if (j // groups + 1) * per_chunk > spec.skip_blocks else None
+            Hasher() if (j // groups + 1) * per_chunk > spec.skip_blocks else None
             for j in range(chunks * groups)
         ]
 

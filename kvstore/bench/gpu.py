@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 import torch
-import xxhash
 
 from kvstore.bench import peers
 from kvstore.bench.timing import check_runs, gbps
@@ -27,6 +26,7 @@ from kvstore.block import HEADER_BYTES
 from kvstore.client import KVStoreClient
 from kvstore.keys import BlockKey
 from kvstore.kvcopy.engine import ChunkCopier
+from kvstore.kvcopy.verified import Hasher
 from kvstore.layout import KVLayout
 
 logger = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ class _Run:
     def load(self, keys: list[BlockKey], layer_done=None) -> tuple[float, bool]:
         started = time.perf_counter()
         loaded = self.client.load("bench", keys, verify=False)
-        digests = [xxhash.xxh3_64() for _ in keys]
+        digests = [Hasher() for _ in keys]
         for layer, paged in enumerate(self.target):
             start, stop = self.layout.layer_range(layer)
             for chunk, payload in enumerate(loaded.payloads):

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from kvstore._copyhash import best_isa
 from kvstore.errors import ConfigError
 
 GB = 1e9  # GB/s here means 10^9 bytes per second, as memory and disk datasheets use
@@ -101,5 +102,6 @@ def machine_info() -> dict[str, object]:
         "numpy_version": np.__version__,
         "python_version": platform.python_version(),
         "processor": platform.processor() or platform.machine(),
+        "copy_hash_isa": best_isa(),  # kvstore._copyhash's copy + checksum loop
         "load_avg_1m": os.getloadavg()[0],  # other work on the machine makes numbers noisy
     }

@@ -1,6 +1,7 @@
 """`kvstore bench transfer`: block get/put throughput on every data path, each beside the limit
 of the machine measured in the same run: (a) worker <-> local agent through the shared arena vs
-numpy.copyto of the same bytes between the same kinds of memory, in turns with it; (b) agent <-
+numpy.copyto of the same bytes between the same kinds of memory, in turns with it (and the
+copy loop of kvstore._copyhash without its hash, where it outruns libc's memcpy); (b) agent <-
 remote agent over tcp, run by run beside a raw socket sendall/recv_into (with each end's CPU
 seconds per GiB), and (c) over ucx; (d) Redis pipelined SET/MGET (redis-py + hiredis) as the
 baseline.
@@ -21,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvstore._copyhash import plain_copy
 from kvstore.bench import peers
 from kvstore.bench.timing import check_runs, gbps, machine_info
 from kvstore.block import HEADER_BYTES
@@ -73,8 +75,9 @@ def shm_results(block_bytes: int, batch: int, runs: int, access: str = "shared")
         f"{prefix}_get_GBps": _median_gbps([get for _, get in samples[1:]], total),
     }
     if pages is not None:
-        result["memcpy_put_GBps"] = _median_gbps([put for put, _ in limits[1:]], total)
-        result["memcpy_GBps"] = _median_gbps([get for _, get in limits[1:]], total)
+        result["memcpy_put_GBps"] = _median_gbps([limit[0] for limit in limits[1:]], total)
+        result["memcpy_GBps"] = _median_gbps([limit[1] for limit in limits[1:]], total)
+        result["copy_kernel_GBps"] = _median_gbps([limit[2] for limit in limits[1:]], total)
     return result
 
 
@@ -100,8 +103,10 @@ def _shm_round(client, keys, source, destination) -> tuple[float, float]:
 
 
 def _memcpy_s(source: torch.Tensor, destination: torch.Tensor, pages: np.ndarray):
-    """(put s, get s) of plain numpy.copyto: `source` into each page, each page into
-    `destination`: a round's bytes, between the same kinds of memory, without the store."""
+    """(put s, get s, kernel get s): plain numpy.copyto of `source` into each page and of
+    each page into `destination`, a round's bytes between the same kinds of memory without
+    the store; then the get again through the copy loop of kvstore._copyhash without its hash
+    (on CPUs where it outruns libc's memcpy, the stricter limit)."""
     started = time.perf_counter()
     for page in pages:
         np.copyto(page, source.numpy())
@@ -109,7 +114,11 @@ def _memcpy_s(source: torch.Tensor, destination: torch.Tensor, pages: np.ndarray
     started = time.perf_counter()
     for page in pages:
         np.copyto(destination.numpy(), page)
-    return put_s, time.perf_counter() - started
+    get_s = time.perf_counter() - started
+    started = time.perf_counter()
+    for page in pages:
+        plain_copy(destination.numpy(), page)
+    return put_s, get_s, time.perf_counter() - started
 
 
 # ---- (b, c) between agents -------------------------------------------------------------------
@@ -258,6 +267,7 @@ def run_transfer(runs: int = 5, sizes_mib=(4, 16), batch: int = BATCH, ucx: bool
             measured.update(remote_results("ucx", block_bytes, batch, runs))
         measured.update(redis_results(block_bytes, batch, runs))
         measured["shm_get_vs_memcpy"] = measured["shm_get_GBps"] / measured["memcpy_GBps"]
+        measured["shm_get_vs_copy_kernel"] = measured["shm_get_GBps"] / measured["copy_kernel_GBps"]
         measured["shm_put_vs_memcpy"] = measured["shm_put_GBps"] / measured["memcpy_put_GBps"]
         measured["private_get_vs_shared"] = (
             measured["shm_private_get_GBps"] / measured["shm_get_GBps"]

@@ -17,12 +17,11 @@ allocated once per engine and reused, so the load path allocates nothing per lay
 from __future__ import annotations
 
 import torch
-import xxhash
 
 from kvstore.block import as_buffer
 from kvstore.codec import decode_layer, encode_layer
 from kvstore.kvcopy.paged import PagedLayer, kv_views
-from kvstore.kvcopy.verified import copy_hashed
+from kvstore.kvcopy.verified import Hasher, copy_hashed
 from kvstore.layout import KVLayout
 
 
@@ -42,7 +41,7 @@ class ChunkCopier:
 
     # ---- loads -----------------------------------------------------------------------------
     def load_layer(
-        self, payload_slice: torch.Tensor, hasher: xxhash.xxh3_64, paged: PagedLayer,
+        self, payload_slice: torch.Tensor, hasher: Hasher, paged: PagedLayer,
         blocks: list[int], keep: list[int],
     ) -> None:  # fmt: skip
         """Copy one chunk layer into `paged[blocks[i]]` for i in `keep`, feeding `hasher` with
@@ -74,7 +73,7 @@ class ChunkCopier:
     # ---- saves -----------------------------------------------------------------------------
     def save_layer(
         self, paged: PagedLayer, blocks: list[int], payload_slice: torch.Tensor,
-        hasher: xxhash.xxh3_64 | None,
+        hasher: Hasher | None,
     ) -> None:  # fmt: skip
         """Copy `paged[blocks]` into one chunk layer's payload slice (encoded), feeding
         `hasher` with the written bytes (on CUDA they are not written yet: the hasher is not

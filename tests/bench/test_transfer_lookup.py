@@ -15,11 +15,13 @@ def test_transfer_benchmark_reports_every_path():
     result = run_transfer(runs=1, sizes_mib=(1,), batch=2)
     for field in ("shm_get_GBps", "shm_put_GBps", "memcpy_GBps", "tcp_get_GBps", "socket_GBps",
                   "ucx_get_GBps", "redis_get_GBps", "redis_put_GBps", "shm_get_vs_memcpy",
+                  "copy_kernel_GBps", "shm_get_vs_copy_kernel",
                   "tcp_get_vs_socket", "tcp_get_vs_redis", "tcp_get_GBps_1MiB"):  # fmt: skip
         assert positive(result[field]), field
     for end in ("tcp_reader", "tcp_holder", "socket_receiver", "socket_sender"):
         cpu = result[f"{end}_cpu_s_per_GiB"]  # may round to 0 clock ticks on tiny sizes
         assert math.isfinite(cpu) and cpu >= 0, end
+    assert result["machine"]["copy_hash_isa"] in ("avx2", "portable")
 
 
 def test_lookup_benchmark_reports_latency_qps_and_the_redis_baseline():

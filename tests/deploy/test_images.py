@@ -78,3 +78,17 @@ def test_the_image_runs_kvstore_as_a_non_root_user(dockerfile):
 def test_ci_installs_with_the_same_script():
     ci = (ROOT / ".ci" / "run").read_text()
     assert "deploy/install.sh --editable" in ci and "deploy/test-tools.sh" in ci
+
+
+def test_the_build_stage_can_compile_the_extension_and_copies_its_sources(dockerfile):
+    """kvstore._copyhash is C: the stage that runs install.sh has a compiler (not a slim
+    image) and the files setuptools builds it from (setup.py; the sources are in kvstore/)."""
+    first, second = [i for i, (word, _) in enumerate(dockerfile) if word == "FROM"][:2]
+    build = dockerfile[first:second]
+    base = build[0][1].split()[0]
+    args = [rest for word, rest in dockerfile if word == "ARG" and "=" in rest]
+    defaults = dict(arg.split("=", 1) for arg in args)
+    image = defaults.get(base.strip("${}"), base)
+    assert "slim" not in image and "alpine" not in image, image
+    copied = " ".join(rest for word, rest in build if word == "COPY")
+    assert "setup.py" in copied and "kvstore" in copied

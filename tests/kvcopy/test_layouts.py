@@ -19,6 +19,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from kvstore.errors import ConfigError
 from kvstore.kvcopy.engine import ChunkCopier
 from kvstore.kvcopy.paged import check_paged_layer
+from kvstore.kvcopy.verified import Hasher
 from kvstore.layout import KVLayout
 
 BLOCK, HEADS, DIM, LAYERS, NUM_BLOCKS = 16, 2, 8, 3, 6
@@ -43,7 +44,7 @@ def vllm_views(layout: KVCacheLayout, seed: int | None) -> list[torch.Tensor]:
 def save_chunk(views, blocks) -> torch.Tensor:
     payload = torch.zeros(LAYOUT.payload_bytes, dtype=torch.uint8)
     copier = ChunkCopier(LAYOUT, BLOCK, "cpu")
-    hasher = xxhash.xxh3_64()
+    hasher = Hasher()
     for layer, view in enumerate(views):
         start, stop = LAYOUT.layer_range(layer)
         copier.save_layer(view, blocks, payload[start:stop], hasher)
@@ -53,7 +54,7 @@ def save_chunk(views, blocks) -> torch.Tensor:
 
 def load_chunk(payload, views, blocks, keep) -> int:
     copier = ChunkCopier(LAYOUT, BLOCK, "cpu")
-    hasher = xxhash.xxh3_64()
+    hasher = Hasher()
     for layer, view in enumerate(views):
         start, stop = LAYOUT.layer_range(layer)
         copier.load_layer(payload[start:stop], hasher, view, blocks, keep)
@@ -113,7 +114,7 @@ def test_the_load_path_allocates_no_per_layer_tensors():
     payload = save_chunk(views, [0, 1])
     target = vllm_views(KVCacheLayout.LBHNC, seed=None)
     copier = ChunkCopier(LAYOUT, BLOCK, "cpu")
-    hasher = xxhash.xxh3_64()
+    hasher = Hasher()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiled:
         for layer, view in enumerate(target):
             start, stop = LAYOUT.layer_range(layer)

@@ -1,0 +1,497 @@
+/* kvstore._copyhash: copy bytes and take their xxh3-64 in one pass over them.
+ *
+ * Runs wherever a block's bytes are copied and checked: the worker (loads out of the shared
+ * arena, saves into it), the SGLang backend's host-pool copies, the node agent. A `Hasher` is
+ * a streaming xxh3-64 (the digest python-xxhash's xxh3_64 gives for the same bytes, however
+ * they are split) with one more verb, `copy(destination, source)`: each 64-byte stripe is
+ * loaded once, stored into the destination and fed to the hash from the same register, so the
+ * digest is of the bytes the destination received, and the hash costs no second pass over
+ * memory. On x86-64 with AVX2 the loop is fused in registers and prefetches the source ahead;
+ * elsewhere it copies 16 KiB at a time and hashes it from L1 with xxHash's own vector code.
+ *
+ * The state follows XXH3's streaming state (xxhash.h, vendored): 8 accumulators, the stripe
+ * count within a 1 KiB block, a buffer of the bytes not yet consumed (under a stripe, or up to
+ * 256 bytes before any is consumed: shorter inputs hash otherwise), and the last stripe
+ * consumed, which the digest's last stripe may reach back into. XXH3 leaves the input's final
+ * whole stripe out of its loop; here every whole stripe of a piece is consumed at once, and
+ * when a piece ends on a stripe boundary the accumulators from before its last stripe are kept
+ * (`before_last`), for the digest to go back to if no byte follows. So pieces of any length,
+ * the runs of a strided copy among them, each make one pass of the fused loop, and the digest
+ * equals XXH3_64bits over the whole input however it was split.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <string.h>
+
+#define XXH_INLINE_ALL
+#define XXH_STATIC_LINKING_ONLY
+#include "xxhash.h"
+
+#if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__)
+#define HAVE_AVX2_PATH 1
+#include <immintrin.h>
+#endif
+
+#define STRIPE 64
+#define STRIPES_PER_BLOCK 16             /* (sizeof(XXH3_kSecret) - STRIPE) / 8 */
+#define SECRET_LIMIT 128                 /* sizeof(XXH3_kSecret) - STRIPE */
+#define BUFFER_BYTES 256
+#define PREFETCH_BYTES 1024              /* measured: 256-8192 all hide the DRAM latency */
+#define RELEASE_GIL_BYTES (64 << 10)
+#define PORTABLE_GROUP_STRIPES 256       /* 16 KiB: copied, then hashed while in L1 */
+
+enum isa { ISA_PORTABLE = 0, ISA_AVX2 = 1 };
+static const char *const ISA_NAMES[] = {"portable", "avx2"};
+
+typedef struct { /* inside a Python object: 16-byte aligned, as xxHash's SSE2 code needs */
+    XXH_ALIGN(16) xxh_u64 acc[8];
+    xxh_u8 buffer[BUFFER_BYTES];
+    xxh_u8 last_consumed[STRIPE];
+    XXH_ALIGN(16) xxh_u64 before_last[8];  /* acc before the last stripe, if nothing follows it */
+    int last_is_final;                     /* no byte after the last consumed stripe yet */
+    xxh_u64 total_bytes;
+    size_t buffered;
+    size_t stripes_in_block;
+} hash_state;
+
+typedef struct {
+    PyObject_HEAD
+    hash_state state;
+    enum isa isa;
+    int busy;
+} Hasher;
+
+static const xxh_u64 INIT_ACC[8] = XXH3_INIT_ACC;
+
+static void state_reset(hash_state *s) {
+    memcpy(s->acc, INIT_ACC, sizeof(s->acc));
+    s->total_bytes = 0;
+    s->buffered = 0;
+    s->stripes_in_block = 0;
+    s->last_is_final = 0;
+}
+
+static void keep_before_last(hash_state *s) {
+    memcpy(s->before_last, s->acc, sizeof(s->acc));
+}
+
+/* Feed `count` stripes at `input` (xxHash's compiled-in vector code), scrambling after each
+ * full block, as XXH3_consumeStripes does. */
+static void consume_stripes(xxh_u64 *acc, size_t *stripes_in_block, const xxh_u8 *input,
+                            size_t count) {
+    for (size_t i = 0; i < count; i++, input += STRIPE) {
+        XXH3_accumulate_512(acc, input, XXH3_kSecret + *stripes_in_block * XXH_SECRET_CONSUME_RATE);
+        if (++*stripes_in_block == STRIPES_PER_BLOCK) {
+            XXH3_scrambleAcc(acc, XXH3_kSecret + SECRET_LIMIT);
+            *stripes_in_block = 0;
+        }
+    }
+}
+
+/* Portable bulk: copy a group of stripes, then hash them from the destination (still in L1). */
+static void copy_stripes_portable(hash_state *s, xxh_u8 *dst, const xxh_u8 *src, size_t count) {
+    while (count) {
+        size_t now = PORTABLE_GROUP_STRIPES;
+        if (now > count) now = count;
+        if (dst != src) memcpy(dst, src, now * STRIPE);
+        consume_stripes(s->acc, &s->stripes_in_block, dst, now);
+        dst += now * STRIPE;
+        src += now * STRIPE;
+        count -= now;
+    }
+}
+
+#ifdef HAVE_AVX2_PATH
+#define AVX2 __attribute__((target("avx2"), always_inline)) static inline
+
+AVX2 __m256i accumulate_avx2(__m256i acc, __m256i data, const xxh_u8 *secret) {
+    __m256i data_key = _mm256_xor_si256(data, _mm256_loadu_si256((const __m256i *)secret));
+    __m256i data_key_lo = _mm256_shuffle_epi32(data_key, _MM_SHUFFLE(0, 3, 0, 1));
+    __m256i product = _mm256_mul_epu32(data_key, data_key_lo);
+    __m256i swapped = _mm256_shuffle_epi32(data, _MM_SHUFFLE(1, 0, 3, 2));
+    return _mm256_add_epi64(product, _mm256_add_epi64(acc, swapped));
+}
+
+AVX2 __m256i scramble_avx2(__m256i acc, const xxh_u8 *secret) {
+    const __m256i prime32 = _mm256_set1_epi32((int)XXH_PRIME32_1);
+    __m256i data = _mm256_xor_si256(acc, _mm256_srli_epi64(acc, 47));
+    __m256i data_key = _mm256_xor_si256(data, _mm256_loadu_si256((const __m256i *)secret));
+    __m256i low = _mm256_mul_epu32(data_key, prime32);
+    __m256i high = _mm256_mul_epu32(_mm256_srli_epi64(data_key, 32), prime32);
+    return _mm256_add_epi64(low, _mm256_slli_epi64(high, 32));
+}
+
+/* Fused bulk: each stripe is loaded once, stored (when copying) and hashed from registers;
+ * the accumulators are kept before stripe `keep_before` (none when it is `count` or more). */
+__attribute__((target("avx2"))) static void copy_stripes_avx2(hash_state *s, xxh_u8 *dst,
+                                                             const xxh_u8 *src, size_t count,
+                                                             size_t keep_before) {
+    const int copying = dst != src;
+    __m256i low = _mm256_loadu_si256((const __m256i *)s->acc);
+    __m256i high = _mm256_loadu_si256((const __m256i *)(s->acc + 4));
+    size_t in_block = s->stripes_in_block;
+    for (size_t i = 0; i < count; i++, src += STRIPE, dst += STRIPE) {
+        if (i + PREFETCH_BYTES / STRIPE < count) /* within the piece: past it is someone else's */
+            _mm_prefetch((const char *)src + PREFETCH_BYTES, _MM_HINT_T0);
+        if (i == keep_before) {
+            _mm256_storeu_si256((__m256i *)s->before_last, low);
+            _mm256_storeu_si256((__m256i *)(s->before_last + 4), high);
+        }
+        __m256i first = _mm256_loadu_si256((const __m256i *)src);
+        __m256i second = _mm256_loadu_si256((const __m256i *)(src + 32));
+        if (copying) {
+            _mm256_storeu_si256((__m256i *)dst, first);
+            _mm256_storeu_si256((__m256i *)(dst + 32), second);
+        }
+        const xxh_u8 *secret = XXH3_kSecret + in_block * XXH_SECRET_CONSUME_RATE;
+        low = accumulate_avx2(low, first, secret);
+        high = accumulate_avx2(high, second, secret + 32);
+        if (++in_block == STRIPES_PER_BLOCK) {
+            low = scramble_avx2(low, XXH3_kSecret + SECRET_LIMIT);
+            high = scramble_avx2(high, XXH3_kSecret + SECRET_LIMIT + 32);
+            in_block = 0;
+        }
+    }
+    _mm256_storeu_si256((__m256i *)s->acc, low);
+    _mm256_storeu_si256((__m256i *)(s->acc + 4), high);
+    s->stripes_in_block = in_block;
+}
+
+/* The fused loop's copy without its hash: a limit for benchmarks to compare with. */
+__attribute__((target("avx2"))) static void plain_copy_avx2(xxh_u8 *dst, const xxh_u8 *src,
+                                                           size_t length) {
+    size_t count = length / STRIPE;
+    for (size_t i = 0; i < count; i++, src += STRIPE, dst += STRIPE) {
+        if (i + PREFETCH_BYTES / STRIPE < count)
+            _mm_prefetch((const char *)src + PREFETCH_BYTES, _MM_HINT_T0);
+        __m256i first = _mm256_loadu_si256((const __m256i *)src);
+        __m256i second = _mm256_loadu_si256((const __m256i *)(src + 32));
+        _mm256_storeu_si256((__m256i *)dst, first);
+        _mm256_storeu_si256((__m256i *)(dst + 32), second);
+    }
+    memcpy(dst, src, length % STRIPE);
+}
+#endif
+
+static void plain_copy(enum isa isa, xxh_u8 *dst, const xxh_u8 *src, size_t length) {
+#ifdef HAVE_AVX2_PATH
+    if (isa == ISA_AVX2) {
+        plain_copy_avx2(dst, src, length);
+        return;
+    }
+#endif
+    (void)isa;
+    memcpy(dst, src, length);
+}
+
+/* Consume `count` stripes (copying them, unless dst == src) and remember the last one; if it
+ * ends the input so far (`final`), keep the accumulators from before it. */
+static void copy_stripes(hash_state *s, enum isa isa, xxh_u8 *dst, const xxh_u8 *src,
+                         size_t count, int final) {
+#ifdef HAVE_AVX2_PATH
+    if (isa == ISA_AVX2) {
+        copy_stripes_avx2(s, dst, src, count, final ? count - 1 : count);
+    } else
+#endif
+    {
+        (void)isa;
+        copy_stripes_portable(s, dst, src, count - final);
+        if (final) {
+            keep_before_last(s);
+            copy_stripes_portable(s, dst + (count - 1) * STRIPE, src + (count - 1) * STRIPE, 1);
+        }
+    }
+    memcpy(s->last_consumed, dst + (count - 1) * STRIPE, STRIPE);
+    s->last_is_final = final;
+}
+
+static void take(hash_state *s, xxh_u8 *dst, const xxh_u8 *src, size_t length) {
+    if (dst != src) memcpy(dst, src, length);
+    memcpy(s->buffer + s->buffered, dst, length);
+    s->buffered += length;
+}
+
+/* Copy `length` bytes of `src` into `dst` (dst == src: hash only) and hash them. Whatever is
+ * hashed is read from `dst` or from the register stored into it: the digest is of the copy. */
+static void update(hash_state *s, enum isa isa, xxh_u8 *dst, const xxh_u8 *src, size_t length) {
+    if (length == 0) return;
+    s->total_bytes += length;
+    if (s->total_bytes <= BUFFER_BYTES) { /* nothing is consumed before 256 bytes */
+        take(s, dst, src, length);
+        return;
+    }
+    s->last_is_final = 0; /* bytes follow it now */
+    size_t fill = (STRIPE - s->buffered % STRIPE) % STRIPE; /* complete a partial stripe */
+    if (fill > length) fill = length;
+    take(s, dst, src, fill);
+    dst += fill, src += fill, length -= fill;
+    if (s->buffered % STRIPE == 0 && s->buffered) {
+        copy_stripes(s, isa, s->buffer, s->buffer, s->buffered / STRIPE, length == 0);
+        s->buffered = 0;
+    }
+    if (length >= STRIPE) {
+        size_t count = length / STRIPE;
+        copy_stripes(s, isa, dst, src, count, length % STRIPE == 0);
+        dst += count * STRIPE, src += count * STRIPE, length -= count * STRIPE;
+    }
+    take(s, dst, src, length);
+}
+
+static xxh_u64 digest(const hash_state *s) {
+    if (s->total_bytes <= XXH3_MIDSIZE_MAX) return XXH3_64bits(s->buffer, (size_t)s->total_bytes);
+    XXH_ALIGN(16) xxh_u64 acc[8];
+    XXH_ALIGN(16) xxh_u8 last_stripe[STRIPE];
+    const xxh_u8 *last = last_stripe;
+    size_t stripes_in_block = s->stripes_in_block;
+    memcpy(acc, s->acc, sizeof(acc));
+    if (s->total_bytes <= BUFFER_BYTES) { /* all of it is in the buffer */
+        consume_stripes(acc, &stripes_in_block, s->buffer, (s->buffered - 1) / STRIPE);
+        last = s->buffer + s->buffered - STRIPE;
+    } else if (s->last_is_final) { /* XXH3's loop left that stripe out: so does the digest */
+        memcpy(acc, s->before_last, sizeof(acc));
+        last = s->last_consumed;
+    } else { /* the tail of the last consumed stripe, then what is buffered */
+        size_t catch_up = STRIPE - s->buffered;
+        memcpy(last_stripe, s->last_consumed + s->buffered, catch_up);
+        memcpy(last_stripe + catch_up, s->buffer, s->buffered);
+    }
+    XXH3_accumulate_512(acc, last, XXH3_kSecret + SECRET_LIMIT - XXH_SECRET_LASTACC_START);
+    return XXH3_mergeAccs(acc, XXH3_kSecret + XXH_SECRET_MERGEACCS_START,
+                          s->total_bytes * XXH_PRIME64_1);
+}
+
+/* ---- strided copies: the bytes of two same-shaped buffers, in C order --------------------- */
+
+typedef struct {
+    int outer_dims;              /* dimensions walked one index at a time */
+    Py_ssize_t run_bytes;        /* bytes contiguous in both buffers */
+    Py_ssize_t total_bytes;
+} copy_plan;
+
+static int plan_copy(const Py_buffer *dst, const Py_buffer *src, copy_plan *plan) {
+    if (dst->ndim != src->ndim || dst->itemsize != src->itemsize) goto mismatch;
+    for (int d = 0; d < dst->ndim; d++)
+        if (dst->shape[d] != src->shape[d]) goto mismatch;
+    plan->run_bytes = dst->itemsize;
+    plan->outer_dims = dst->ndim;
+    while (plan->outer_dims > 0) {
+        int d = plan->outer_dims - 1;
+        if (dst->strides[d] != plan->run_bytes || src->strides[d] != plan->run_bytes) break;
+        plan->run_bytes *= dst->shape[d];
+        plan->outer_dims = d;
+    }
+    plan->total_bytes = dst->len;
+    return 0;
+mismatch:
+    PyErr_Format(PyExc_ValueError,
+                 "copy: the destination (%d dims, itemsize %zd, %zd bytes) and the source "
+                 "(%d dims, itemsize %zd, %zd bytes) differ in shape",
+                 dst->ndim, dst->itemsize, dst->len, src->ndim, src->itemsize, src->len);
+    return -1;
+}
+
+static void copy_strided(hash_state *s, enum isa isa, const Py_buffer *dst, const Py_buffer *src,
+                         const copy_plan *plan) {
+    Py_ssize_t index[PyBUF_MAX_NDIM] = {0};
+    xxh_u8 *to = dst->buf;
+    const xxh_u8 *from = src->buf;
+    if (plan->total_bytes == 0) return;
+    for (;;) {
+        update(s, isa, to, from, (size_t)plan->run_bytes);
+        int d = plan->outer_dims - 1;
+        for (; d >= 0; d--) { /* the odometer: advance the innermost outer index */
+            to += dst->strides[d], from += src->strides[d];
+            if (++index[d] < dst->shape[d]) break;
+            to -= dst->strides[d] * dst->shape[d], from -= src->strides[d] * src->shape[d];
+            index[d] = 0;
+        }
+        if (d < 0) return;
+    }
+}
+
+/* ---- the Python type ---------------------------------------------------------------------- */
+
+static int claim(Hasher *self) {
+    if (self->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "a Hasher was used by two threads at once");
+        return -1;
+    }
+    self->busy = 1;
+    return 0;
+}
+
+static PyObject *Hasher_copy(Hasher *self, PyObject *const *args, Py_ssize_t nargs) {
+    Py_buffer dst, src;
+    copy_plan plan;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "copy(destination, source) takes two buffers");
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[0], &dst, PyBUF_STRIDES | PyBUF_WRITABLE) < 0) return NULL;
+    if (PyObject_GetBuffer(args[1], &src, PyBUF_STRIDES) < 0) {
+        PyBuffer_Release(&dst);
+        return NULL;
+    }
+    int failed = plan_copy(&dst, &src, &plan) < 0 || claim(self) < 0;
+    if (!failed) {
+        if (plan.total_bytes >= RELEASE_GIL_BYTES) {
+            Py_BEGIN_ALLOW_THREADS
+            copy_strided(&self->state, self->isa, &dst, &src, &plan);
+            Py_END_ALLOW_THREADS
+        } else {
+            copy_strided(&self->state, self->isa, &dst, &src, &plan);
+        }
+        self->busy = 0;
+    }
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    if (failed) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Hasher_update(Hasher *self, PyObject *data) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(data, &view, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (claim(self) < 0) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    xxh_u8 *bytes = view.buf;
+    if (view.len >= RELEASE_GIL_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        update(&self->state, self->isa, bytes, bytes, (size_t)view.len);
+        Py_END_ALLOW_THREADS
+    } else {
+        update(&self->state, self->isa, bytes, bytes, (size_t)view.len);
+    }
+    self->busy = 0;
+    PyBuffer_Release(&view);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Hasher_intdigest(Hasher *self, PyObject *Py_UNUSED(ignored)) {
+    return PyLong_FromUnsignedLongLong(digest(&self->state));
+}
+
+static PyObject *Hasher_reset(Hasher *self, PyObject *Py_UNUSED(ignored)) {
+    if (claim(self) < 0) return NULL;
+    state_reset(&self->state);
+    self->busy = 0;
+    Py_RETURN_NONE;
+}
+
+static enum isa best_isa(void) {
+#ifdef HAVE_AVX2_PATH
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2")) return ISA_AVX2;
+#endif
+    return ISA_PORTABLE;
+}
+
+static int Hasher_init(Hasher *self, PyObject *args, PyObject *kwargs) {
+    static char *keywords[] = {"isa", NULL};
+    const char *isa = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|z:Hasher", keywords, &isa)) return -1;
+    self->isa = best_isa();
+    if (isa != NULL && strcmp(isa, "portable") == 0) {
+        self->isa = ISA_PORTABLE;
+    } else if (isa != NULL && (strcmp(isa, "avx2") != 0 || self->isa != ISA_AVX2)) {
+        PyErr_Format(PyExc_ValueError, "isa %s: this CPU runs 'portable'%s", isa,
+                     self->isa == ISA_AVX2 ? " and 'avx2'" : " only");
+        return -1;
+    }
+    state_reset(&self->state);
+    self->busy = 0;
+    return 0;
+}
+
+static PyObject *Hasher_get_isa(Hasher *self, void *Py_UNUSED(closure)) {
+    return PyUnicode_FromString(ISA_NAMES[self->isa]);
+}
+
+static PyMethodDef Hasher_methods[] = {
+    {"copy", (PyCFunction)(void (*)(void))Hasher_copy, METH_FASTCALL,
+     "copy(destination, source): copy `source` into `destination` (writable; the same shape "
+     "and item size, any strides) in C order, and hash the copied bytes in that order."},
+    {"update", (PyCFunction)Hasher_update, METH_O,
+     "update(data): hash the bytes of a C-contiguous buffer."},
+    {"intdigest", (PyCFunction)Hasher_intdigest, METH_NOARGS,
+     "The xxh3-64 of every byte fed so far (the state is kept: more may follow)."},
+    {"reset", (PyCFunction)Hasher_reset, METH_NOARGS, "Forget every byte fed so far."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Hasher_getset[] = {
+    {"isa", (getter)Hasher_get_isa, NULL, "The copy loop in use: 'avx2' or 'portable'.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject HasherType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvstore._copyhash.Hasher",
+    .tp_basicsize = sizeof(Hasher),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Hasher(isa=None): a streaming xxh3-64 that can copy what it hashes in the same "
+              "pass. Not for two threads at once (RuntimeError).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Hasher_init,
+    .tp_methods = Hasher_methods,
+    .tp_getset = Hasher_getset,
+};
+
+static PyObject *module_best_isa(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored)) {
+    return PyUnicode_FromString(ISA_NAMES[best_isa()]);
+}
+
+static PyObject *module_plain_copy(PyObject *Py_UNUSED(module), PyObject *const *args,
+                                   Py_ssize_t nargs) {
+    Py_buffer dst, src;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "plain_copy(destination, source) takes two buffers");
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[0], &dst, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) return NULL;
+    if (PyObject_GetBuffer(args[1], &src, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&dst);
+        return NULL;
+    }
+    int failed = dst.len != src.len;
+    if (failed) {
+        PyErr_Format(PyExc_ValueError, "plain_copy: %zd bytes into %zd", src.len, dst.len);
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        plain_copy(best_isa(), dst.buf, src.buf, (size_t)src.len);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    if (failed) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"best_isa", module_best_isa, METH_NOARGS, "The fastest copy loop this CPU runs."},
+    {"plain_copy", (PyCFunction)(void (*)(void))module_plain_copy, METH_FASTCALL,
+     "plain_copy(destination, source): Hasher.copy's loop without the hash, between two "
+     "C-contiguous buffers of one length (a benchmark's limit to compare with)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef copyhash_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "kvstore._copyhash",
+    .m_doc = "Copy and xxh3-64 in one pass over the bytes (see kvstore/native/copyhash.c).",
+    .m_size = -1,
+    .m_methods = module_methods,
+};
+
+PyMODINIT_FUNC PyInit__copyhash(void) {
+    if (PyType_Ready(&HasherType) < 0) return NULL;
+    PyObject *module = PyModule_Create(&copyhash_module);
+    if (module == NULL) return NULL;
+    if (PyModule_AddObjectRef(module, "Hasher", (PyObject *)&HasherType) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}

@@ -1,0 +1,154 @@
+"""kvstore._copyhash: the one-pass copy + xxh3-64 every verified copy goes through. Its digest
+must equal python-xxhash's xxh3_64 of the same bytes however they arrive (any split, any
+strides, copied or only hashed), on every copy loop this CPU runs; it must be the digest of
+what the destination received; and bad arguments are clear errors that leave the state as it
+was."""
+
+import itertools
+import threading
+
+import numpy as np
+import pytest
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstore._copyhash import Hasher, best_isa, plain_copy
+
+ISAS = ["portable"] + (["avx2"] if best_isa() == "avx2" else [])
+
+
+def reference(data) -> int:
+    return xxhash.xxh3_64_intdigest(np.ascontiguousarray(data))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_every_length_up_to_past_two_blocks_hashes_as_xxh3(isa):
+    """Lengths around every boundary the algorithm has: short inputs (≤ 240), the 256-byte
+    buffer, stripes (64) and blocks (1024), in one piece, copied and hashed."""
+    data = np.random.default_rng(0).integers(0, 256, 2200, dtype=np.uint8)
+    for length in range(2200):
+        copier, hasher = Hasher(isa=isa), Hasher(isa=isa)
+        copied = np.zeros(length, np.uint8)
+        copier.copy(copied, data[:length])
+        hasher.update(data[:length])
+        want = reference(data[:length])
+        assert copier.intdigest() == hasher.intdigest() == want, length
+        assert np.array_equal(copied, data[:length])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    length=st.integers(0, 9000),
+    cuts=st.lists(st.integers(0, 9000), max_size=8),
+    copy_flags=st.lists(st.booleans(), min_size=9, max_size=9),
+    isa=st.sampled_from(ISAS),
+)
+def test_any_split_into_copies_and_updates_gives_the_whole_digest(length, cuts, copy_flags, isa):
+    data = np.frombuffer(np.random.default_rng(length).bytes(length), np.uint8)
+    bounds = sorted({0, length, *(min(cut, length) for cut in cuts)})
+    hasher, copied = Hasher(isa=isa), np.zeros(length, np.uint8)
+    for (start, stop), copy in zip(itertools.pairwise(bounds), copy_flags, strict=False):
+        if copy:
+            hasher.copy(copied[start:stop], data[start:stop])
+        else:
+            hasher.update(data[start:stop])
+            copied[start:stop] = data[start:stop]
+    assert hasher.intdigest() == reference(data)
+    assert np.array_equal(copied, data)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_pieces_that_end_on_stripe_boundaries_give_the_whole_digest(isa):
+    """The runs of a strided copy are often whole stripes (a token's row of 2 KiB): the last
+    stripe of each is consumed at once and taken back by the digest if nothing follows."""
+    data = np.random.default_rng(1).integers(0, 256, 64 * 70, dtype=np.uint8)
+    for piece in (64, 128, 1024, 2048, 64 * 17):
+        for total in range(piece, len(data) + 1, piece):
+            hasher = Hasher(isa=isa)
+            for start in range(0, total, piece):
+                hasher.copy(np.empty(piece, np.uint8), data[start : start + piece])
+            assert hasher.intdigest() == reference(data[:total]), (piece, total)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 7), min_size=1, max_size=4),
+    row_bytes=st.integers(1, 300),
+    seed=st.integers(0, 2**32 - 1),
+    isa=st.sampled_from(ISAS),
+)
+def test_strided_copies_hash_the_bytes_in_c_order(shape, row_bytes, seed, isa):
+    """Both sides strided (transposed, reversed): bytes move and are hashed in the logical C
+    order of the shapes, as payload order requires whatever the engine's layout."""
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 256, (*shape, row_bytes), dtype=np.uint8)
+    order = [*rng.permutation(len(shape)), len(shape)]
+    source = base.transpose(order)[::-1]
+    destination = np.zeros(source.shape[::-1], np.uint8).T
+    hasher = Hasher(isa=isa)
+    hasher.copy(destination, source)
+    assert np.array_equal(destination, source)
+    assert hasher.intdigest() == reference(source)
+
+
+def test_a_page_first_host_page_copies_into_a_layer_major_payload():
+    """SGLang's page_first pool keeps a page token-major ([components, tokens, layers, row]);
+    the payload is layer-major ([layers, components, tokens, row])."""
+    rng = np.random.default_rng(2)
+    pool = rng.integers(0, 256, (2, 4 * 16, 6, 2048), dtype=np.uint8)  # 4 pages of 16 tokens
+    page = pool[:, 16:32].transpose(2, 0, 1, 3)  # page 1, in payload order
+    payload = np.zeros((6, 2, 16, 2048), np.uint8)
+    hasher = Hasher()
+    hasher.copy(payload, page)
+    assert hasher.intdigest() == xxhash.xxh3_64_intdigest(payload)
+    assert np.array_equal(payload, page)
+
+
+def test_bad_arguments_are_clear_errors_and_leave_the_state_unchanged():
+    data = np.arange(1000, dtype=np.uint32).view(np.uint8)
+    hasher = Hasher()
+    hasher.update(data[:500])
+    with pytest.raises(ValueError, match="differ in shape"):
+        hasher.copy(np.zeros(10, np.uint8), np.zeros(11, np.uint8))
+    with pytest.raises(ValueError, match="differ in shape"):
+        hasher.copy(np.zeros((2, 5), np.uint8), np.zeros((5, 2), np.uint8))
+    with pytest.raises(BufferError):
+        hasher.copy(bytes(10), np.zeros(10, np.uint8))  # read-only destination
+    with pytest.raises((BufferError, ValueError), match="contiguous"):
+        hasher.update(np.zeros((4, 4), np.uint8)[:, 0])  # update hashes contiguous bytes only
+    with pytest.raises(TypeError):
+        hasher.copy(np.zeros(3, np.uint8))
+    hasher.update(data[500:])
+    assert hasher.intdigest() == xxhash.xxh3_64_intdigest(data)
+    with pytest.raises(ValueError, match="isa sse9"):
+        Hasher(isa="sse9")
+    with pytest.raises(ValueError, match="plain_copy"):
+        plain_copy(np.zeros(3, np.uint8), np.zeros(4, np.uint8))
+
+
+def test_one_hasher_used_by_two_threads_at_once_is_refused():
+    """A copy releases the GIL; a second thread's update meanwhile is a RuntimeError, not a
+    torn state. 2 Mi one-byte runs keep the copy going long enough to be caught."""
+    source = np.random.default_rng(3).integers(0, 256, (1 << 21, 2), dtype=np.uint8)[:, :1]
+    destination = np.zeros((1 << 21, 1), np.uint8)
+    hasher = Hasher()
+    copier = threading.Thread(target=hasher.copy, args=(destination, source))
+    refused = 0
+    copier.start()
+    while copier.is_alive():
+        try:
+            hasher.update(b"x")
+        except RuntimeError as error:
+            assert "two threads" in str(error)
+            refused += 1
+    copier.join()
+    assert refused > 0
+    assert np.array_equal(destination, source)
+
+
+def test_plain_copy_copies():
+    source = np.random.default_rng(4).integers(0, 256, 100_003, dtype=np.uint8)
+    destination = np.zeros_like(source)
+    plain_copy(destination, source)
+    assert np.array_equal(destination, source)
