@@ -32,6 +32,18 @@
 #include <immintrin.h>
 #endif
 
+/* A source page may change under the copy (another process reuses it): what is hashed must be
+ * what was written, never a second read of the source. The barriers keep a compiler from
+ * re-loading a stripe from the source for the hash, or from reading the source for what the
+ * code reads back from the destination. */
+#if defined(__GNUC__)
+#define MEMORY_BARRIER() __asm__ volatile("" ::: "memory")
+#define REGISTER_BARRIER(value) __asm__ volatile("" : "+x"(value))
+#else
+#define MEMORY_BARRIER() ((void)0)
+#define REGISTER_BARRIER(value) ((void)0)
+#endif
+
 #define STRIPE 64
 #define STRIPES_PER_BLOCK 16             /* (sizeof(XXH3_kSecret) - STRIPE) / 8 */
 #define SECRET_LIMIT 128                 /* sizeof(XXH3_kSecret) - STRIPE */
@@ -43,11 +55,12 @@
 enum isa { ISA_PORTABLE = 0, ISA_AVX2 = 1 };
 static const char *const ISA_NAMES[] = {"portable", "avx2"};
 
-typedef struct { /* inside a Python object: 16-byte aligned, as xxHash's SSE2 code needs */
-    XXH_ALIGN(16) xxh_u64 acc[8];
+typedef struct { /* inside a Python object, so only 8- or 16-byte aligned: xxHash's vector
+                   code runs on aligned copies of the accumulators (consume_stripes, digest) */
+    xxh_u64 acc[8];
     xxh_u8 buffer[BUFFER_BYTES];
     xxh_u8 last_consumed[STRIPE];
-    XXH_ALIGN(16) xxh_u64 before_last[8];  /* acc before the last stripe, if nothing follows it */
+    xxh_u64 before_last[8];                /* acc before the last stripe, if nothing follows it */
     int last_is_final;                     /* no byte after the last consumed stripe yet */
     xxh_u64 total_bytes;
     size_t buffered;
@@ -75,10 +88,13 @@ static void keep_before_last(hash_state *s) {
     memcpy(s->before_last, s->acc, sizeof(s->acc));
 }
 
-/* Feed `count` stripes at `input` (xxHash's compiled-in vector code), scrambling after each
- * full block, as XXH3_consumeStripes does. */
-static void consume_stripes(xxh_u64 *acc, size_t *stripes_in_block, const xxh_u8 *input,
+/* Feed `count` stripes at `input` (xxHash's compiled-in vector code, which needs its
+ * accumulators aligned: it runs on an aligned copy), scrambling after each full block, as
+ * XXH3_consumeStripes does. */
+static void consume_stripes(xxh_u64 *state_acc, size_t *stripes_in_block, const xxh_u8 *input,
                             size_t count) {
+    XXH_ALIGN(XXH_ACC_ALIGN) xxh_u64 acc[8];
+    memcpy(acc, state_acc, sizeof(acc));
     for (size_t i = 0; i < count; i++, input += STRIPE) {
         XXH3_accumulate_512(acc, input, XXH3_kSecret + *stripes_in_block * XXH_SECRET_CONSUME_RATE);
         if (++*stripes_in_block == STRIPES_PER_BLOCK) {
@@ -86,6 +102,7 @@ static void consume_stripes(xxh_u64 *acc, size_t *stripes_in_block, const xxh_u8
             *stripes_in_block = 0;
         }
     }
+    memcpy(state_acc, acc, sizeof(acc));
 }
 
 /* Portable bulk: copy a group of stripes, then hash them from the destination (still in L1). */
@@ -94,6 +111,7 @@ static void copy_stripes_portable(hash_state *s, xxh_u8 *dst, const xxh_u8 *src,
         size_t now = PORTABLE_GROUP_STRIPES;
         if (now > count) now = count;
         if (dst != src) memcpy(dst, src, now * STRIPE);
+        MEMORY_BARRIER();
         consume_stripes(s->acc, &s->stripes_in_block, dst, now);
         dst += now * STRIPE;
         src += now * STRIPE;
@@ -139,6 +157,8 @@ __attribute__((target("avx2"))) static void copy_stripes_avx2(hash_state *s, xxh
         }
         __m256i first = _mm256_loadu_si256((const __m256i *)src);
         __m256i second = _mm256_loadu_si256((const __m256i *)(src + 32));
+        REGISTER_BARRIER(first);
+        REGISTER_BARRIER(second);
         if (copying) {
             _mm256_storeu_si256((__m256i *)dst, first);
             _mm256_storeu_si256((__m256i *)(dst + 32), second);
@@ -201,12 +221,14 @@ static void copy_stripes(hash_state *s, enum isa isa, xxh_u8 *dst, const xxh_u8 
             copy_stripes_portable(s, dst + (count - 1) * STRIPE, src + (count - 1) * STRIPE, 1);
         }
     }
+    MEMORY_BARRIER();
     memcpy(s->last_consumed, dst + (count - 1) * STRIPE, STRIPE);
     s->last_is_final = final;
 }
 
 static void take(hash_state *s, xxh_u8 *dst, const xxh_u8 *src, size_t length) {
     if (dst != src) memcpy(dst, src, length);
+    MEMORY_BARRIER();
     memcpy(s->buffer + s->buffered, dst, length);
     s->buffered += length;
 }
@@ -239,8 +261,8 @@ static void update(hash_state *s, enum isa isa, xxh_u8 *dst, const xxh_u8 *src, 
 
 static xxh_u64 digest(const hash_state *s) {
     if (s->total_bytes <= XXH3_MIDSIZE_MAX) return XXH3_64bits(s->buffer, (size_t)s->total_bytes);
-    XXH_ALIGN(16) xxh_u64 acc[8];
-    XXH_ALIGN(16) xxh_u8 last_stripe[STRIPE];
+    XXH_ALIGN(XXH_ACC_ALIGN) xxh_u64 acc[8];
+    xxh_u8 last_stripe[STRIPE];
     const xxh_u8 *last = last_stripe;
     size_t stripes_in_block = s->stripes_in_block;
     memcpy(acc, s->acc, sizeof(acc));
@@ -268,10 +290,42 @@ typedef struct {
     Py_ssize_t total_bytes;
 } copy_plan;
 
+/* [*low, *high): the bytes a buffer's elements span. */
+static void byte_extent(const Py_buffer *view, const char **low, const char **high) {
+    *low = *high = view->buf;
+    for (int d = 0; d < view->ndim; d++) {
+        Py_ssize_t reach = view->strides[d] * (view->shape[d] - 1);
+        if (reach < 0) *low += reach; else *high += reach;
+    }
+    *high += view->itemsize;
+}
+
+static int refuse(const char *why) {
+    PyErr_SetString(PyExc_ValueError, why);
+    return -1;
+}
+
+/* ValueError unless `dst` and `src` are the same shape, `dst` writes each byte once, and the
+ * two share no byte (the digest must be of what the destination holds afterwards). */
+static int check_copy(const Py_buffer *dst, const Py_buffer *src) {
+    if (dst->ndim > PyBUF_MAX_NDIM) return refuse("copy: more dimensions than Python allows");
+    for (int d = 0; d < dst->ndim; d++)
+        if (dst->strides[d] == 0 && dst->shape[d] > 1)
+            return refuse("copy: the destination repeats bytes (a stride of 0)");
+    if (dst->len == 0 || src->len == 0) return 0;
+    const char *dst_low, *dst_high, *src_low, *src_high;
+    byte_extent(dst, &dst_low, &dst_high);
+    byte_extent(src, &src_low, &src_high);
+    if (dst_low < src_high && src_low < dst_high)
+        return refuse("copy: the destination and the source overlap");
+    return 0;
+}
+
 static int plan_copy(const Py_buffer *dst, const Py_buffer *src, copy_plan *plan) {
     if (dst->ndim != src->ndim || dst->itemsize != src->itemsize) goto mismatch;
     for (int d = 0; d < dst->ndim; d++)
         if (dst->shape[d] != src->shape[d]) goto mismatch;
+    if (check_copy(dst, src) < 0) return -1;
     plan->run_bytes = dst->itemsize;
     plan->outer_dims = dst->ndim;
     while (plan->outer_dims > 0) {
@@ -370,7 +424,10 @@ static PyObject *Hasher_update(Hasher *self, PyObject *data) {
 }
 
 static PyObject *Hasher_intdigest(Hasher *self, PyObject *Py_UNUSED(ignored)) {
-    return PyLong_FromUnsignedLongLong(digest(&self->state));
+    if (claim(self) < 0) return NULL;
+    xxh_u64 value = digest(&self->state);
+    self->busy = 0;
+    return PyLong_FromUnsignedLongLong(value);
 }
 
 static PyObject *Hasher_reset(Hasher *self, PyObject *Py_UNUSED(ignored)) {
@@ -388,18 +445,30 @@ static enum isa best_isa(void) {
     return ISA_PORTABLE;
 }
 
+static PyObject *Hasher_new(PyTypeObject *type, PyObject *Py_UNUSED(args),
+                            PyObject *Py_UNUSED(kwargs)) {
+    Hasher *self = (Hasher *)type->tp_alloc(type, 0);
+    if (self == NULL) return NULL;
+    self->isa = best_isa();
+    self->busy = 0;
+    state_reset(&self->state);
+    return (PyObject *)self;
+}
+
 static int Hasher_init(Hasher *self, PyObject *args, PyObject *kwargs) {
     static char *keywords[] = {"isa", NULL};
-    const char *isa = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|z:Hasher", keywords, &isa)) return -1;
-    self->isa = best_isa();
-    if (isa != NULL && strcmp(isa, "portable") == 0) {
-        self->isa = ISA_PORTABLE;
-    } else if (isa != NULL && (strcmp(isa, "avx2") != 0 || self->isa != ISA_AVX2)) {
-        PyErr_Format(PyExc_ValueError, "isa %s: this CPU runs 'portable'%s", isa,
-                     self->isa == ISA_AVX2 ? " and 'avx2'" : " only");
+    const char *name = NULL;
+    enum isa isa = best_isa();
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|z:Hasher", keywords, &name)) return -1;
+    if (name != NULL && strcmp(name, "portable") == 0) {
+        isa = ISA_PORTABLE;
+    } else if (name != NULL && (strcmp(name, "avx2") != 0 || isa != ISA_AVX2)) {
+        PyErr_Format(PyExc_ValueError, "isa %s: this CPU runs 'portable'%s", name,
+                     isa == ISA_AVX2 ? " and 'avx2'" : " only");
         return -1;
     }
+    if (claim(self) < 0) return -1;
+    self->isa = isa;
     state_reset(&self->state);
     self->busy = 0;
     return 0;
@@ -433,7 +502,7 @@ static PyTypeObject HasherType = {
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "Hasher(isa=None): a streaming xxh3-64 that can copy what it hashes in the same "
               "pass. Not for two threads at once (RuntimeError).",
-    .tp_new = PyType_GenericNew,
+    .tp_new = Hasher_new,
     .tp_init = (initproc)Hasher_init,
     .tp_methods = Hasher_methods,
     .tp_getset = Hasher_getset,
@@ -458,6 +527,8 @@ static PyObject *module_plain_copy(PyObject *Py_UNUSED(module), PyObject *const 
     int failed = dst.len != src.len;
     if (failed) {
         PyErr_Format(PyExc_ValueError, "plain_copy: %zd bytes into %zd", src.len, dst.len);
+    } else if (check_copy(&dst, &src) < 0) {
+        failed = 1;
     } else {
         Py_BEGIN_ALLOW_THREADS
         plain_copy(best_isa(), dst.buf, src.buf, (size_t)src.len);

@@ -5,7 +5,12 @@ what the destination received; and bad arguments are clear errors that leave the
 was."""
 
 import itertools
+import os
+import subprocess
+import sys
+import sysconfig
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +18,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import kvstore
 from kvstore._copyhash import Hasher, best_isa, plain_copy
 
 ISAS = ["portable"] + (["avx2"] if best_isa() == "avx2" else [])
@@ -127,24 +133,92 @@ def test_bad_arguments_are_clear_errors_and_leave_the_state_unchanged():
         plain_copy(np.zeros(3, np.uint8), np.zeros(4, np.uint8))
 
 
-def test_one_hasher_used_by_two_threads_at_once_is_refused():
-    """A copy releases the GIL; a second thread's update meanwhile is a RuntimeError, not a
-    torn state. 2 Mi one-byte runs keep the copy going long enough to be caught."""
+@pytest.mark.parametrize("call", ["update", "intdigest", "__init__", "reset"])
+def test_one_hasher_used_by_two_threads_at_once_is_refused(call):
+    """A copy releases the GIL; any other call on the same hasher meanwhile is a RuntimeError,
+    not a torn state (a re-__init__ during a copy let a second update overflow the buffer and
+    crash; an intdigest read half-updated state). 2 Mi one-byte runs keep the copy going long
+    enough to be caught; its digest is then still the copy's."""
     source = np.random.default_rng(3).integers(0, 256, (1 << 21, 2), dtype=np.uint8)[:, :1]
     destination = np.zeros((1 << 21, 1), np.uint8)
     hasher = Hasher()
-    copier = threading.Thread(target=hasher.copy, args=(destination, source))
-    refused = 0
+    started = threading.Event()
+    calls = {"update": lambda: hasher.update(b"x"), "intdigest": hasher.intdigest,
+             "__init__": hasher.__init__, "reset": hasher.reset}  # fmt: skip
+
+    def copy():
+        started.set()
+        hasher.copy(destination, source)
+
+    copier = threading.Thread(target=copy)
+    refused = accepted = 0
     copier.start()
+    started.wait()
     while copier.is_alive():
         try:
-            hasher.update(b"x")
+            calls[call]()
+            accepted += 1
         except RuntimeError as error:
             assert "two threads" in str(error)
             refused += 1
     copier.join()
     assert refused > 0
     assert np.array_equal(destination, source)
+    if accepted == 0 or call == "intdigest":  # every other call was refused: the copy's digest
+        assert hasher.intdigest() == reference(source)
+
+
+def test_a_hasher_made_without_init_hashes_as_xxh3():
+    data = np.arange(1000, dtype=np.uint16).view(np.uint8)
+    hasher = Hasher.__new__(Hasher)
+    hasher.update(data)
+    assert hasher.intdigest() == reference(data)
+
+
+def test_overlapping_buffers_are_refused():
+    """memcpy over overlapping bytes is undefined, and a destination that repeats bytes would
+    not hold what was hashed: both are refused before a byte moves."""
+    data = np.arange(4096, dtype=np.uint8)
+    before = data.copy()
+    hasher = Hasher()
+    with pytest.raises(ValueError, match="overlap"):
+        hasher.copy(data[7:], data[:-7])
+    with pytest.raises(ValueError, match="overlap"):
+        hasher.copy(data[::2][:1000], data[1::2][:1000])  # interleaved extents
+    repeated = np.lib.stride_tricks.as_strided(np.zeros(1, np.uint8), (100,), (0,), writeable=True)
+    with pytest.raises(ValueError, match="repeats bytes"):
+        hasher.copy(repeated, data[:100])
+    with pytest.raises(ValueError, match="overlap"):
+        plain_copy(data[1:], data[:-1])
+    assert np.array_equal(data, before)
+    assert hasher.intdigest() == xxhash.xxh3_64_intdigest(b"")
+
+
+def test_a_build_with_avx2_vector_code_does_not_assume_an_aligned_object(tmp_path):
+    """Built with -mavx2, xxhash.h's own accumulators take aligned 32-byte moves; a Python
+    object is only 16-byte aligned (with the system malloc, 16 mod 32 half the time): it
+    crashed there. A child process with PYTHONMALLOC=malloc hashes many fresh hashers."""
+    native = Path(kvstore.__file__).parent / "native"
+    built = tmp_path / f"_copyhash{sysconfig.get_config_var('EXT_SUFFIX')}"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-mavx2", f"-I{native}",
+                    f"-I{sysconfig.get_paths()['include']}", str(native / "copyhash.c"),
+                    "-o", str(built)], check=True)  # fmt: skip
+    child = (
+        "import importlib.util, numpy, xxhash\n"
+        f"spec = importlib.util.spec_from_file_location('kvstore._copyhash', {str(built)!r})\n"
+        "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module)\n"
+        "Hasher, best_isa = module.Hasher, module.best_isa\n"
+        "keep = []\n"
+        "for isa in {'portable', best_isa()}:\n"
+        "    for size in (100, 300, 1000, 5000):\n"
+        "        data = numpy.arange(size, dtype=numpy.uint16).view(numpy.uint8)\n"
+        "        for _ in range(16):\n"
+        "            h = Hasher(isa=isa); keep.append(h); h.update(data)\n"
+        "            assert h.intdigest() == xxhash.xxh3_64_intdigest(data)\n"
+    )
+    env = {**os.environ, "PYTHONMALLOC": "malloc"}
+    result = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True)
+    assert result.returncode == 0, result.stderr.decode()[-2000:]
 
 
 def test_plain_copy_copies():
