@@ -92,6 +92,11 @@ def test_snapshot_streams_leave_the_heartbeats_their_threads(redis_url, tmp_path
             waited_s = time.perf_counter() - started
             for thread in copies:
                 thread.join()
-        assert waited_s < 0.25, f"a heartbeat waited {waited_s:.2f} s behind the copies"
+            copies_s = time.perf_counter() - started
+        # Quiet: 0.03 s against copies of 1.3 s; behind the copies it waited as long as they
+        # ran. A loaded CI machine stretches both (a fixed 0.25 s bound failed at 0.38 s).
+        assert waited_s < copies_s / 2, (
+            f"a heartbeat waited {waited_s:.2f} s behind copies of {copies_s:.2f} s"
+        )
     finally:
         server.stop(grace_s=0.5)
