@@ -33,6 +33,7 @@ MODEL = {"num_layers": 8, "hidden_size": 512, "num_heads": 8, "num_kv_heads": 2,
          "intermediate_size": 1792}  # fmt: skip
 CHUNK_TOKENS = 256
 BLOCK_SIZE = 128
+SETTLE_S = 0.5  # between paired cold runs: the idle engine's threads stop spinning
 
 
 def _engine(model: Path, socket_path: Path | None):
@@ -87,6 +88,21 @@ class TTFTBench:
         return self._ttft_s(prompt, engine_cache)
 
 
+def _paired_cold(without: NoConnectorEngine, bench: TTFTBench, run: int):
+    """One cold TTFT without the connector and one with it, in alternating order, each after
+    a pause: the other engine's threads (torch's OpenMP pool spins after its work) have gone
+    quiet, and neither engine always runs second."""
+
+    def settled(measure):
+        time.sleep(SETTLE_S)
+        return measure()
+
+    if run % 2:
+        with_connector = settled(lambda: bench.measure(0.0))
+        return settled(without.cold_ttft_s), with_connector
+    return settled(without.cold_ttft_s), settled(lambda: bench.measure(0.0))
+
+
 def run_vllm(runs: int = 5, prompt_tokens: int = 4096) -> dict:
     """Medians over `runs` of TTFT cold, 50 % cached and 90 % cached; cold TTFTs with and without
     the connector are measured in turns (one each, the same prompt), and `save_overhead` is the
@@ -110,7 +126,7 @@ def run_vllm(runs: int = 5, prompt_tokens: int = 4096) -> dict:
             with NoConnectorEngine(model, prompt_tokens, root / "no-connector.log") as without:
                 bench = TTFTBench(_engine(model, agent.config.socket_path), prompt_tokens, 512)
                 bench.measure(0.0)  # warm-up: first-call costs are not part of any figure
-                paired = [(without.cold_ttft_s(), bench.measure(0.0)) for _ in range(runs)]
+                paired = [_paired_cold(without, bench, run) for run in range(runs)]
             samples = {"cold": [with_ for _, with_ in paired]}
             fractions = (("cached50", 0.5), ("cached90", 0.9))
             samples |= {name: [bench.measure(f) for _ in range(runs)] for name, f in fractions}
