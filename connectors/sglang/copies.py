@@ -22,8 +22,8 @@ from kvstore.codec import decode_layer, encode_layer
 from kvstore.kvcopy.verified import Hasher
 
 # Measured (2-core Xeon, Llama-3-8B pages): with a block per kv head, slices of one layer of
-# a page (256 KiB) copy at 0.46 x memcpy, whole pages at 0.41; with one block per page, the
-# whole page in one copy is faster (0.89 against 0.86).
+# a page (256 KiB) copy at 0.61-0.64 x memcpy, whole pages at 0.54-0.55; with one block per
+# page, the whole page in one copy is faster (0.89 against 0.86).
 SLICE_BYTES = 256 << 10
 
 

@@ -139,8 +139,34 @@ AVX2 __m256i scramble_avx2(__m256i acc, const xxh_u8 *secret) {
     return _mm256_add_epi64(low, _mm256_slli_epi64(high, 32));
 }
 
-/* Fused bulk: each stripe is loaded once, stored (when copying) and hashed from registers;
- * the accumulators are kept before stripe `keep_before` (none when it is `count` or more). */
+/* One stripe: loaded once, stored (when copying) and hashed from the same registers. */
+AVX2 void fused_stripe(__m256i *low, __m256i *high, size_t *in_block, xxh_u8 *dst,
+                       const xxh_u8 *src, int copying) {
+    __m256i first = _mm256_loadu_si256((const __m256i *)src);
+    __m256i second = _mm256_loadu_si256((const __m256i *)(src + 32));
+    REGISTER_BARRIER(first);
+    REGISTER_BARRIER(second);
+    if (copying) {
+        _mm256_storeu_si256((__m256i *)dst, first);
+        _mm256_storeu_si256((__m256i *)(dst + 32), second);
+    }
+    const xxh_u8 *secret = XXH3_kSecret + *in_block * XXH_SECRET_CONSUME_RATE;
+    *low = accumulate_avx2(*low, first, secret);
+    *high = accumulate_avx2(*high, second, secret + 32);
+    if (++*in_block == STRIPES_PER_BLOCK) {
+        *low = scramble_avx2(*low, XXH3_kSecret + SECRET_LIMIT);
+        *high = scramble_avx2(*high, XXH3_kSecret + SECRET_LIMIT + 32);
+        *in_block = 0;
+    }
+}
+
+AVX2 void keep_before_last_avx2(hash_state *s, __m256i low, __m256i high) {
+    _mm256_storeu_si256((__m256i *)s->before_last, low);
+    _mm256_storeu_si256((__m256i *)(s->before_last + 4), high);
+}
+
+/* Fused bulk over one piece; the accumulators are kept before stripe `keep_before` (none
+ * when it is `count` or more). */
 __attribute__((target("avx2"))) static void copy_stripes_avx2(hash_state *s, xxh_u8 *dst,
                                                              const xxh_u8 *src, size_t count,
                                                              size_t keep_before) {
@@ -151,26 +177,8 @@ __attribute__((target("avx2"))) static void copy_stripes_avx2(hash_state *s, xxh
     for (size_t i = 0; i < count; i++, src += STRIPE, dst += STRIPE) {
         if (i + PREFETCH_BYTES / STRIPE < count) /* within the piece: past it is someone else's */
             _mm_prefetch((const char *)src + PREFETCH_BYTES, _MM_HINT_T0);
-        if (i == keep_before) {
-            _mm256_storeu_si256((__m256i *)s->before_last, low);
-            _mm256_storeu_si256((__m256i *)(s->before_last + 4), high);
-        }
-        __m256i first = _mm256_loadu_si256((const __m256i *)src);
-        __m256i second = _mm256_loadu_si256((const __m256i *)(src + 32));
-        REGISTER_BARRIER(first);
-        REGISTER_BARRIER(second);
-        if (copying) {
-            _mm256_storeu_si256((__m256i *)dst, first);
-            _mm256_storeu_si256((__m256i *)(dst + 32), second);
-        }
-        const xxh_u8 *secret = XXH3_kSecret + in_block * XXH_SECRET_CONSUME_RATE;
-        low = accumulate_avx2(low, first, secret);
-        high = accumulate_avx2(high, second, secret + 32);
-        if (++in_block == STRIPES_PER_BLOCK) {
-            low = scramble_avx2(low, XXH3_kSecret + SECRET_LIMIT);
-            high = scramble_avx2(high, XXH3_kSecret + SECRET_LIMIT + 32);
-            in_block = 0;
-        }
+        if (i == keep_before) keep_before_last_avx2(s, low, high);
+        fused_stripe(&low, &high, &in_block, dst, src, copying);
     }
     _mm256_storeu_si256((__m256i *)s->acc, low);
     _mm256_storeu_si256((__m256i *)(s->acc + 4), high);
@@ -344,23 +352,73 @@ mismatch:
     return -1;
 }
 
+/* Where the next run of a strided copy starts, in C order of the outer dimensions. */
+typedef struct {
+    Py_ssize_t index[PyBUF_MAX_NDIM];
+    xxh_u8 *to;
+    const xxh_u8 *from;
+} odometer;
+
+/* Advance to the next run; 0 when the last one is done. */
+static inline int next_run(odometer *o, const Py_buffer *dst, const Py_buffer *src,
+                           int outer_dims) {
+    for (int d = outer_dims - 1; d >= 0; d--) {
+        o->to += dst->strides[d], o->from += src->strides[d];
+        if (++o->index[d] < dst->shape[d]) return 1;
+        o->to -= dst->strides[d] * dst->shape[d], o->from -= src->strides[d] * src->shape[d];
+        o->index[d] = 0;
+    }
+    return 0;
+}
+
+#ifdef HAVE_AVX2_PATH
+/* A copy whose runs are whole stripes, after whole stripes (nothing buffered) and past the
+ * short-input bound: one fused pass, the accumulators in registers from run to run, so a run
+ * of 256 bytes (one kv head's row of a token) costs no call. The last stripe is final. */
+__attribute__((target("avx2"))) static void copy_runs_avx2(hash_state *s, const Py_buffer *dst,
+                                                          const Py_buffer *src,
+                                                          const copy_plan *plan) {
+    __m256i low = _mm256_loadu_si256((const __m256i *)s->acc);
+    __m256i high = _mm256_loadu_si256((const __m256i *)(s->acc + 4));
+    size_t in_block = s->stripes_in_block;
+    size_t per_run = (size_t)plan->run_bytes / STRIPE;
+    size_t left = (size_t)plan->total_bytes / STRIPE;
+    odometer o = {.to = dst->buf, .from = src->buf};
+    xxh_u8 *last_run;
+    do {
+        xxh_u8 *to = last_run = o.to;
+        const xxh_u8 *from = o.from;
+        for (size_t i = 0; i < per_run; i++, to += STRIPE, from += STRIPE) {
+            if (i + PREFETCH_BYTES / STRIPE < per_run)
+                _mm_prefetch((const char *)from + PREFETCH_BYTES, _MM_HINT_T0);
+            if (--left == 0) keep_before_last_avx2(s, low, high);
+            fused_stripe(&low, &high, &in_block, to, from, 1);
+        }
+    } while (next_run(&o, dst, src, plan->outer_dims));
+    _mm256_storeu_si256((__m256i *)s->acc, low);
+    _mm256_storeu_si256((__m256i *)(s->acc + 4), high);
+    s->stripes_in_block = in_block;
+    MEMORY_BARRIER();
+    memcpy(s->last_consumed, last_run + plan->run_bytes - STRIPE, STRIPE);
+    s->last_is_final = 1;
+    s->total_bytes += (xxh_u64)plan->total_bytes;
+}
+#endif
+
 static void copy_strided(hash_state *s, enum isa isa, const Py_buffer *dst, const Py_buffer *src,
                          const copy_plan *plan) {
-    Py_ssize_t index[PyBUF_MAX_NDIM] = {0};
-    xxh_u8 *to = dst->buf;
-    const xxh_u8 *from = src->buf;
     if (plan->total_bytes == 0) return;
-    for (;;) {
-        update(s, isa, to, from, (size_t)plan->run_bytes);
-        int d = plan->outer_dims - 1;
-        for (; d >= 0; d--) { /* the odometer: advance the innermost outer index */
-            to += dst->strides[d], from += src->strides[d];
-            if (++index[d] < dst->shape[d]) break;
-            to -= dst->strides[d] * dst->shape[d], from -= src->strides[d] * src->shape[d];
-            index[d] = 0;
-        }
-        if (d < 0) return;
+#ifdef HAVE_AVX2_PATH
+    if (isa == ISA_AVX2 && plan->run_bytes % STRIPE == 0 && s->buffered == 0 &&
+        s->total_bytes + (xxh_u64)plan->total_bytes > BUFFER_BYTES) {
+        copy_runs_avx2(s, dst, src, plan);
+        return;
     }
+#endif
+    odometer o = {.to = dst->buf, .from = src->buf};
+    do {
+        update(s, isa, o.to, o.from, (size_t)plan->run_bytes);
+    } while (next_run(&o, dst, src, plan->outer_dims));
 }
 
 /* ---- the Python type ---------------------------------------------------------------------- */
