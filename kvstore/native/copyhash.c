@@ -313,13 +313,35 @@ static int refuse(const char *why) {
     return -1;
 }
 
+/* Whether some byte may be two elements of `view`: with its dimensions ordered by |stride|,
+ * each must step past all the bytes the ones inside it span (conservative: exotic interleaved
+ * strides that never collide are refused too; engines' layouts are permuted dense arrays). */
+static int repeats_bytes(const Py_buffer *view) {
+    Py_ssize_t steps[PyBUF_MAX_NDIM], counts[PyBUF_MAX_NDIM];
+    int dims = 0;
+    for (int d = 0; d < view->ndim; d++) {
+        if (view->shape[d] < 2) continue;
+        Py_ssize_t step = view->strides[d] < 0 ? -view->strides[d] : view->strides[d];
+        int at = dims++;
+        for (; at > 0 && steps[at - 1] > step; at--) /* insertion: dims are few */
+            steps[at] = steps[at - 1], counts[at] = counts[at - 1];
+        steps[at] = step, counts[at] = view->shape[d];
+    }
+    Py_ssize_t spanned = view->itemsize;
+    for (int d = 0; d < dims; d++) {
+        if (steps[d] < spanned) return 1;
+        spanned += steps[d] * (counts[d] - 1);
+    }
+    return 0;
+}
+
 /* ValueError unless `dst` and `src` are the same shape, `dst` writes each byte once, and the
- * two share no byte (the digest must be of what the destination holds afterwards). */
+ * two share no byte (the digest must be of what the destination holds afterwards). Sharing
+ * is judged by the byte ranges the two span: interleaved views of one buffer are refused. */
 static int check_copy(const Py_buffer *dst, const Py_buffer *src) {
     if (dst->ndim > PyBUF_MAX_NDIM) return refuse("copy: more dimensions than Python allows");
-    for (int d = 0; d < dst->ndim; d++)
-        if (dst->strides[d] == 0 && dst->shape[d] > 1)
-            return refuse("copy: the destination repeats bytes (a stride of 0)");
+    if (repeats_bytes(dst))
+        return refuse("copy: the destination repeats bytes (its strides overlap)");
     if (dst->len == 0 || src->len == 0) return 0;
     const char *dst_low, *dst_high, *src_low, *src_high;
     byte_extent(dst, &dst_low, &dst_high);

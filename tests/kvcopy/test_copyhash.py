@@ -81,7 +81,7 @@ def test_pieces_that_end_on_stripe_boundaries_give_the_whole_digest(isa):
 @given(
     shape=st.lists(st.integers(1, 7), min_size=1, max_size=4),
     row_bytes=st.one_of(st.integers(1, 300), st.sampled_from([64, 128, 256, 2048])),
-    before=st.sampled_from([0, 1, 63, 64, 200, 256, 300, 1024]),
+    before=st.sampled_from([0, 0, 1, 63, 64, 200, 256, 300, 320, 1024]),
     seed=st.integers(0, 2**32 - 1),
     isa=st.sampled_from(ISAS),
 )
@@ -95,7 +95,8 @@ def test_strided_copies_hash_the_bytes_in_c_order(shape, row_bytes, before, seed
     base = rng.integers(0, 256, (*shape, row_bytes), dtype=np.uint8)
     order = [*rng.permutation(len(shape)), len(shape)]
     source = base.transpose(order)[::-1] if len(shape) > 1 else base
-    destination = np.zeros(source.shape[::-1], np.uint8).T
+    inner = [*rng.permutation(len(shape)), len(shape)]  # the row stays innermost
+    destination = np.zeros([source.shape[i] for i in inner], np.uint8).transpose(np.argsort(inner))
     hasher = Hasher(isa=isa)
     hasher.update(prefix)
     hasher.copy(destination, source)
@@ -196,6 +197,10 @@ def test_overlapping_buffers_are_refused():
     repeated = np.lib.stride_tricks.as_strided(np.zeros(1, np.uint8), (100,), (0,), writeable=True)
     with pytest.raises(ValueError, match="repeats bytes"):
         hasher.copy(repeated, data[:100])
+    rows = np.zeros(64, np.uint8)
+    sliding = np.lib.stride_tricks.as_strided(rows, (4, 32), (8, 1), writeable=True)
+    with pytest.raises(ValueError, match="repeats bytes"):  # rows 8 bytes apart, 32 wide
+        hasher.copy(sliding, data[:128].reshape(4, 32))
     with pytest.raises(ValueError, match="overlap"):
         plain_copy(data[1:], data[:-1])
     assert np.array_equal(data, before)
