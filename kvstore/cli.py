@@ -56,7 +56,8 @@ _METADATA_FLAGS = (
     "listen", "backend", "data_dir", "redis_url", "token_file", "tls_cert", "tls_key",
     "tls_client_ca", "key_quota_per_tenant", "metrics_listen", "max_watch_streams_per_tenant",
     "lmdb_map_size_bytes", "redis_wait_replicas", "redis_wait_timeout_ms",
-    "max_watch_streams_all_tenants",
+    "max_watch_streams_all_tenants", "max_lookup_streams_per_tenant",
+    "max_lookup_streams_all_tenants",
 )  # fmt: skip
 
 
@@ -173,6 +174,14 @@ def _add_metadata_flags(parser: argparse.ArgumentParser, with_backend: bool) -> 
     parser.add_argument(
         "--max-watch-streams-all-tenants", type=int,
         help="WatchEvents streams of all-tenant tokens: node agents hold one each (4096)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-lookup-streams-per-tenant", type=int,
+        help="LookupStream calls per tenant token: a client holds one per concurrent lookup (64)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-lookup-streams-all-tenants", type=int,
+        help="LookupStream calls of all-tenant tokens (node agents, routers) (4096)",
     )  # fmt: skip
     parser.add_argument("--lmdb-map-size-bytes", help="LMDB map of the index, e.g. 8GiB")
     parser.add_argument("--metrics-listen", help="host:port of the Prometheus endpoint")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import queue
 import socket
 import statistics
 import tempfile
@@ -103,9 +104,11 @@ def _echo_server(kind: str, queue) -> None:
 
     import grpc
 
-    def handlers(echo) -> list:
-        handler = grpc.unary_unary_rpc_method_handler(echo)
-        return [grpc.method_handlers_generic_handler("bench.Echo", {"Echo": handler})]
+    def handlers(echo, echo_stream=None) -> list:
+        methods = {"Echo": grpc.unary_unary_rpc_method_handler(echo)}
+        if echo_stream is not None:
+            methods["EchoStream"] = grpc.stream_stream_rpc_method_handler(echo_stream)
+        return [grpc.method_handlers_generic_handler("bench.Echo", methods)]
 
     if kind == "sync":
         server = grpc.server(futures.ThreadPoolExecutor(SYNC_SERVER_THREADS))
@@ -118,9 +121,13 @@ def _echo_server(kind: str, queue) -> None:
     async def echo(payload: bytes, context) -> bytes:
         return payload
 
+    async def echo_stream(payloads, context):
+        async for payload in payloads:
+            yield payload
+
     async def serve() -> None:
         server = grpc.aio.server()
-        server.add_generic_rpc_handlers(handlers(echo))
+        server.add_generic_rpc_handlers(handlers(echo, echo_stream))
         queue.put(server.add_insecure_port("127.0.0.1:0"))
         await server.start()
         await server.wait_for_termination()
@@ -144,35 +151,58 @@ def echo_server(kind: str) -> Iterator[tuple[str, int]]:
         server.join(timeout=10)
 
 
-def echo_samples(address: str, payload: bytes, duration_s: float, start=None) -> list[float]:
+def echo_samples(address: str, payload: bytes, duration_s: float, start=None,
+                 stream: bool = False) -> list[float]:  # fmt: skip
+    """Timed echoes: unary calls, or with `stream` messages on one open call, sent and read
+    as the metadata client's LookupStream calls are (kvstore/metadata/lookup_calls.py)."""
     import grpc
 
     with grpc.insecure_channel(address) as channel:
         grpc.channel_ready_future(channel).result(timeout=READY_TIMEOUT_S)
-        call = channel.unary_unary("/bench.Echo/Echo")
-        return timed_calls(lambda: call(payload, timeout=5), duration_s, start)
+        if not stream:
+            call = channel.unary_unary("/bench.Echo/Echo")
+            return timed_calls(lambda: call(payload, timeout=5), duration_s, start)
+        requests = queue.SimpleQueue()
+        answers = channel.stream_stream("/bench.Echo/EchoStream")(iter(requests.get, None))
+
+        def ask() -> None:
+            requests.put(payload)
+            next(answers)
+
+        try:
+            return timed_calls(ask, duration_s, start)
+        finally:
+            requests.put(None)
+            answers.cancel()
 
 
-def echo_client(address: str, payload: bytes, duration_s: float, start, results) -> None:
+def echo_client(address: str, payload: bytes, stream: bool, duration_s: float, start,
+                results) -> None:  # fmt: skip
     """Child of concurrent_run: echo calls for `duration_s`; puts the samples."""
-    results.put(echo_samples(address, payload, duration_s, start))
+    results.put(echo_samples(address, payload, duration_s, start, stream))
+
+
+# (server kind, on a stream, the name of its figures, the name of its server CPU per call)
+ECHO_KINDS = (
+    ("aio", False, "grpc_echo", "grpc_echo_server"),
+    ("sync", False, "grpc_echo_sync_server", "grpc_echo_sync_server"),
+    ("aio", True, "grpc_stream_echo", "grpc_stream_echo_server"),
+)
 
 
 def echo_floor(payload: bytes, runs: int, duration_s: float, clients: int) -> dict:
-    """Medians over `runs` of the echo's p50 (one client) on each server kind, and the aio
-    echo's qps and server CPU per call with `clients` client processes."""
+    """Medians over `runs` of the echo's p50 (one client), its qps and server CPU per call
+    with `clients` client processes: unary on each server kind, and on an open stream."""
     result = {}
-    for kind in SERVER_KINDS:
+    for kind, stream, name, server in ECHO_KINDS:
         with echo_server(kind) as (address, pid):
-            p50s = [summary(echo_samples(address, payload, duration_s), duration_s)["p50_us"]
-                    for _ in range(runs)]  # fmt: skip
-            many = [concurrent_run(echo_client, (address, payload), clients, duration_s, pid)
-                    for _ in range(runs)]  # fmt: skip
-        name = "grpc_echo" if kind == "aio" else "grpc_echo_sync"
-        server = "" if kind == "aio" else "_server"
-        result[f"{name}{server}_64_p50_us"] = statistics.median(p50s)
-        result[f"{name}{server}_qps_{clients}_clients"] = statistics.median(m["qps"] for m in many)
-        result[f"{name}_server_cpu_us_per_call"] = statistics.median(
+            p50s = [summary(echo_samples(address, payload, duration_s, None, stream),
+                            duration_s)["p50_us"] for _ in range(runs)]  # fmt: skip
+            many = [concurrent_run(echo_client, (address, payload, stream), clients, duration_s,
+                                   pid) for _ in range(runs)]  # fmt: skip
+        result[f"{name}_64_p50_us"] = statistics.median(p50s)
+        result[f"{name}_qps_{clients}_clients"] = statistics.median(m["qps"] for m in many)
+        result[f"{server}_cpu_us_per_call"] = statistics.median(
             m["server_cpu_us_per_call"] for m in many
         )
     return result

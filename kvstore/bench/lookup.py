@@ -1,5 +1,6 @@
 """`kvstore bench lookup`: latency and throughput of prompt lookups against a metadata service
-it starts on loopback (a separate process), beside pipelined Redis EXISTS of the same keys; a
+it starts on loopback (a separate process), on the client's LookupStream calls (one unary
+Lookup's latency beside them), beside pipelined Redis EXISTS of the same keys; a
 worker's lookups through its node agent (another process, answering from its cluster view) for
 all-local, all-remote and all-absent prompts, beside a raw unix-socket round trip between two
 processes (the floor under them); the view's bytes per key; publish batching.
@@ -73,7 +74,10 @@ def _service() -> Iterator[tuple[str, int]]:
         yield line.split("listening on ", 1)[1].split(",", 1)[0], process.pid
 
 
-def _latencies_s(address: str, num_keys: int, duration_s: float, start=None) -> list[float]:
+def _latencies_s(address: str, num_keys: int, duration_s: float, start=None,
+                 streams: bool = True) -> list[float]:  # fmt: skip
+    """Timed lookups of one client, on LookupStream calls (the client's way) or, without
+    `streams`, as unary Lookups."""
     keys = bench_keys(num_keys)
 
     def lookup() -> None:
@@ -81,7 +85,7 @@ def _latencies_s(address: str, num_keys: int, duration_s: float, start=None) -> 
         if found != num_keys:
             raise ConfigError(f"lookup found {found} of {num_keys} keys")
 
-    with MetadataClient(address) as client:
+    with MetadataClient(address, lookup_streams=streams) as client:
         client.wait_ready(READY_TIMEOUT_S)
         return timed_calls(lookup, duration_s, start)
 
@@ -228,11 +232,15 @@ def run_lookup(runs: int = 5, duration_s: float = 2.0, concurrency=(1, 8, 32)) -
     clients = min(QPS_CLIENTS, max(concurrency))
     result.update(_floors(runs, duration_s, clients))
     result["lookup_64_vs_grpc_echo"] = result["lookup_64_p50_us"] / result["grpc_echo_64_p50_us"]
+    result["lookup_64_vs_grpc_stream_echo"] = (
+        result["lookup_64_p50_us"] / result["grpc_stream_echo_64_p50_us"]
+    )
     result["lookup_64_vs_redis"] = result["lookup_64_p50_us"] / result["redis_exists_64_p50_us"]
     if f"lookup_qps_{clients}_clients" in result:
-        result[f"lookup_qps_vs_grpc_echo_{clients}_clients"] = (
-            result[f"lookup_qps_{clients}_clients"] / result[f"grpc_echo_qps_{clients}_clients"]
-        )
+        for echo in ("grpc_echo", "grpc_stream_echo"):
+            result[f"lookup_qps_vs_{echo}_{clients}_clients"] = (
+                result[f"lookup_qps_{clients}_clients"] / result[f"{echo}_qps_{clients}_clients"]
+            )
     result["machine"] = machine_info()
     return result
 
@@ -247,6 +255,9 @@ def _service_lookups(address: str, pid: int, runs: int, duration_s: float,
                   for _ in range(runs)]  # fmt: skip
         result[f"lookup_{num_keys}_p50_us"] = statistics.median(s["p50_us"] for s in single)
         result[f"lookup_{num_keys}_p99_us"] = statistics.median(s["p99_us"] for s in single)
+    unary = [summary(_latencies_s(address, 64, duration_s, streams=False), duration_s)["p50_us"]
+             for _ in range(runs)]  # fmt: skip
+    result["lookup_unary_64_p50_us"] = statistics.median(unary)
     for clients in concurrency:
         many = [concurrent_run(_client_process, (address, 64), clients, duration_s, pid)
                 for _ in range(runs)]  # fmt: skip
@@ -262,7 +273,9 @@ def _floors(runs: int, duration_s: float, clients: int) -> dict:
     result["qps_note"] = (
         f"client processes share this machine's {os.cpu_count()} CPUs with the server; "
         "grpc_echo_qps_*_clients is the most any unary RPC reaches here with those clients, "
-        "and 1e6 / lookup_server_cpu_us_* the lookups one server core could answer"
+        "grpc_stream_echo_qps_*_clients the most messages on open streams (how the client "
+        "looks up: lookup_unary_64_p50_us is a unary Lookup's), and 1e6 / "
+        "lookup_server_cpu_us_* the lookups one server core could answer"
     )
     redis_runs = [_redis_exists_p50_us(64, duration_s) for _ in range(runs)]
     result["redis_exists_64_p50_us"] = statistics.median(redis_runs)

@@ -15,18 +15,14 @@ import grpc
 from kvstore import errors
 from kvstore.metadata import wire
 from kvstore.metadata.index import BlockEntry, Holding, NodeRecord
-from kvstore.metadata.service import STATUS_FOR
+from kvstore.metadata.lookup_calls import LookupCalls
+from kvstore.metadata.status import error_for
 from kvstore.v1 import metadata_pb2 as pb
 from kvstore.v1 import metadata_pb2_grpc as pb_grpc
 
-_ERROR_FOR = {code: cls for cls, code in reversed(STATUS_FOR)}
-_ERROR_FOR[grpc.StatusCode.UNAVAILABLE] = errors.UnavailableError
-_ERROR_FOR[grpc.StatusCode.DEADLINE_EXCEEDED] = errors.UnavailableError
-
 
 def error_from_rpc(exc: grpc.RpcError) -> errors.KVStoreError:
-    cls = _ERROR_FOR.get(exc.code(), errors.KVStoreError)
-    return cls(f"{exc.code().name}: {exc.details()}")
+    return error_for(exc.code(), exc.details())
 
 
 @dataclass(frozen=True)
@@ -64,28 +60,34 @@ class EventStream:
 
 
 def lookup_result(response: pb.LookupResponse) -> LookupResult:
-    """Unflatten a LookupResponse's parallel arrays."""
+    """Unflatten a LookupResponse's parallel arrays: one Holding per distinct (node, tier),
+    most repeat; each pass in C where every key has one holder, the common case."""
     nodes = response.nodes
     addresses = {n.node_id: (n.tcp_address, n.ucx_address) for n in nodes}
-    made: dict[tuple[int, int], Holding] = {}  # one Holding per (node, tier): most repeat
-    flat = []
-    for pair in zip(response.holder_nodes, response.holder_tiers, strict=True):
-        holding = made.get(pair)
-        if holding is None:
-            holding = made[pair] = Holding(nodes[pair[0]].node_id, wire.PROTO_TO_TIER[pair[1]])
-        flat.append(holding)
-    holders, start = [], 0
-    for count in response.holder_counts:
-        holders.append(flat[start : start + count])
-        start += count
+    counts = response.holder_counts
+    holder_nodes, holder_tiers = response.holder_nodes, response.holder_tiers
+    if not len(holder_nodes) == len(holder_tiers) == sum(counts):
+        raise errors.KVStoreError("malformed LookupResponse: its holder arrays disagree")
+    pairs = list(zip(holder_nodes, holder_tiers, strict=False))  # lengths checked above
+    made = {pair: Holding(nodes[pair[0]].node_id, wire.PROTO_TO_TIER[pair[1]])
+            for pair in set(pairs)}  # fmt: skip
+    flat = list(map(made.__getitem__, pairs))
+    if len(flat) == len(counts):
+        holders = [[holding] for holding in flat]
+    else:
+        holders, start = [], 0
+        for count in counts:
+            holders.append(flat[start : start + count])
+            start += count
     return LookupResult(response.prefix_length, holders, addresses)
 
 
 class MetadataClient:
     def __init__(
         self, address: str, token: str | None = None, tls_ca: Path | None = None,
-        timeout_s: float = 5.0, max_message_bytes: int = 16 << 20,
+        timeout_s: float = 5.0, max_message_bytes: int = 16 << 20, lookup_streams: bool = True,
     ) -> None:  # fmt: skip
+        """`lookup_streams`: look up on open LookupStream calls (False: unary Lookups only)."""
         options = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
@@ -103,6 +105,7 @@ class MetadataClient:
             self._channel = grpc.insecure_channel(address, options=options)
         self._stub = pb_grpc.MetadataStub(self._channel)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._lookup_calls = LookupCalls(self._stub, self._metadata, enabled=lookup_streams)
         self.timeout_s = timeout_s
 
     def wait_ready(self, timeout_s: float) -> None:
@@ -154,10 +157,15 @@ class MetadataClient:
         self, tenant: str, keys: Sequence[bytes], caller_node_id: str = "", chunk_tokens: int = 0,
         timeout_s: float | None = None,
     ) -> LookupResult:  # fmt: skip
+        """On an open LookupStream call; a unary Lookup where none is free (see lookup_calls)."""
         request = pb.LookupRequest(
             tenant=tenant, keys=keys, caller_node_id=caller_node_id, chunk_tokens=chunk_tokens
         )
-        return lookup_result(self._call("Lookup", request, timeout_s))
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        response = self._lookup_calls.lookup(request, timeout_s)
+        if response is None:
+            response = self._call("Lookup", request, timeout_s)
+        return lookup_result(response)
 
     def route(
         self, tenant: str, keys: Sequence[bytes], candidates: Sequence[str] = ()
@@ -201,6 +209,7 @@ class MetadataClient:
             stream.cancel()
 
     def close(self) -> None:
+        self._lookup_calls.close()
         self._channel.close()
 
     def __enter__(self) -> MetadataClient:

@@ -26,6 +26,7 @@ from kvstore.metadata.journal import DEFAULT_MAP_SIZE_BYTES, MIN_MAP_SIZE_BYTES
 from kvstore.metadata.memory import MemoryIndex
 from kvstore.metadata.metrics import MetadataMetrics
 from kvstore.metadata.service import SERVICE_NAME, MetadataServicer, ServiceLimits, rpc_handlers
+from kvstore.metadata.slots import StreamSlots
 from kvstore.metadata.watch import EventStreams
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,9 @@ class MetadataConfig:
     # streams of all-tenant ("*") tokens, which every node agent's view holds one of (and every
     # client when auth is off); they run on the loop, not on threads: the bound is memory
     max_watch_streams_all_tenants: int = 4096
+    # LookupStream calls (clients keep one open per concurrent lookup, a few each; on the loop)
+    max_lookup_streams_per_tenant: int = 64
+    max_lookup_streams_all_tenants: int = 4096
     lmdb_map_size_bytes: int = DEFAULT_MAP_SIZE_BYTES  # the journal's ceiling (sparse file)
     limits: ServiceLimits = field(default_factory=ServiceLimits)
 
@@ -74,8 +78,12 @@ class MetadataConfig:
             raise ConfigError("max_workers must be at least 4 (threads for unary RPCs)")
         if self.max_message_bytes < MIN_MESSAGE_BYTES:
             raise ConfigError(f"max_message_bytes must be at least {MIN_MESSAGE_BYTES}")
-        if self.max_watch_streams_per_tenant < 1 or self.max_watch_streams_all_tenants < 1:
-            raise ConfigError("max_watch_streams_per_tenant and _all_tenants must be at least 1")
+        for kind in ("watch", "lookup"):
+            caps = (getattr(self, f"max_{kind}_streams_{scope}")
+                    for scope in ("per_tenant", "all_tenants"))  # fmt: skip
+            if min(caps) < 1:
+                raise ConfigError(f"max_{kind}_streams_per_tenant and _all_tenants must be at "
+                                  "least 1")  # fmt: skip
         if self.redis_failover_timeout_s <= 0:
             raise ConfigError("redis_failover_timeout_s must be positive")
         if self.backend == "redis-cluster" and not self.redis_prefix:
@@ -119,9 +127,14 @@ class MetadataServer:
             limits.watch_poll_s, config.max_watch_streams_all_tenants,
         )  # fmt: skip
         self._pool = futures.ThreadPoolExecutor(config.max_workers, thread_name_prefix="rpc")
+        lookup_slots = StreamSlots(
+            "LookupStream", "max_lookup_streams", config.max_lookup_streams_per_tenant,
+            config.max_lookup_streams_all_tenants,
+        )  # fmt: skip
         self.servicer = MetadataServicer(
-            self.index, TokenAuth(tokens), self.metrics, self.streams, self._pool, limits
-        )
+            self.index, TokenAuth(tokens), self.metrics, self.streams, self._pool, limits,
+            lookup_slots,
+        )  # fmt: skip
         self.health = health.aio.HealthServicer()
         self._stopping = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -165,6 +178,7 @@ class MetadataServer:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.streams.start(asyncio.get_running_loop())
+        self.servicer.lookup_streams.start(asyncio.get_running_loop())
         return port
 
     def _bind(self, server: grpc.aio.Server) -> int:
@@ -207,6 +221,7 @@ class MetadataServer:
         if self._loop is not None and self._server is not None:
             self._on_loop(self._shutdown(grace_s), timeout_s=grace_s + START_TIMEOUT_S)
         self.streams.stop()
+        self.servicer.lookup_streams.stop()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.servicer.snapshot_pool.shutdown(wait=False, cancel_futures=True)
         self._close_loop()

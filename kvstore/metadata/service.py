@@ -24,7 +24,10 @@ from kvstore import errors
 from kvstore.metadata import wire
 from kvstore.metadata.auth import TenantScope, TokenAuth
 from kvstore.metadata.index import MetadataIndex
+from kvstore.metadata.lookup_stream import LookupStreams
 from kvstore.metadata.metrics import MetadataMetrics
+from kvstore.metadata.slots import StreamSlots
+from kvstore.metadata.status import status_for
 from kvstore.metadata.watch import EventStreams
 from kvstore.v1 import metadata_pb2 as pb
 
@@ -32,31 +35,6 @@ logger = logging.getLogger(__name__)
 SNAPSHOT_THREADS = 2  # copies of the index at once; more Snapshot streams wait their turn
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Metadata"].full_name
-
-# Most specific first: the first matching class wins.
-STATUS_FOR: list[tuple[type[Exception], grpc.StatusCode]] = [
-    (errors.PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
-    (errors.AuthError, grpc.StatusCode.UNAUTHENTICATED),
-    (errors.ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
-    (errors.NotFoundError, grpc.StatusCode.NOT_FOUND),
-    (errors.LeaseError, grpc.StatusCode.FAILED_PRECONDITION),
-    (errors.CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (errors.UnavailableError, grpc.StatusCode.UNAVAILABLE),
-    (errors.ChecksumError, grpc.StatusCode.DATA_LOSS),
-    (errors.KVStoreError, grpc.StatusCode.INTERNAL),
-]
-
-
-def status_for(exc: Exception) -> grpc.StatusCode:
-    """The status of an error; socket errors (a peer too slow, or gone) map too."""
-    for cls, code in STATUS_FOR:
-        if isinstance(exc, cls):
-            return code
-    if isinstance(exc, TimeoutError):
-        return grpc.StatusCode.DEADLINE_EXCEEDED
-    if isinstance(exc, OSError):
-        return grpc.StatusCode.UNAVAILABLE
-    return grpc.StatusCode.INTERNAL
 
 
 @dataclass(frozen=True)
@@ -67,6 +45,7 @@ class ServiceLimits:
     max_lease_ttl_ms: int = 600_000
     event_batch: int = 1024
     watch_poll_s: float = 0.5
+    lookup_stream_idle_s: float = 60.0  # a LookupStream with no request for this long is ended
 
 
 def _parse(request_cls: type[Message], payload: bytes) -> Message:
@@ -116,6 +95,7 @@ class MetadataServicer:
     def __init__(
         self, index: MetadataIndex, auth: TokenAuth, metrics: MetadataMetrics,
         streams: EventStreams, pool: Executor, limits: ServiceLimits = ServiceLimits(),
+        lookup_slots: StreamSlots | None = None,
     ) -> None:  # fmt: skip
         self.index = index
         self.auth = auth
@@ -127,6 +107,12 @@ class MetadataServicer:
         self.snapshot_pool = ThreadPoolExecutor(SNAPSHOT_THREADS, thread_name_prefix="snapshot")
         self.limits = limits
         self._metric_children: dict[tuple[str, grpc.StatusCode], tuple] = {}
+        self.lookup_streams = LookupStreams(
+            auth, lookup_slots or StreamSlots("LookupStream", "max_lookup_streams", 64, 4096),
+            self.answer_lookup, None if index.nonblocking_reads else pool,
+            lambda code: self.metrics.rpcs.labels("LookupStream", code.name).inc(),
+            limits.lookup_stream_idle_s,
+        )  # fmt: skip
 
     def _children(self, name: str, code: grpc.StatusCode) -> tuple:
         """The (rpcs, latency) series of one method and status: `labels` costs microseconds
@@ -211,6 +197,31 @@ class MetadataServicer:
     # ---- queries --------------------------------------------------------------------------
     @_unary(pb.LookupRequest, read=True)
     def Lookup(self, request: pb.LookupRequest, scope: TenantScope):
+        return self._lookup(request, scope)
+
+    def answer_lookup(self, payload: bytes, scope: TenantScope) -> pb.LookupStreamResponse:
+        """One request of a LookupStream (lookup_stream.py), a failure inside the answer;
+        timed and counted as a `Lookup` (the call itself counts as `LookupStream`), so the
+        lookup series cover both ways of asking."""
+        started = time.perf_counter()
+        code = grpc.StatusCode.OK
+        try:
+            request = _parse(pb.LookupRequest, payload)
+            return pb.LookupStreamResponse(response=self._lookup(request, scope))
+        except errors.KVStoreError as exc:
+            code = status_for(exc)
+            return pb.LookupStreamResponse(status_code=code.value[0], status_message=str(exc))
+        except Exception:
+            code = grpc.StatusCode.INTERNAL
+            logger.exception("a LookupStream request failed")
+            message = "internal error in LookupStream; see the service log"
+            return pb.LookupStreamResponse(status_code=code.value[0], status_message=message)
+        finally:
+            rpcs, latency = self._children("Lookup", code)
+            rpcs.inc()
+            latency.observe(time.perf_counter() - started)
+
+    def _lookup(self, request: pb.LookupRequest, scope: TenantScope) -> pb.LookupResponse:
         tenant = self._tenant(request.tenant, scope)
         keys = wire.check_keys(request.keys, self.limits.max_batch)
         found = self.index.lookup(tenant, keys)
@@ -289,7 +300,7 @@ class MetadataServicer:
             scope, request = self._stream_request(
                 pb.WatchEventsRequest, payload, context, "watch every tenant's events"
             )
-            self.streams.acquire(scope.tenant)
+            self.streams.slots.acquire(scope.tenant)
         except errors.KVStoreError as exc:
             self.metrics.rpcs.labels("WatchEvents", status_for(exc).name).inc()
             await context.abort(status_for(exc), str(exc))
@@ -298,7 +309,7 @@ class MetadataServicer:
             async for event in self.streams.stream(request):
                 yield event
         finally:
-            self.streams.release(scope.tenant)
+            self.streams.slots.release(scope.tenant)
 
     async def Snapshot(self, payload: bytes, context: grpc.aio.ServicerContext):
         """A copy of the index in pages, for node agents' views; copied and paged in the
@@ -308,7 +319,7 @@ class MetadataServicer:
             scope, request = self._stream_request(
                 pb.SnapshotRequest, payload, context, "copy every tenant's index"
             )
-            self.streams.acquire(scope.tenant)
+            self.streams.slots.acquire(scope.tenant)
         except errors.KVStoreError as exc:
             self.metrics.rpcs.labels("Snapshot", status_for(exc).name).inc()
             await context.abort(status_for(exc), str(exc))
@@ -325,7 +336,7 @@ class MetadataServicer:
             while (page := await loop.run_in_executor(pool, next, pages, None)) is not None:
                 yield page
         finally:
-            self.streams.release(scope.tenant)
+            self.streams.slots.release(scope.tenant)
 
 
 def _snapshot_pages(index: MetadataIndex, request: pb.SnapshotRequest, max_batch: int):
@@ -360,4 +371,7 @@ def rpc_handlers(servicer: MetadataServicer) -> grpc.GenericRpcHandler:
         methods[name] = grpc.unary_stream_rpc_method_handler(
             getattr(servicer, name), response_serializer=serialize
         )
+    methods["LookupStream"] = grpc.stream_stream_rpc_method_handler(
+        servicer.lookup_streams.serve, response_serializer=serialize
+    )
     return grpc.method_handlers_generic_handler(SERVICE_NAME, methods)

@@ -12,14 +12,12 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections import Counter
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
-from kvstore.errors import CapacityError
 from kvstore.metadata import wire
-from kvstore.metadata.auth import ALL_TENANTS
 from kvstore.metadata.index import IndexEvent, MetadataIndex
+from kvstore.metadata.slots import StreamSlots
 from kvstore.v1 import metadata_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -85,19 +83,20 @@ class EventNotifier:
 
 
 class EventStreams:
-    """The open WatchEvents streams: per-tenant slots, the notifier and the page readers."""
+    """The open WatchEvents streams: their slots (Snapshot streams hold them too), the notifier
+    and the page readers."""
 
     def __init__(
         self, index: MetadataIndex, max_per_tenant: int, batch: int, poll_s: float,
         max_all_tenants: int = 4096,
     ) -> None:  # fmt: skip
         self.index = index
-        self.max_per_tenant = max_per_tenant
-        self.max_all_tenants = max_all_tenants
+        self.slots = StreamSlots(
+            "WatchEvents, Snapshot", "max_watch_streams", max_per_tenant, max_all_tenants
+        )
         self.batch = batch
         self.poll_s = poll_s
         self.notifier = EventNotifier(index, poll_s)
-        self._open: Counter[str] = Counter()
         self._readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="watch-read")
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -106,27 +105,6 @@ class EventStreams:
     def stop(self) -> None:
         self.notifier.stop()
         self._readers.shutdown(wait=False, cancel_futures=True)
-
-    def acquire(self, scope_tenant: str) -> None:
-        """Take a stream slot of the caller's scope (loop thread); CapacityError at the cap."""
-        every = scope_tenant == ALL_TENANTS
-        limit = self.max_all_tenants if every else self.max_per_tenant
-        if self._open[scope_tenant] >= limit:
-            setting = "max_watch_streams_all_tenants" if every else "max_watch_streams_per_tenant"
-            raise CapacityError(
-                f"{self._open[scope_tenant]} streams (WatchEvents, Snapshot) are open for tenant "
-                f"{scope_tenant!r}: the limit is {limit} per tenant ({setting}); close one or "
-                "reuse it"
-            )
-        self._open[scope_tenant] += 1
-
-    def release(self, scope_tenant: str) -> None:
-        self._open[scope_tenant] -= 1
-        if self._open[scope_tenant] <= 0:
-            del self._open[scope_tenant]
-
-    def open_count(self, scope_tenant: str) -> int:
-        return self._open[scope_tenant]
 
     async def stream(self, request: pb.WatchEventsRequest) -> AsyncIterator[pb.Event]:
         """Events with seq >= from_seq (0: only new), a KIND_GAP first where some were dropped."""

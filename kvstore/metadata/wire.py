@@ -6,6 +6,7 @@ raises ConfigError with a message saying which field is wrong and why: INVALID_A
 
 from __future__ import annotations
 
+import operator
 import re
 from collections.abc import Iterator, Sequence
 
@@ -19,6 +20,7 @@ MAX_ADDRESS_CHARS = 256  # stored per node and returned in every lookup that nam
 TIER_TO_PROTO = {"device": pb.TIER_DEVICE, "host": pb.TIER_HOST, "disk": pb.TIER_DISK}
 PROTO_TO_TIER = {value: name for name, value in TIER_TO_PROTO.items()}
 assert tuple(TIER_TO_PROTO) == TIERS
+_NODE_ID, _TIER = operator.attrgetter("node_id"), operator.attrgetter("tier")
 
 
 def check_name(value: str, field: str) -> str:
@@ -93,17 +95,17 @@ def node_to_proto(node: NodeRecord) -> pb.NodeInfo:
 
 def lookup_response(found: list[list[Holding]], nodes: dict[str, NodeRecord],
                     caller_node_id: str) -> pb.LookupResponse:  # fmt: skip
-    """Flatten the holders of each key into the response's parallel arrays (the hot path)."""
-    node_index: dict[str, int] = {}
-    counts, holder_nodes, holder_tiers = [], [], []
-    for holders in found:
-        if len(holders) > 1:
-            holders = rank_holders(holders, caller_node_id)
-        counts.append(len(holders))
-        for holding in holders:
-            index = node_index.setdefault(holding.node_id, len(node_index))
-            holder_nodes.append(index)
-            holder_tiers.append(TIER_TO_PROTO[holding.tier])
+    """Flatten the holders of each key into the response's parallel arrays (the hot path: a
+    pass per array, each in C where the key has one holder, the common case)."""
+    counts = list(map(len, found))
+    if not found or max(counts) == 1:
+        flat = [holders[0] for holders in found]
+    else:
+        flat = []
+        for holders in found:
+            flat.extend(rank_holders(holders, caller_node_id) if len(holders) > 1 else holders)
+    node_ids = list(map(_NODE_ID, flat))
+    node_index = {node_id: i for i, node_id in enumerate(dict.fromkeys(node_ids))}
     addresses = []
     for node_id in node_index:
         node = nodes.get(node_id)
@@ -114,7 +116,8 @@ def lookup_response(found: list[list[Holding]], nodes: dict[str, NodeRecord],
         ))  # fmt: skip
     return pb.LookupResponse(
         prefix_length=len(found), nodes=addresses, holder_counts=counts,
-        holder_nodes=holder_nodes, holder_tiers=holder_tiers,
+        holder_nodes=list(map(node_index.__getitem__, node_ids)),
+        holder_tiers=list(map(TIER_TO_PROTO.__getitem__, map(_TIER, flat))),
     )  # fmt: skip
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from kvstore import errors, framing
 from kvstore.keys import KEY_BYTES, BlockKey
-from kvstore.metadata.service import status_for
+from kvstore.metadata.status import status_for
 from kvstore.node.identity import WorkerCredentials, WorkerIdentity, peer_credentials
 from kvstore.node.orphans import OrphanedSessions, open_pidfd
 from kvstore.node.session import REMOTE_CODE, WorkerSession

@@ -165,6 +165,16 @@ class LookupResponse(_message.Message):
     holder_tiers: _containers.RepeatedScalarFieldContainer[Tier]
     def __init__(self, prefix_length: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeAddress, _Mapping]]] = ..., holder_counts: _Optional[_Iterable[int]] = ..., holder_nodes: _Optional[_Iterable[int]] = ..., holder_tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
 
+class LookupStreamResponse(_message.Message):
+    __slots__ = ("response", "status_code", "status_message")
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    response: LookupResponse
+    status_code: int
+    status_message: str
+    def __init__(self, response: _Optional[_Union[LookupResponse, _Mapping]] = ..., status_code: _Optional[int] = ..., status_message: _Optional[str] = ...) -> None: ...
+
 class RouteRequest(_message.Message):
     __slots__ = ("tenant", "keys", "candidate_node_ids")
     TENANT_FIELD_NUMBER: _ClassVar[int]

@@ -30,17 +30,21 @@ def test_lookup_benchmark_reports_latency_qps_and_the_redis_baseline():
               "lookup_qps_2_clients", "redis_exists_64_p50_us", "lookup_64_vs_redis",
               "grpc_echo_64_p50_us", "lookup_64_vs_grpc_echo", "view_bytes_per_key",
               "publish_keys_per_s_batch_1", "publish_keys_per_s_batch_1024",
-              "view_lag_p50_ms", "view_lag_max_ms", "agent_lookup_floor_p50_us")  # fmt: skip
+              "view_lag_p50_ms", "view_lag_max_ms", "agent_lookup_floor_p50_us",
+              "lookup_unary_64_p50_us", "grpc_stream_echo_64_p50_us",
+              "lookup_64_vs_grpc_stream_echo")  # fmt: skip
     for field in fields:
         assert positive(result[field]), field
     floors = ("grpc_echo_sync_server_64_p50_us", "grpc_echo_qps_2_clients",
               "grpc_echo_sync_server_qps_2_clients",
-              "lookup_qps_vs_grpc_echo_2_clients")  # fmt: skip
+              "lookup_qps_vs_grpc_echo_2_clients", "grpc_stream_echo_qps_2_clients",
+              "lookup_qps_vs_grpc_stream_echo_2_clients")  # fmt: skip
     for field in floors:
         assert positive(result[field]), field
     for field in ("lookup_server_cpu_us_1_clients", "lookup_server_cpu_us_2_clients",
                   "grpc_echo_server_cpu_us_per_call",
-                  "grpc_echo_sync_server_cpu_us_per_call"):  # fmt: skip
+                  "grpc_echo_sync_server_cpu_us_per_call",
+                  "grpc_stream_echo_server_cpu_us_per_call"):  # fmt: skip
         cpu = result[field]  # may round to 0 clock ticks on tiny durations
         assert math.isfinite(cpu) and cpu >= 0, field
     assert "share this machine" in result["qps_note"]

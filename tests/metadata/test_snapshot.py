@@ -181,12 +181,12 @@ def test_snapshot_streams_take_the_tenant_tokens_stream_slots(tmp_path):
             admin.publish("n", lease, "alice", [BlockEntry(k, "host") for k in KEYS[:10]])
         with client_for(server, token=ALICE) as alice:
             watches = [alice.open_events(tenant="alice") for _ in range(2)]
-            assert wait_until(lambda: server.streams.open_count("alice") == 2)
+            assert wait_until(lambda: server.streams.slots.open_count("alice") == 2)
             with pytest.raises(CapacityError, match=r"streams \(WatchEvents, Snapshot\)"):
                 next(alice.snapshot("alice"))
             watches.pop().cancel()
             assert wait_until(lambda: _snapshot_opens(alice))  # a slot is free again
-            assert wait_until(lambda: server.streams.open_count("alice") == 1)  # given back
+            assert wait_until(lambda: server.streams.slots.open_count("alice") == 1)  # given back
             watches.pop().cancel()
 
 

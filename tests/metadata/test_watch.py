@@ -77,7 +77,7 @@ def test_a_tenant_past_its_stream_cap_is_refused_naming_the_cap(tmp_path, token_
         assert "limit is 2 per tenant (max_watch_streams_per_tenant)" in refused.value.details()
         assert next(open_stream(channel, TOKENS["tenant1"], "tenant1")).seq == 2, "others may"
         mine[0].cancel()
-        assert wait_until(lambda: server.streams.open_count("tenant0") == 1)
+        assert wait_until(lambda: server.streams.slots.open_count("tenant0") == 1)
         assert next(open_stream(channel, TOKENS["tenant0"], "tenant0")).seq == 1
 
 
@@ -172,7 +172,7 @@ def test_the_server_still_answers_after_the_fuzzed_streams(ring_server):
     server, _ = ring_server
     with client_for(server) as client:
         assert client.stats().last_event_seq == PUBLISHED
-    assert wait_until(lambda: server.streams.open_count("*") == 0), "every slot was released"
+    assert wait_until(lambda: server.streams.slots.open_count("*") == 0), "every slot was released"
 
 
 def test_a_stream_sees_events_published_after_it_opened(ring_server):

@@ -1,0 +1,193 @@
+"""LookupStream on a real metadata service: the client's lookups ride open calls, a bad request
+costs only its lookup, calls are bounded, idle ones end, a late answer is a deadline error, and
+a service without the method (an older one) is asked with unary Lookups."""
+
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import pytest
+
+from kvstore.errors import ConfigError, PermissionDeniedError, UnavailableError
+from kvstore.metadata import lookup_calls
+from kvstore.metadata.index import BlockEntry, NodeRecord
+from kvstore.metadata.memory import MemoryIndex
+from kvstore.metadata.server import MetadataConfig, MetadataServer
+from kvstore.metadata.service import SERVICE_NAME, ServiceLimits
+from kvstore.v1 import metadata_pb2 as pb
+from tests.metadata.servers import FAST_LIMITS, client_for, running_server, wait_until
+
+KEYS = [bytes([i]) * 16 for i in range(8)]
+ALICE = "alice-token-0123456789"
+ADMIN = "admin-token-0123456789"
+
+
+def calls(server: MetadataServer, method: str, code: str = "OK") -> float:
+    sample = server.metrics.registry.get_sample_value(
+        "kvstore_metadata_rpcs_total", {"method": method, "code": code}
+    )
+    return sample or 0.0
+
+
+def publish(client, tenant: str = "t", keys=KEYS[:5]) -> None:
+    lease, _ = client.register_node(NodeRecord("holder", tcp_address="10.0.0.1:1"))
+    client.publish("holder", lease, tenant, [BlockEntry(k, "host", 1, 1) for k in keys])
+
+
+def test_lookups_ride_one_open_call_and_answer_as_unary_lookups_do(tmp_path):
+    with running_server(tmp_path) as server, client_for(server) as client:
+        publish(client)
+        with client_for(server, lookup_streams=False) as unary:
+            expected = unary.lookup("t", KEYS, caller_node_id="me")
+        assert calls(server, "LookupStream") == 0
+        for _ in range(20):
+            assert client.lookup("t", KEYS, caller_node_id="me") == expected
+        assert expected.prefix_length == 5
+        assert expected.addresses == {"holder": ("10.0.0.1:1", "")}
+        assert calls(server, "LookupStream") == 1  # one call carried the 20 lookups
+        assert calls(server, "Lookup") == 21  # each lookup counted as one, either way
+
+
+def test_a_bad_request_fails_its_lookup_only_and_the_call_stays_open(tmp_path):
+    token_file = tmp_path / "tokens"
+    token_file.write_text(f"{ADMIN} *\n{ALICE} alice\n")
+    with running_server(tmp_path, token_file=token_file) as server:
+        with client_for(server, token=ADMIN) as admin:
+            publish(admin, "alice")
+        with client_for(server, token=ALICE) as alice:
+            assert alice.lookup("alice", KEYS).prefix_length == 5
+            with pytest.raises(ConfigError, match=r"INVALID_ARGUMENT: .*16 bytes"):
+                alice.lookup("alice", [b"short"])
+            with pytest.raises(PermissionDeniedError, match="only act for tenant 'alice'"):
+                alice.lookup("bob", KEYS)
+            assert alice.lookup("alice", KEYS).prefix_length == 5
+        assert calls(server, "LookupStream") == 1
+        assert calls(server, "Lookup", "INVALID_ARGUMENT") == 1
+        assert calls(server, "Lookup", "PERMISSION_DENIED") == 1
+
+
+def test_a_malformed_message_is_answered_with_invalid_argument_on_the_same_call(tmp_path):
+    with running_server(tmp_path) as server, client_for(server) as client:
+        publish(client)
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            method = channel.stream_stream(f"/{SERVICE_NAME}/LookupStream")
+            good = pb.LookupRequest(tenant="t", keys=KEYS).SerializeToString()
+            answers = list(method(iter([b"\xff\xff\xff", good]), timeout=5))
+        bad, fine = (pb.LookupStreamResponse.FromString(a) for a in answers)
+        assert grpc.StatusCode.INVALID_ARGUMENT.value[0] == bad.status_code
+        assert "malformed LookupRequest" in bad.status_message
+        assert fine.status_code == 0 and fine.response.prefix_length == 5
+
+
+def test_concurrent_lookups_hold_a_bounded_number_of_calls(tmp_path):
+    with running_server(tmp_path) as server, client_for(server) as client:
+        publish(client)
+        errors, counts = [], []
+
+        def look() -> None:
+            try:
+                counts.extend(client.lookup("t", KEYS).prefix_length for _ in range(100))
+            except Exception as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=look) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not errors and counts == [5] * 800
+        assert 1 <= calls(server, "LookupStream") <= lookup_calls.MAX_OPEN
+        assert server.servicer.lookup_streams.slots.open_count("*") <= lookup_calls.MAX_OPEN
+    assert calls(server, "Lookup") == 800
+
+
+def test_past_the_slot_cap_lookups_go_unary(tmp_path):
+    with running_server(tmp_path, max_lookup_streams_all_tenants=1) as server:
+        with client_for(server) as first, client_for(server) as second:
+            publish(first)
+            assert first.lookup("t", KEYS).prefix_length == 5
+            for _ in range(3):
+                assert second.lookup("t", KEYS).prefix_length == 5
+        assert calls(server, "LookupStream") == 1
+        assert calls(server, "LookupStream", "RESOURCE_EXHAUSTED") == 1  # then unary, no retry
+        assert calls(server, "Lookup") == 4
+
+
+def test_an_idle_call_is_ended_by_the_service_and_the_next_lookup_opens_another(tmp_path):
+    limits = ServiceLimits(min_lease_ttl_ms=200, watch_poll_s=0.1, lookup_stream_idle_s=0.4)
+    config = MetadataConfig(listen="127.0.0.1:0", data_dir=tmp_path / "meta", limits=limits)
+    server = MetadataServer(config)
+    server.start()
+    try:
+        with client_for(server) as client:
+            publish(client)
+            assert client.lookup("t", KEYS).prefix_length == 5
+            slots = server.servicer.lookup_streams.slots
+            assert slots.open_count("*") == 1
+            assert wait_until(lambda: slots.open_count("*") == 0, timeout_s=3)  # ended, freed
+            assert client.lookup("t", KEYS).prefix_length == 5
+            assert calls(server, "LookupStream") == 2
+    finally:
+        server.stop(grace_s=0.5)
+
+
+class SlowIndex(MemoryIndex):
+    """Reads block (as Redis's do) and take `delay_s` while `slow` is set."""
+
+    nonblocking_reads = False
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.slow = threading.Event()
+        self.delay_s = 1.0
+
+    def lookup(self, tenant, keys):
+        if self.slow.is_set():
+            time.sleep(self.delay_s)
+        return super().lookup(tenant, keys)
+
+
+def test_a_late_answer_is_a_deadline_error_and_the_next_lookup_is_answered(tmp_path):
+    index = SlowIndex(None)
+    config = MetadataConfig(listen="127.0.0.1:0", backend="memory", limits=FAST_LIMITS)
+    server = MetadataServer(config, index=index)
+    server.start()
+    try:
+        with client_for(server) as client:
+            publish(client)
+            assert client.lookup("t", KEYS).prefix_length == 5
+            index.slow.set()
+            started = time.monotonic()
+            with pytest.raises(UnavailableError, match="DEADLINE_EXCEEDED"):
+                client.lookup("t", KEYS, timeout_s=0.2)
+            assert time.monotonic() - started < 0.2 + 0.5
+            index.slow.clear()
+            assert client.lookup("t", KEYS).prefix_length == 5  # on a new call
+    finally:
+        server.stop(grace_s=0.5)
+
+
+def test_a_service_without_lookup_stream_is_asked_with_unary_lookups():
+    answered = []
+
+    def lookup(payload: bytes, context) -> bytes:
+        answered.append(pb.LookupRequest.FromString(payload).tenant)
+        return pb.LookupResponse(prefix_length=0).SerializeToString()
+
+    handler = grpc.method_handlers_generic_handler(
+        SERVICE_NAME, {"Lookup": grpc.unary_unary_rpc_method_handler(lookup)}
+    )
+    old = grpc.server(futures.ThreadPoolExecutor(2), handlers=(handler,))
+    port = old.add_insecure_port("127.0.0.1:0")
+    old.start()
+    try:
+        from kvstore.metadata.client import MetadataClient
+
+        with MetadataClient(f"127.0.0.1:{port}") as client:
+            for _ in range(3):
+                assert client.lookup("t", KEYS).prefix_length == 0
+            assert client._lookup_calls._unary_until == float("inf")  # not asked again
+        assert answered == ["t"] * 3
+    finally:
+        old.stop(0)
