@@ -6,6 +6,7 @@ the kvstore exceptions they were mapped from, so callers handle one error tree.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -161,10 +162,10 @@ class MetadataClient:
         request = pb.LookupRequest(
             tenant=tenant, keys=keys, caller_node_id=caller_node_id, chunk_tokens=chunk_tokens
         )
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        response = self._lookup_calls.lookup(request, timeout_s)
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        response = self._lookup_calls.lookup(request, deadline)
         if response is None:
-            response = self._call("Lookup", request, timeout_s)
+            response = self._call("Lookup", request, max(0.0, deadline - time.monotonic()))
         return lookup_result(response)
 
     def route(

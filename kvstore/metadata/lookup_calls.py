@@ -5,8 +5,9 @@ look up plus one watchdog thread while any call is open. A lookup takes an idle 
 opens one, up to MAX_OPEN per client), sends its request and reads its answer in the asking
 thread; the watchdog cancels a call whose answer is past its deadline (a stream message has no
 deadline of its own) and closes calls idle for CLIENT_IDLE_S, before the service would end them.
-Where no call is free, or the service has no LookupStream (an older one), or refused this
-client's calls a slot, `lookup` returns None and the caller makes a unary Lookup instead.
+Where no call is free (all in use, and no new one may be opened: MAX_OPEN are, the service has
+no LookupStream, or it refused this client a slot in the last REFUSED_BACKOFF_S), `lookup`
+returns None and the caller makes a unary Lookup instead, with what is left of the deadline.
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ import time
 import grpc
 
 from kvstore import errors
+from kvstore.metadata.slots import REFUSED_A_SLOT
 from kvstore.metadata.status import error_for
 from kvstore.v1 import metadata_pb2 as pb
 
 MAX_OPEN = 4  # calls per client; more lookups at once than this go unary
 WATCH_PERIOD_S = 0.05  # how late past its deadline a lookup may be cancelled
 CLIENT_IDLE_S = 30.0  # the service ends calls idle for 60 s (ServiceLimits.lookup_stream_idle_s)
-REFUSED_BACKOFF_S = 10.0  # unary only, this long after the service refused a call a slot
+REFUSED_BACKOFF_S = 10.0  # no new call, this long after the service refused one a slot
 _END = object()
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 # failures of a call that had answered before: it may have ended while idle; ask on a new one
@@ -47,8 +49,8 @@ class _Call:
         while (request := self._requests.get()) is not _END:
             yield request
 
-    def ask(self, request: pb.LookupRequest, timeout_s: float) -> pb.LookupStreamResponse:
-        self.deadline = time.monotonic() + timeout_s
+    def ask(self, request: pb.LookupRequest, deadline: float) -> pb.LookupStreamResponse:
+        self.deadline = deadline
         self._requests.put(request)
         try:
             answer = next(self.call)
@@ -75,27 +77,27 @@ class LookupCalls:
         self._watchdog: threading.Thread | None = None
         self._closed = False
 
-    def lookup(self, request: pb.LookupRequest, timeout_s: float) -> pb.LookupResponse | None:
-        """The service's answer on an open call; None: make a unary call instead. A refused
-        request raises its error, as a unary call's would."""
+    def lookup(self, request: pb.LookupRequest, deadline: float) -> pb.LookupResponse | None:
+        """The service's answer on an open call, due by `deadline` (monotonic) over every
+        attempt; None: make a unary call instead, with the time left. A refused request raises
+        its error, as a unary call's would."""
         for _ in range(2):
+            if self._closed:
+                raise errors.UnavailableError("UNAVAILABLE: the metadata client is closed")
+            if time.monotonic() >= deadline:
+                raise errors.UnavailableError("DEADLINE_EXCEEDED: the lookup's time ran out")
             call = self._take()
             if call is None:
                 return None
             try:
-                answer = call.ask(request, timeout_s)
+                answer = call.ask(request, deadline)
             except (grpc.RpcError, StopIteration) as exc:
                 self._drop(call)
-                code = exc.code() if isinstance(exc, grpc.RpcError) else None
-                if call.expired:
-                    raise errors.UnavailableError(
-                        f"DEADLINE_EXCEEDED: no lookup answer within {timeout_s:g} s"
-                    ) from None
-                if call.answered and code in _ENDED_WHILE_IDLE:
-                    continue
-                if self._refused(code):
-                    return None
-                raise _error(code, exc) from None
+                self._raise_unless_retried(call, exc)
+                continue
+            except BaseException:  # an interrupted wait: the call's state is unknown
+                self._drop(call)
+                raise
             self._give(call)
             if answer.status_code:
                 code = _CODES.get(answer.status_code, grpc.StatusCode.UNKNOWN)
@@ -103,23 +105,34 @@ class LookupCalls:
             return answer.response
         return None
 
-    def _refused(self, code: grpc.StatusCode | None) -> bool:
-        """Whether a new call's failure means "use unary": no LookupStream, or no slot."""
-        if code == grpc.StatusCode.UNIMPLEMENTED:
+    def _raise_unless_retried(self, call: _Call, exc: BaseException) -> None:
+        """After a call failed: returns where the lookup may be asked again (another call, or
+        unary): a call that had answered before and may have ended while idle, a service
+        without LookupStream, a call refused a slot; else raises the lookup's error."""
+        code = exc.code() if isinstance(exc, grpc.RpcError) else None
+        if call.expired:
+            raise errors.UnavailableError("DEADLINE_EXCEEDED: no lookup answer by its deadline")
+        if self._closed:
+            raise errors.UnavailableError("UNAVAILABLE: the metadata client is closed")
+        if call.answered and code in _ENDED_WHILE_IDLE:
+            return
+        if not call.answered and code == grpc.StatusCode.UNIMPLEMENTED:
             self._unary_until = float("inf")
-        elif code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return
+        if not call.answered and _refused_a_slot(exc):
             self._unary_until = time.monotonic() + REFUSED_BACKOFF_S
-        else:
-            return False
-        return True
+            return
+        raise _error(code, exc)
 
     def _take(self) -> _Call | None:
+        """An idle open call, or a new one unless MAX_OPEN are open or calls may not be
+        opened now (after a refusal; without LookupStream); None: none to be had."""
         with self._lock:
-            if self._closed or time.monotonic() < self._unary_until:
+            if self._closed:
                 return None
             if self._idle:
                 call = self._idle.pop()
-            elif len(self._busy) < MAX_OPEN:
+            elif len(self._busy) < MAX_OPEN and time.monotonic() >= self._unary_until:
                 call = _Call(self._stub, self._metadata)
             else:
                 return None
@@ -171,6 +184,14 @@ class LookupCalls:
             calls, self._idle = self._idle + list(self._busy), []
         for call in calls:
             call.close()
+
+
+def _refused_a_slot(exc: BaseException) -> bool:
+    """The service refused the call a slot (it says so in the trailing metadata: an oversized
+    message is RESOURCE_EXHAUSTED too, and no reason to stop opening calls)."""
+    if not isinstance(exc, grpc.RpcError) or exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return False
+    return REFUSED_A_SLOT in tuple(exc.trailing_metadata() or ())
 
 
 def _error(code: grpc.StatusCode | None, exc: BaseException) -> errors.KVStoreError:

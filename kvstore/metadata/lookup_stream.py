@@ -22,12 +22,13 @@ import grpc
 
 from kvstore import errors
 from kvstore.metadata.auth import TenantScope, TokenAuth
-from kvstore.metadata.slots import StreamSlots
+from kvstore.metadata.slots import REFUSED_A_SLOT, StreamSlots
 from kvstore.metadata.status import status_for
 from kvstore.v1 import metadata_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
+ANSWERING = float("inf")  # the idle clock of a call whose request is being answered
 # answers one serialized LookupRequest for a scope, its failure inside the answer (never raises)
 Answer = Callable[[bytes, TenantScope], pb.LookupStreamResponse]
 
@@ -63,18 +64,21 @@ class LookupStreams:
         except errors.KVStoreError as exc:
             code = status_for(exc)
             self.count_call(code)
-            await context.abort(code, str(exc))
+            refused = (REFUSED_A_SLOT,) if isinstance(exc, errors.CapacityError) else ()
+            await context.abort(code, str(exc), trailing_metadata=refused)
         self.count_call(grpc.StatusCode.OK)
         loop = asyncio.get_running_loop()
         task = asyncio.current_task()
         self._last_request[task] = (loop.time(), context)
         try:
             async for payload in requests:
-                self._last_request[task] = (loop.time(), context)
+                self._last_request[task] = (ANSWERING, context)  # not idle, however long
                 if self.executor is None:
-                    yield self.answer(payload, scope)
+                    answer = self.answer(payload, scope)
                 else:
-                    yield await loop.run_in_executor(self.executor, self.answer, payload, scope)
+                    answer = await loop.run_in_executor(self.executor, self.answer, payload, scope)
+                self._last_request[task] = (loop.time(), context)  # idle from here
+                yield answer
         finally:
             self._last_request.pop(task, None)  # the sweep may have taken it
             self.slots.release(scope.tenant)
@@ -83,7 +87,7 @@ class LookupStreams:
         """Ends the calls idle for longer than `idle_s` (on the loop, every quarter of it)."""
         now = loop.time()
         for task, (last, context) in list(self._last_request.items()):
-            if now - last > self.idle_s:
+            if last != ANSWERING and now - last > self.idle_s:
                 del self._last_request[task]  # ended once, even if the next sweep comes first
                 loop.create_task(self._end(task, context))
         self._sweep_handle = loop.call_later(self.idle_s / 4, self._sweep, loop)

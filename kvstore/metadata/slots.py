@@ -12,6 +12,9 @@ from collections import Counter
 from kvstore.errors import CapacityError
 from kvstore.metadata.auth import ALL_TENANTS
 
+# the trailing metadata of a call refused for want of a slot (RESOURCE_EXHAUSTED has other causes)
+REFUSED_A_SLOT = ("kvstore-refused", "stream-slots")
+
 
 class StreamSlots:
     def __init__(self, calls: str, setting: str, max_per_tenant: int,

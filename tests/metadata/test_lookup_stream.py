@@ -9,7 +9,13 @@ from concurrent import futures
 import grpc
 import pytest
 
-from kvstore.errors import ConfigError, PermissionDeniedError, UnavailableError
+from kvstore.errors import (
+    CapacityError,
+    ConfigError,
+    KVStoreError,
+    PermissionDeniedError,
+    UnavailableError,
+)
 from kvstore.metadata import lookup_calls
 from kvstore.metadata.index import BlockEntry, NodeRecord
 from kvstore.metadata.memory import MemoryIndex
@@ -149,10 +155,7 @@ class SlowIndex(MemoryIndex):
 
 
 def test_a_late_answer_is_a_deadline_error_and_the_next_lookup_is_answered(tmp_path):
-    index = SlowIndex(None)
-    config = MetadataConfig(listen="127.0.0.1:0", backend="memory", limits=FAST_LIMITS)
-    server = MetadataServer(config, index=index)
-    server.start()
+    server, index = slow_server(tmp_path)
     try:
         with client_for(server) as client:
             publish(client)
@@ -191,3 +194,92 @@ def test_a_service_without_lookup_stream_is_asked_with_unary_lookups():
         assert answered == ["t"] * 3
     finally:
         old.stop(0)
+
+
+def slow_server(tmp_path, **settings) -> tuple[MetadataServer, SlowIndex]:
+    index = SlowIndex(None)
+    limits = settings.pop("limits", FAST_LIMITS)
+    config = MetadataConfig(listen="127.0.0.1:0", backend="memory", limits=limits, **settings)
+    server = MetadataServer(config, index=index)
+    server.start()
+    return server, index
+
+
+def test_a_refused_second_call_leaves_the_open_one_in_use(tmp_path):
+    server, index = slow_server(tmp_path, max_lookup_streams_all_tenants=1)
+    try:
+        with client_for(server) as client:
+            publish(client)
+            index.delay_s = 0.5
+            index.slow.set()
+            both = [threading.Thread(target=client.lookup, args=("t", KEYS)) for _ in range(2)]
+            for thread in both:
+                thread.start()
+            for thread in both:
+                thread.join()
+            index.slow.clear()
+            assert calls(server, "LookupStream", "RESOURCE_EXHAUSTED") == 1
+            (open_call,) = client._lookup_calls._idle
+            answered = open_call.answered
+            for _ in range(20):
+                assert client.lookup("t", KEYS).prefix_length == 5
+            assert open_call.answered == answered + 20  # not unary for the backoff's 10 s
+    finally:
+        server.stop(grace_s=0.5)
+
+
+def test_an_oversized_lookup_fails_alone_and_streams_stay_on(tmp_path):
+    with running_server(tmp_path) as server, client_for(server, max_message_bytes=4096) as client:
+        publish(client)
+        assert client.lookup("t", KEYS).prefix_length == 5
+        with pytest.raises(CapacityError, match="RESOURCE_EXHAUSTED"):
+            client.lookup("t", [bytes([i % 256, i // 256]) * 8 for i in range(400)])
+        assert client._lookup_calls._unary_until == 0.0
+        assert client.lookup("t", KEYS).prefix_length == 5
+        assert calls(server, "LookupStream") == 2  # the failed call's, then a new one
+
+
+def test_a_lookup_answered_slower_than_the_idle_time_is_not_ended_as_idle(tmp_path):
+    limits = ServiceLimits(min_lease_ttl_ms=200, watch_poll_s=0.1, lookup_stream_idle_s=0.3)
+    server, index = slow_server(tmp_path, limits=limits)
+    try:
+        with client_for(server) as client:
+            publish(client)
+            index.delay_s = 0.8
+            index.slow.set()
+            assert client.lookup("t", KEYS, timeout_s=3).prefix_length == 5
+            assert calls(server, "LookupStream") == 1
+    finally:
+        server.stop(grace_s=0.5)
+
+
+def test_a_lookup_with_no_time_left_is_not_sent(tmp_path):
+    with running_server(tmp_path) as server, client_for(server) as client:
+        publish(client)
+        with pytest.raises(UnavailableError, match="DEADLINE_EXCEEDED"):
+            client.lookup("t", KEYS, timeout_s=0)
+        assert calls(server, "Lookup") == 0
+
+
+def test_closing_the_client_under_lookups_raises_kvstore_errors_only(tmp_path):
+    with running_server(tmp_path) as server:
+        client = client_for(server)
+        publish(client)
+        failures = []
+
+        def look() -> None:
+            try:
+                while True:
+                    client.lookup("t", KEYS)
+            except Exception as exc:
+                failures.append(exc)
+
+        threads = [threading.Thread(target=look) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        time.sleep(0.3)
+        client.close()
+        for thread in threads:
+            thread.join(timeout=5)
+        assert len(failures) == 3
+        assert all(isinstance(f, KVStoreError) for f in failures), failures
