@@ -6,8 +6,10 @@ which bounds what any external store can give (`speedup90_limit`).
 
 Runs in the benchmark process: a node agent (shared arena, no metadata service) and an
 in-process vLLM engine over a random Llama built here, big enough that CPU prefill of the
-prompt takes seconds; the engine without a connector runs in a child process (an in-process
-engine leaves vLLM's KV-transfer group behind), alive beside it, so the two take turns. Every
+prompt takes seconds. The miss's cost is measured first, between two child processes alike but
+for the connector (an in-process engine leaves vLLM's KV-transfer group behind, and an engine in
+the benchmark process against one in a child compared the processes too: the child's cold TTFT
+was 20-40 % longer, in the connector's favour), alive side by side and taking turns. Every
 measurement uses a fresh prompt and an empty engine prefix cache, so only the store can supply
 a hit.
 """
@@ -56,14 +58,14 @@ def _engine(model: Path, socket_path: Path | None):
 
 
 class TTFTBench:
-    def __init__(self, llm, prompt_tokens: int, vocab_size: int) -> None:
+    def __init__(self, llm, prompt_tokens: int, vocab_size: int, seed: int = 0) -> None:
         from vllm import SamplingParams
 
         self.llm = llm
         self.prompt_tokens = prompt_tokens
         self.vocab_size = vocab_size
         self.params = SamplingParams(temperature=0, max_tokens=1)
-        self.rng = np.random.default_rng(0)
+        self.rng = np.random.default_rng(seed)
 
     def _prompt(self) -> list[int]:
         return self.rng.integers(4, self.vocab_size, self.prompt_tokens).tolist()
@@ -88,25 +90,25 @@ class TTFTBench:
         return self._ttft_s(prompt, engine_cache)
 
 
-def _paired_cold(without: NoConnectorEngine, bench: TTFTBench, run: int):
+def _paired_cold(without: ColdEngine, with_connector: ColdEngine, run: int):
     """One cold TTFT without the connector and one with it, in alternating order, each after
     a pause: the other engine's threads (torch's OpenMP pool spins after its work) have gone
     quiet, and neither engine always runs second."""
 
-    def settled(measure):
+    def settled(engine: ColdEngine) -> float:
         time.sleep(SETTLE_S)
-        return measure()
+        return engine.cold_ttft_s()
 
     if run % 2:
-        with_connector = settled(lambda: bench.measure(0.0))
-        return settled(without.cold_ttft_s), with_connector
-    return settled(without.cold_ttft_s), settled(lambda: bench.measure(0.0))
+        with_ = settled(with_connector)
+        return settled(without), with_
+    return settled(without), settled(with_connector)
 
 
 def run_vllm(runs: int = 5, prompt_tokens: int = 4096) -> dict:
     """Medians over `runs` of TTFT cold, 50 % cached and 90 % cached; cold TTFTs with and without
-    the connector are measured in turns (one each, the same prompt), and `save_overhead` is the
-    median of the paired ratios, so a machine that drifts between them moves both alike."""
+    the connector are measured in turns (one each), and `save_overhead` is the median of the
+    paired ratios, so a machine that drifts between them moves both alike."""
     check_runs(runs)
     from kvstore.bench.tiny_llama import build_tiny_llama
     from kvstore.node.agent import NodeAgent, NodeConfig
@@ -123,20 +125,25 @@ def run_vllm(runs: int = 5, prompt_tokens: int = 4096) -> dict:
         ))  # fmt: skip
         agent.start()
         try:
-            with NoConnectorEngine(model, prompt_tokens, root / "no-connector.log") as without:
-                bench = TTFTBench(_engine(model, agent.config.socket_path), prompt_tokens, 512)
-                bench.measure(0.0)  # warm-up: first-call costs are not part of any figure
-                paired = [_paired_cold(without, bench, run) for run in range(runs)]
-            samples = {"cold": [with_ for _, with_ in paired]}
-            fractions = (("cached50", 0.5), ("cached90", 0.9))
-            samples |= {name: [bench.measure(f) for _ in range(runs)] for name, f in fractions}
+            socket_path = agent.config.socket_path
+            with (
+                ColdEngine(model, prompt_tokens, root / "without.log", None, seed=1) as without,
+                ColdEngine(model, prompt_tokens, root / "with.log", socket_path, seed=2) as with_,
+            ):
+                paired = [_paired_cold(without, with_, run) for run in range(runs)]
+            bench = TTFTBench(_engine(model, socket_path), prompt_tokens, 512)
+            bench.measure(0.0)  # warm-up: first-call costs are not part of any figure
+            fractions = (("cold", 0.0), ("cached50", 0.5), ("cached90", 0.9))
+            samples = {name: [bench.measure(f) for _ in range(runs)] for name, f in fractions}
             samples["cached90_engine"] = [bench.measure(0.9, engine_cache=True)
                                           for _ in range(runs)]  # fmt: skip
         finally:
             agent.stop()
     result = _summary(runs, prompt_tokens, samples)
+    result["ttft_cold_paired_s"] = statistics.median(w for _, w in paired)
     result["ttft_cold_no_connector_s"] = statistics.median(s for s, _ in paired)
-    result["save_overhead"] = statistics.median(w[0] / s for s, w in paired) - 1
+    result["save_overhead"] = statistics.median(w / s for s, w in paired) - 1
+    result["cold_pairs_s"] = [[round(s, 4), round(w, 4)] for s, w in paired]  # without, with
     result["machine"] = machine_info()
     return result
 
@@ -154,20 +161,22 @@ def _summary(runs: int, prompt_tokens: int, samples: dict) -> dict:
     return result
 
 
-class NoConnectorEngine:
-    """An engine without the connector in a child process (an in-process engine leaves vLLM's
-    KV-transfer group behind), measuring one cold TTFT per request: its prompts are the same
-    random prompts, in the same order, as the bench's own."""
+class ColdEngine:
+    """An engine in a child process (without the connector, or with it on `socket_path`),
+    measuring one cold TTFT per request on fresh random prompts from `seed` (the connector's
+    saves must not be hits for another engine's prompts)."""
 
-    def __init__(self, model: Path, prompt_tokens: int, log_path: Path) -> None:
+    def __init__(self, model: Path, prompt_tokens: int, log_path: Path,
+                 socket_path: Path | None, seed: int) -> None:  # fmt: skip
         code = (
             "import sys; from pathlib import Path; from kvstore.bench.vllm import serve_cold_ttfts;"
-            " serve_cold_ttfts(Path(sys.argv[1]), int(sys.argv[2]))"
+            " serve_cold_ttfts(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]))"
         )
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115 (closed in __exit__)
+        args = [str(model), str(prompt_tokens), str(socket_path or ""), str(seed)]
         self._child = subprocess.Popen(
-            [sys.executable, "-c", code, str(model), str(prompt_tokens)],
+            [sys.executable, "-c", code, *args],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
         )  # fmt: skip
         self._answer()  # its warm-up is done
@@ -182,10 +191,10 @@ class NoConnectorEngine:
         if not line:
             self._child.wait(timeout=60)
             log = self.log_path.read_text()[-2000:]
-            raise RuntimeError(f"the no-connector engine failed ({self._child.returncode}): {log}")
+            raise RuntimeError(f"a cold-TTFT engine failed ({self._child.returncode}): {log}")
         return float(line)
 
-    def __enter__(self) -> NoConnectorEngine:
+    def __enter__(self) -> ColdEngine:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -198,15 +207,20 @@ class NoConnectorEngine:
         self._log.close()
 
 
-def serve_cold_ttfts(model: Path, prompt_tokens: int) -> None:
-    """Child process: after a warm-up (answered 0), one cold TTFT per line read. Its stdout
-    carries only the answers: vLLM's logs go to stderr."""
+def serve_cold_ttfts(model: Path, prompt_tokens: int, socket_path: str, seed: int) -> None:
+    """Child process: an engine (with the connector on `socket_path`; "" without), after a
+    warm-up (answered 0), one cold TTFT per line read. Its stdout carries only the answers:
+    vLLM's logs go to stderr."""
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
-    bench = TTFTBench(_engine(model, None), prompt_tokens, 512)
+    bench = TTFTBench(_engine(model, Path(socket_path) if socket_path else None), prompt_tokens,
+                      512, seed)  # fmt: skip
     bench.measure(0.0)
     answers.write("0\n")
     answers.flush()
     for _ in sys.stdin:
-        answers.write(f"{bench.measure(0.0)[0]}\n")
+        ttft_s, cached_tokens = bench.measure(0.0)
+        if cached_tokens:
+            raise RuntimeError(f"a cold prompt hit {cached_tokens} cached tokens")
+        answers.write(f"{ttft_s}\n")
         answers.flush()

@@ -18,7 +18,7 @@ def test_vllm_benchmark_reports_ttft_and_speedups():
     result = json.loads(completed.stdout)  # exactly one JSON object: vLLM's logs go to stderr
     for field in ("ttft_cold_s", "ttft_cached50_s", "ttft_cached90_s", "speedup50", "speedup90",
                   "ttft_cold_no_connector_s", "ttft_cached90_engine_s",
-                  "speedup90_limit"):  # fmt: skip
+                  "speedup90_limit", "ttft_cold_paired_s"):  # fmt: skip
         assert math.isfinite(result[field]) and result[field] > 0, field
     assert math.isfinite(result["save_overhead"])
     assert result["cached_tokens_cold"] == 0
