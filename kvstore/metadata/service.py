@@ -2,9 +2,10 @@
 
 Runs in the metadata service process, on the gRPC asyncio loop: writes (and every call to an
 index whose reads block, Redis) run in the `pool` of unary threads, non-blocking reads inline,
-WatchEvents on the loop itself (watch.py), so streams never take the threads heartbeats need.
-Every unary RPC is wrapped by `_unary`, which authenticates, times it, and maps kvstore errors
-to status codes through STATUS_FOR, the one table of that mapping.
+streams on the loop itself (WatchEvents and Snapshot in streams.py, LookupStream in
+lookup_stream.py), so streams never take the threads heartbeats need. Every unary RPC is
+wrapped by `_unary`, which authenticates, times it, and maps kvstore errors to status codes
+through STATUS_FOR (status.py), the one table of that mapping.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
-from google.protobuf.message import DecodeError, Message
+from google.protobuf.message import Message
 
 from kvstore import errors
 from kvstore.metadata import wire
@@ -28,6 +29,7 @@ from kvstore.metadata.lookup_stream import LookupStreams
 from kvstore.metadata.metrics import MetadataMetrics
 from kvstore.metadata.slots import StreamSlots
 from kvstore.metadata.status import status_for
+from kvstore.metadata.streams import StreamingRpcs
 from kvstore.metadata.watch import EventStreams
 from kvstore.v1 import metadata_pb2 as pb
 
@@ -48,14 +50,6 @@ class ServiceLimits:
     lookup_stream_idle_s: float = 60.0  # a LookupStream with no request for this long is ended
 
 
-def _parse(request_cls: type[Message], payload: bytes) -> Message:
-    """Decode here, not in gRPC, so a malformed message is INVALID_ARGUMENT, not INTERNAL."""
-    try:
-        return request_cls.FromString(payload)
-    except DecodeError as exc:
-        raise errors.ConfigError(f"malformed {request_cls.__name__}: {exc}") from None
-
-
 def _unary(request_cls: type[Message], read: bool = False) -> Callable[[Callable], Callable]:
     """`read`: the method only reads the index; it runs inline on the loop when the index says
     its reads never block (in memory: no I/O, a short lock), else in the unary pool."""
@@ -71,7 +65,7 @@ def _wrap_unary(request_cls: type[Message], read: bool, method: Callable) -> Cal
         code = grpc.StatusCode.OK
         try:
             scope = self.auth.authorize(context)
-            request = _parse(request_cls, payload)
+            request = wire.parse(request_cls, payload)
             if read and self.index.nonblocking_reads:
                 return method(self, request, scope)
             loop = asyncio.get_running_loop()
@@ -91,7 +85,7 @@ def _wrap_unary(request_cls: type[Message], read: bool, method: Callable) -> Cal
     return handler
 
 
-class MetadataServicer:
+class MetadataServicer(StreamingRpcs):
     def __init__(
         self, index: MetadataIndex, auth: TokenAuth, metrics: MetadataMetrics,
         streams: EventStreams, pool: Executor, limits: ServiceLimits = ServiceLimits(),
@@ -206,7 +200,7 @@ class MetadataServicer:
         started = time.perf_counter()
         code = grpc.StatusCode.OK
         try:
-            request = _parse(pb.LookupRequest, payload)
+            request = wire.parse(pb.LookupRequest, payload)
             return pb.LookupStreamResponse(response=self._lookup(request, scope))
         except errors.KVStoreError as exc:
             code = status_for(exc)
@@ -281,72 +275,6 @@ class MetadataServicer:
                 lease_expires_in_ms=max(0, int((record.expires_at - now) * 1000)),
             )
         return response
-
-    # ---- events ---------------------------------------------------------------------------
-    def _stream_request(self, request_cls, payload: bytes, context, every_tenant: str):
-        """(scope, request) of a streaming call whose `tenant` ("" for every tenant, which
-        needs an all-tenant token: `every_tenant` says what for) the caller may read."""
-        scope = self.auth.authorize(context)
-        request = _parse(request_cls, payload)
-        if request.tenant:
-            self._tenant(request.tenant, scope)
-        else:
-            scope.require_all_tenants(every_tenant)
-        return scope, request
-
-    async def WatchEvents(self, payload: bytes, context: grpc.aio.ServicerContext):
-        """Runs on the loop: authorisation and the slot check are cheap and never block."""
-        try:
-            scope, request = self._stream_request(
-                pb.WatchEventsRequest, payload, context, "watch every tenant's events"
-            )
-            self.streams.slots.acquire(scope.tenant)
-        except errors.KVStoreError as exc:
-            self.metrics.rpcs.labels("WatchEvents", status_for(exc).name).inc()
-            await context.abort(status_for(exc), str(exc))
-        self.metrics.rpcs.labels("WatchEvents", "OK").inc()
-        try:
-            async for event in self.streams.stream(request):
-                yield event
-        finally:
-            self.streams.slots.release(scope.tenant)
-
-    async def Snapshot(self, payload: bytes, context: grpc.aio.ServicerContext):
-        """A copy of the index in pages, for node agents' views; copied and paged in the
-        unary pool (a big tenant's copy must not stall the loop). Each open one holds a
-        stream slot of the caller's scope, as WatchEvents does (each holds a whole copy)."""
-        try:
-            scope, request = self._stream_request(
-                pb.SnapshotRequest, payload, context, "copy every tenant's index"
-            )
-            self.streams.slots.acquire(scope.tenant)
-        except errors.KVStoreError as exc:
-            self.metrics.rpcs.labels("Snapshot", status_for(exc).name).inc()
-            await context.abort(status_for(exc), str(exc))
-        try:
-            loop = asyncio.get_running_loop()
-            pool = self.snapshot_pool
-            try:
-                pages = await loop.run_in_executor(pool, _snapshot_pages, self.index, request,
-                                                   self.limits.max_batch)  # fmt: skip
-            except errors.KVStoreError as exc:
-                self.metrics.rpcs.labels("Snapshot", status_for(exc).name).inc()
-                await context.abort(status_for(exc), str(exc))
-            self.metrics.rpcs.labels("Snapshot", "OK").inc()
-            while (page := await loop.run_in_executor(pool, next, pages, None)) is not None:
-                yield page
-        finally:
-            self.streams.slots.release(scope.tenant)
-
-
-def _snapshot_pages(index: MetadataIndex, request: pb.SnapshotRequest, max_batch: int):
-    """The pages of a copy of the index, its incarnation read first: a copy of a newer
-    incarnation than it says is one the agent's next Stats check resyncs (the Redis index's
-    is a round trip)."""
-    incarnation = index.incarnation
-    copy = index.snapshot(request.tenant)
-    page_keys = min(request.page_keys or 1024, max_batch)
-    return wire.snapshot_pages(copy, request.max_keys, page_keys, incarnation)
 
 
 _UNARY_METHODS = (

@@ -10,6 +10,8 @@ import operator
 import re
 from collections.abc import Iterator, Sequence
 
+from google.protobuf.message import DecodeError, Message
+
 from kvstore.errors import ConfigError
 from kvstore.keys import KEY_BYTES
 from kvstore.metadata.index import TIERS, BlockEntry, Holding, NodeRecord
@@ -21,6 +23,14 @@ TIER_TO_PROTO = {"device": pb.TIER_DEVICE, "host": pb.TIER_HOST, "disk": pb.TIER
 PROTO_TO_TIER = {value: name for name, value in TIER_TO_PROTO.items()}
 assert tuple(TIER_TO_PROTO) == TIERS
 _NODE_ID, _TIER = operator.attrgetter("node_id"), operator.attrgetter("tier")
+
+
+def parse(request_cls: type[Message], payload: bytes) -> Message:
+    """Decode here, not in gRPC, so a malformed message is INVALID_ARGUMENT, not INTERNAL."""
+    try:
+        return request_cls.FromString(payload)
+    except DecodeError as exc:
+        raise ConfigError(f"malformed {request_cls.__name__}: {exc}") from None
 
 
 def check_name(value: str, field: str) -> str:
