@@ -90,9 +90,11 @@ def _latencies_s(address: str, num_keys: int, duration_s: float, start=None,
         return timed_calls(lookup, duration_s, start)
 
 
-def _client_process(address: str, num_keys: int, duration_s: float, start, results) -> None:
-    """Child of concurrent_run: lookups of `num_keys` keys; puts the samples."""
-    results.put(_latencies_s(address, num_keys, duration_s, start))
+def _client_process(address: str, num_keys: int, streams: bool, duration_s: float, start,
+                    results) -> None:  # fmt: skip
+    """Child of concurrent_run: lookups of `num_keys` keys (unary without `streams`); puts the
+    samples."""
+    results.put(_latencies_s(address, num_keys, duration_s, start, streams))
 
 
 def _redis_exists_p50_us(num_keys: int, duration_s: float) -> float:
@@ -248,7 +250,8 @@ def run_lookup(runs: int = 5, duration_s: float = 2.0, concurrency=(1, 8, 32)) -
 def _service_lookups(address: str, pid: int, runs: int, duration_s: float,
                      concurrency) -> dict:  # fmt: skip
     """Lookup latency with one client; qps, latency and the service's CPU per lookup with
-    each number of client processes."""
+    each number of client processes; and unary Lookups' latency, and qps with the qps goal's
+    clients, beside them."""
     result = {}
     for num_keys in (64, 512):
         single = [summary(_latencies_s(address, num_keys, duration_s), duration_s)
@@ -259,10 +262,17 @@ def _service_lookups(address: str, pid: int, runs: int, duration_s: float,
              for _ in range(runs)]  # fmt: skip
     result["lookup_unary_64_p50_us"] = statistics.median(unary)
     for clients in concurrency:
-        many = [concurrent_run(_client_process, (address, 64), clients, duration_s, pid)
+        many = [concurrent_run(_client_process, (address, 64, True), clients, duration_s, pid)
                 for _ in range(runs)]  # fmt: skip
         for field, name in _CONCURRENT_FIELDS:
             result[name.format(clients)] = statistics.median(m[field] for m in many)
+    clients = min(QPS_CLIENTS, max(concurrency))
+    unary = [concurrent_run(_client_process, (address, 64, False), clients, duration_s, pid)
+             for _ in range(runs)]  # fmt: skip
+    result[f"lookup_unary_qps_{clients}_clients"] = statistics.median(m["qps"] for m in unary)
+    result[f"lookup_unary_server_cpu_us_{clients}_clients"] = statistics.median(
+        m["server_cpu_us_per_call"] for m in unary
+    )
     return result
 
 

@@ -38,10 +38,12 @@ def test_lookup_benchmark_reports_latency_qps_and_the_redis_baseline():
     floors = ("grpc_echo_sync_server_64_p50_us", "grpc_echo_qps_2_clients",
               "grpc_echo_sync_server_qps_2_clients",
               "lookup_qps_vs_grpc_echo_2_clients", "grpc_stream_echo_qps_2_clients",
+              "lookup_unary_qps_2_clients",
               "lookup_qps_vs_grpc_stream_echo_2_clients")  # fmt: skip
     for field in floors:
         assert positive(result[field]), field
     for field in ("lookup_server_cpu_us_1_clients", "lookup_server_cpu_us_2_clients",
+                  "lookup_unary_server_cpu_us_2_clients",
                   "grpc_echo_server_cpu_us_per_call",
                   "grpc_echo_sync_server_cpu_us_per_call",
                   "grpc_stream_echo_server_cpu_us_per_call"):  # fmt: skip
