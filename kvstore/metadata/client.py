@@ -73,7 +73,7 @@ def lookup_result(response: pb.LookupResponse) -> LookupResult:
     made = {pair: Holding(nodes[pair[0]].node_id, wire.PROTO_TO_TIER[pair[1]])
             for pair in set(pairs)}  # fmt: skip
     flat = list(map(made.__getitem__, pairs))
-    if len(flat) == len(counts):
+    if len(flat) == len(counts) and max(counts, default=1) == 1:  # one holder a key
         holders = [[holding] for holding in flat]
     else:
         holders, start = [], 0

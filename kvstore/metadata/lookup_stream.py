@@ -20,10 +20,8 @@ from concurrent.futures import Executor
 
 import grpc
 
-from kvstore import errors
 from kvstore.metadata.auth import TenantScope, TokenAuth
-from kvstore.metadata.slots import REFUSED_A_SLOT, StreamSlots
-from kvstore.metadata.status import status_for
+from kvstore.metadata.slots import StreamSlots
 from kvstore.v1 import metadata_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -58,14 +56,9 @@ class LookupStreams:
 
     async def serve(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext):
         """The call's handler (an async generator: one answer per request, in order)."""
-        try:
-            scope = self.auth.authorize(context)
-            self.slots.acquire(scope.tenant)
-        except errors.KVStoreError as exc:
-            code = status_for(exc)
-            self.count_call(code)
-            refused = (REFUSED_A_SLOT,) if isinstance(exc, errors.CapacityError) else ()
-            await context.abort(code, str(exc), trailing_metadata=refused)
+        scope, _ = await self.slots.admit(
+            context, lambda: (self.auth.authorize(context), None), self.count_call
+        )
         self.count_call(grpc.StatusCode.OK)
         loop = asyncio.get_running_loop()
         task = asyncio.current_task()

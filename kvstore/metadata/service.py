@@ -88,8 +88,8 @@ def _wrap_unary(request_cls: type[Message], read: bool, method: Callable) -> Cal
 class MetadataServicer(StreamingRpcs):
     def __init__(
         self, index: MetadataIndex, auth: TokenAuth, metrics: MetadataMetrics,
-        streams: EventStreams, pool: Executor, limits: ServiceLimits = ServiceLimits(),
-        lookup_slots: StreamSlots | None = None,
+        streams: EventStreams, pool: Executor, limits: ServiceLimits,
+        lookup_slots: StreamSlots,
     ) -> None:  # fmt: skip
         self.index = index
         self.auth = auth
@@ -102,10 +102,8 @@ class MetadataServicer(StreamingRpcs):
         self.limits = limits
         self._metric_children: dict[tuple[str, grpc.StatusCode], tuple] = {}
         self.lookup_streams = LookupStreams(
-            auth, lookup_slots or StreamSlots("LookupStream", "max_lookup_streams", 64, 4096),
-            self.answer_lookup, None if index.nonblocking_reads else pool,
-            lambda code: self.metrics.rpcs.labels("LookupStream", code.name).inc(),
-            limits.lookup_stream_idle_s,
+            auth, lookup_slots, self.answer_lookup, None if index.nonblocking_reads else pool,
+            self._count_stream("LookupStream"), limits.lookup_stream_idle_s,
         )  # fmt: skip
 
     def _children(self, name: str, code: grpc.StatusCode) -> tuple:

@@ -1,6 +1,7 @@
 """Slots of long-lived calls per caller scope, so no token holds unbounded streams open.
 
-Runs in the metadata service process, on the gRPC loop thread only (no lock). A scope is the
+Runs in the metadata service process, on the gRPC loop thread only (no lock); every stream RPC
+(WatchEvents, Snapshot, LookupStream) is admitted through `admit`. A scope is the
 caller's token's tenant, or "*" for all-tenant tokens (node agents, operators; every caller when
 authentication is off), which gets a limit of its own: every node agent holds its streams there.
 """
@@ -8,9 +9,13 @@ authentication is off), which gets a limit of its own: every node agent holds it
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 
-from kvstore.errors import CapacityError
-from kvstore.metadata.auth import ALL_TENANTS
+import grpc
+
+from kvstore.errors import CapacityError, KVStoreError
+from kvstore.metadata.auth import ALL_TENANTS, TenantScope
+from kvstore.metadata.status import status_for
 
 # the trailing metadata of a call refused for want of a slot (RESOURCE_EXHAUSTED has other causes)
 REFUSED_A_SLOT = ("kvstore-refused", "stream-slots")
@@ -39,6 +44,25 @@ class StreamSlots:
                 "reuse it"
             )
         self._open[scope_tenant] += 1
+
+    async def admit(
+        self,
+        context: grpc.aio.ServicerContext,
+        open_call: Callable[[], tuple[TenantScope, object]],
+        count: Callable[[grpc.StatusCode], None],
+    ) -> tuple[TenantScope, object]:
+        """(scope, request) from `open_call` (authorisation, the request's checks), and a slot
+        of that scope; a failure is counted and ends the call with its status (a refused slot
+        marked in the trailing metadata). The caller releases the slot when the call ends."""
+        try:
+            scope, request = open_call()
+            self.acquire(scope.tenant)
+        except KVStoreError as exc:
+            code = status_for(exc)
+            count(code)
+            refused = (REFUSED_A_SLOT,) if isinstance(exc, CapacityError) else ()
+            await context.abort(code, str(exc), trailing_metadata=refused)
+        return scope, request
 
     def release(self, scope_tenant: str) -> None:
         self._open[scope_tenant] -= 1

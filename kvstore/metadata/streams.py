@@ -9,6 +9,8 @@ snapshot_pool. Each open stream holds a slot of its caller's scope.
 from __future__ import annotations
 
 import asyncio
+import functools
+from collections.abc import Callable
 
 import grpc
 
@@ -20,6 +22,10 @@ from kvstore.v1 import metadata_pb2 as pb
 
 
 class StreamingRpcs:
+    def _count_stream(self, method: str) -> Callable[[grpc.StatusCode], None]:
+        """Counts a stream call of `method` by the status it opened (or failed) with."""
+        return lambda code: self.metrics.rpcs.labels(method, code.name).inc()
+
     def _stream_request(self, request_cls, payload: bytes, context, every_tenant: str):
         """(scope, request) of a streaming call whose `tenant` ("" for every tenant, which
         needs an all-tenant token: `every_tenant` says what for) the caller may read."""
@@ -33,15 +39,18 @@ class StreamingRpcs:
 
     async def WatchEvents(self, payload: bytes, context: grpc.aio.ServicerContext):
         """Runs on the loop: authorisation and the slot check are cheap and never block."""
-        try:
-            scope, request = self._stream_request(
-                pb.WatchEventsRequest, payload, context, "watch every tenant's events"
-            )
-            self.streams.slots.acquire(scope.tenant)
-        except errors.KVStoreError as exc:
-            self.metrics.rpcs.labels("WatchEvents", status_for(exc).name).inc()
-            await context.abort(status_for(exc), str(exc))
-        self.metrics.rpcs.labels("WatchEvents", "OK").inc()
+        scope, request = await self.streams.slots.admit(
+            context,
+            functools.partial(
+                self._stream_request,
+                pb.WatchEventsRequest,
+                payload,
+                context,
+                "watch every tenant's events",
+            ),
+            self._count_stream("WatchEvents"),
+        )
+        self._count_stream("WatchEvents")(grpc.StatusCode.OK)
         try:
             async for event in self.streams.stream(request):
                 yield event
@@ -52,14 +61,17 @@ class StreamingRpcs:
         """A copy of the index in pages, for node agents' views; copied and paged in the
         unary pool (a big tenant's copy must not stall the loop). Each open one holds a
         stream slot of the caller's scope, as WatchEvents does (each holds a whole copy)."""
-        try:
-            scope, request = self._stream_request(
-                pb.SnapshotRequest, payload, context, "copy every tenant's index"
-            )
-            self.streams.slots.acquire(scope.tenant)
-        except errors.KVStoreError as exc:
-            self.metrics.rpcs.labels("Snapshot", status_for(exc).name).inc()
-            await context.abort(status_for(exc), str(exc))
+        scope, request = await self.streams.slots.admit(
+            context,
+            functools.partial(
+                self._stream_request,
+                pb.SnapshotRequest,
+                payload,
+                context,
+                "copy every tenant's index",
+            ),
+            self._count_stream("Snapshot"),
+        )
         try:
             loop = asyncio.get_running_loop()
             pool = self.snapshot_pool
@@ -67,9 +79,9 @@ class StreamingRpcs:
                 pages = await loop.run_in_executor(pool, _snapshot_pages, self.index, request,
                                                    self.limits.max_batch)  # fmt: skip
             except errors.KVStoreError as exc:
-                self.metrics.rpcs.labels("Snapshot", status_for(exc).name).inc()
+                self._count_stream("Snapshot")(status_for(exc))
                 await context.abort(status_for(exc), str(exc))
-            self.metrics.rpcs.labels("Snapshot", "OK").inc()
+            self._count_stream("Snapshot")(grpc.StatusCode.OK)
             while (page := await loop.run_in_executor(pool, next, pages, None)) is not None:
                 yield page
         finally:
