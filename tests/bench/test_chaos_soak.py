@@ -4,6 +4,7 @@ processes: the JSON has every field, no load returns wrong bytes, chaos really k
 caught, so the comparison can fail. The soak's metadata slopes are fitted after its event ring
 filled, and a real metadata service's heap stops growing once that ring is full."""
 
+import gc
 import json
 import os
 import secrets
@@ -123,8 +124,10 @@ def _heap_growth_bytes(tmp_path: Path, max_events: int, warm_rounds: int, rounds
         tracemalloc.start()
         try:
             drive(warm_rounds)  # fills a ring of max_events <= 2 * warm_rounds
+            gc.collect()  # garbage awaiting collection is no growth: read live memory only
             before = tracemalloc.get_traced_memory()[0]
             drive(rounds)
+            gc.collect()
             return tracemalloc.get_traced_memory()[0] - before
         finally:
             tracemalloc.stop()
