@@ -57,7 +57,7 @@ _METADATA_FLAGS = (
     "tls_client_ca", "key_quota_per_tenant", "metrics_listen", "max_watch_streams_per_tenant",
     "lmdb_map_size_bytes", "redis_wait_replicas", "redis_wait_timeout_ms",
     "max_watch_streams_all_tenants", "max_lookup_streams_per_tenant",
-    "max_lookup_streams_all_tenants",
+    "max_lookup_streams_all_tenants", "lookup_listen",
 )  # fmt: skip
 
 
@@ -182,6 +182,10 @@ def _add_metadata_flags(parser: argparse.ArgumentParser, with_backend: bool) -> 
     parser.add_argument(
         "--max-lookup-streams-all-tenants", type=int,
         help="LookupStream calls of all-tenant tokens (node agents, routers) (4096)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--lookup-listen",
+        help="the lookup port, HOST:PORT; 'auto': the gRPC port + 1 on its host (default); 'off'",
     )  # fmt: skip
     parser.add_argument("--lmdb-map-size-bytes", help="LMDB map of the index, e.g. 8GiB")
     parser.add_argument("--metrics-listen", help="host:port of the Prometheus endpoint")

@@ -37,6 +37,7 @@ def _announce_metadata(server: MetadataServer) -> None:
     where["redis-cluster"] = where["redis"]
     print(
         f"kvstore metadata service listening on {host}:{server.port}, "
+        f"lookup port {server.servicer.lookup_port or 'off'}, "
         f"backend {config.backend}{where.get(config.backend, '')}, "
         f"tls {'on' if config.tls_cert else 'off'}, "
         f"auth {'on' if server.servicer.auth.enabled else 'off'}",

@@ -1,6 +1,8 @@
-"""The machine's floor under any unary RPC of the metadata service: a gRPC echo of a lookup-sized
-request on loopback, on a grpc.aio server (the service's kind) and a sync one, and the clients
-that measure it and the service alike (separate processes; the servers' CPU per call counted).
+"""The machine's floor under the metadata service's lookups: an echo of a lookup-sized request on
+loopback over gRPC (unary, on a grpc.aio server, the service's kind, and a sync one; messages on
+an open stream) and over a raw TCP connection to an asyncio server (the lookup port's kind), and
+the clients that measure it and the service alike (separate processes; the servers' CPU per
+call counted).
 And the floor under a worker's call to its node agent: a raw unix-socket round trip between two
 processes.
 
@@ -26,7 +28,7 @@ from kvstore.errors import ConfigError
 WARMUP_CALLS = 20
 READY_TIMEOUT_S = 60.0  # a spawned client's first connection on a loaded machine
 START_TIMEOUT_S = 600.0  # 32 spawned clients take minutes to start on a loaded machine
-SERVER_KINDS = ("aio", "sync")
+SERVER_KINDS = ("aio", "sync", "tcp")
 SYNC_SERVER_THREADS = 4
 
 
@@ -98,7 +100,8 @@ def _next(queue, workers: list, timeout_s: float):
 
 
 def _echo_server(kind: str, queue) -> None:
-    """Child: a server whose one method returns its request."""
+    """Child: a server whose one method returns its request; "tcp": an asyncio server (the
+    lookup port's kind) answering each read with its bytes."""
     import asyncio
     from concurrent import futures
 
@@ -118,6 +121,13 @@ def _echo_server(kind: str, queue) -> None:
         server.wait_for_termination()
         return
 
+    class TcpEcho(asyncio.Protocol):
+        def connection_made(self, transport) -> None:
+            self.transport = transport
+
+        def data_received(self, data: bytes) -> None:
+            self.transport.write(data)
+
     async def echo(payload: bytes, context) -> bytes:
         return payload
 
@@ -126,6 +136,10 @@ def _echo_server(kind: str, queue) -> None:
             yield payload
 
     async def serve() -> None:
+        if kind == "tcp":
+            server = await asyncio.get_running_loop().create_server(TcpEcho, "127.0.0.1", 0)
+            queue.put(server.sockets[0].getsockname()[1])
+            await server.serve_forever()
         server = grpc.aio.server()
         server.add_generic_rpc_handlers(handlers(echo, echo_stream))
         queue.put(server.add_insecure_port("127.0.0.1:0"))
@@ -137,7 +151,7 @@ def _echo_server(kind: str, queue) -> None:
 
 @contextmanager
 def echo_server(kind: str) -> Iterator[tuple[str, int]]:
-    """An echo server process of `kind` ("aio" or "sync"); yields (address, its pid)."""
+    """An echo server process of `kind` (SERVER_KINDS); yields (address, its pid)."""
     if kind not in SERVER_KINDS:
         raise ConfigError(f"echo server kind {kind!r} unknown; use one of {SERVER_KINDS}")
     context = multiprocessing.get_context("spawn")
@@ -152,14 +166,17 @@ def echo_server(kind: str) -> Iterator[tuple[str, int]]:
 
 
 def echo_samples(address: str, payload: bytes, duration_s: float, start=None,
-                 stream: bool = False) -> list[float]:  # fmt: skip
-    """Timed echoes: unary calls, or with `stream` messages on one open call, sent and read
-    as the metadata client's LookupStream calls are (kvstore/metadata/lookup_calls.py)."""
+                 way: str = "unary") -> list[float]:  # fmt: skip
+    """Timed echoes: unary calls; "stream", messages on one open call, sent and read as the
+    metadata client's LookupStream calls are (kvstore/metadata/lookup_calls.py); "tcp", a
+    send and the reads of its echo on one TCP connection."""
+    if way == "tcp":
+        return _tcp_echo_samples(address, payload, duration_s, start)
     import grpc
 
     with grpc.insecure_channel(address) as channel:
         grpc.channel_ready_future(channel).result(timeout=READY_TIMEOUT_S)
-        if not stream:
+        if way == "unary":
             call = channel.unary_unary("/bench.Echo/Echo")
             return timed_calls(lambda: call(payload, timeout=5), duration_s, start)
         requests = queue.SimpleQueue()
@@ -176,29 +193,48 @@ def echo_samples(address: str, payload: bytes, duration_s: float, start=None,
             answers.cancel()
 
 
-def echo_client(address: str, payload: bytes, stream: bool, duration_s: float, start,
+def _tcp_echo_samples(address: str, payload: bytes, duration_s: float, start) -> list[float]:
+    host, _, port = address.rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=READY_TIMEOUT_S) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        buffer = bytearray(len(payload))
+
+        def ask() -> None:
+            sock.sendall(payload)
+            view, got = memoryview(buffer), 0
+            while got < len(buffer):
+                received = sock.recv_into(view[got:])
+                if not received:
+                    raise ConfigError("the TCP echo closed")
+                got += received
+
+        return timed_calls(ask, duration_s, start)
+
+
+def echo_client(address: str, payload: bytes, way: str, duration_s: float, start,
                 results) -> None:  # fmt: skip
     """Child of concurrent_run: echo calls for `duration_s`; puts the samples."""
-    results.put(echo_samples(address, payload, duration_s, start, stream))
+    results.put(echo_samples(address, payload, duration_s, start, way))
 
 
-# (server kind, on a stream, the name of its figures, the name of its server CPU per call)
+# (server kind, the client's way, the name of its figures, the name of its server CPU per call)
 ECHO_KINDS = (
-    ("aio", False, "grpc_echo", "grpc_echo_server"),
-    ("sync", False, "grpc_echo_sync_server", "grpc_echo_sync_server"),
-    ("aio", True, "grpc_stream_echo", "grpc_stream_echo_server"),
+    ("aio", "unary", "grpc_echo", "grpc_echo_server"),
+    ("sync", "unary", "grpc_echo_sync_server", "grpc_echo_sync_server"),
+    ("aio", "stream", "grpc_stream_echo", "grpc_stream_echo_server"),
+    ("tcp", "tcp", "tcp_echo", "tcp_echo_server"),
 )
 
 
 def echo_floor(payload: bytes, runs: int, duration_s: float, clients: int) -> dict:
     """Medians over `runs` of the echo's p50 (one client), its qps and server CPU per call
-    with `clients` client processes: unary on each server kind, and on an open stream."""
+    with `clients` client processes: for each of ECHO_KINDS."""
     result = {}
-    for kind, stream, name, server in ECHO_KINDS:
+    for kind, way, name, server in ECHO_KINDS:
         with echo_server(kind) as (address, pid):
-            p50s = [summary(echo_samples(address, payload, duration_s, None, stream),
+            p50s = [summary(echo_samples(address, payload, duration_s, None, way),
                             duration_s)["p50_us"] for _ in range(runs)]  # fmt: skip
-            many = [concurrent_run(echo_client, (address, payload, stream), clients, duration_s,
+            many = [concurrent_run(echo_client, (address, payload, way), clients, duration_s,
                                    pid) for _ in range(runs)]  # fmt: skip
         result[f"{name}_64_p50_us"] = statistics.median(p50s)
         result[f"{name}_qps_{clients}_clients"] = statistics.median(m["qps"] for m in many)

@@ -1,6 +1,7 @@
 """`kvstore bench lookup`: latency and throughput of prompt lookups against a metadata service
-it starts on loopback (a separate process), on the client's LookupStream calls (one unary
-Lookup's latency beside them), beside pipelined Redis EXISTS of the same keys; a
+it starts on loopback (a separate process), on its lookup port (the client's way; the
+client's gRPC ways, LookupStream calls and unary Lookups, beside it), beside pipelined Redis
+EXISTS of the same keys and the machine's echo floors (raw TCP, gRPC); a
 worker's lookups through its node agent (another process, answering from its cluster view) for
 all-local, all-remote and all-absent prompts, beside a raw unix-socket round trip between two
 processes (the floor under them); the view's bytes per key; publish batching.
@@ -74,10 +75,14 @@ def _service() -> Iterator[tuple[str, int]]:
         yield line.split("listening on ", 1)[1].split(",", 1)[0], process.pid
 
 
+# how a client asks: on the lookup port (its way, where the service has one); on LookupStream
+# calls (where it has none, or the client wants gRPC); unary Lookups
+WAYS = ("port", "stream", "unary")
+
+
 def _latencies_s(address: str, num_keys: int, duration_s: float, start=None,
-                 streams: bool = True) -> list[float]:  # fmt: skip
-    """Timed lookups of one client, on LookupStream calls (the client's way) or, without
-    `streams`, as unary Lookups."""
+                 way: str = "port") -> list[float]:  # fmt: skip
+    """Timed lookups of one client, asked `way` (WAYS)."""
     keys = bench_keys(num_keys)
 
     def lookup() -> None:
@@ -85,16 +90,16 @@ def _latencies_s(address: str, num_keys: int, duration_s: float, start=None,
         if found != num_keys:
             raise ConfigError(f"lookup found {found} of {num_keys} keys")
 
-    with MetadataClient(address, lookup_streams=streams) as client:
+    with MetadataClient(address, lookup_port=way == "port",
+                        lookup_streams=way != "unary") as client:  # fmt: skip
         client.wait_ready(READY_TIMEOUT_S)
         return timed_calls(lookup, duration_s, start)
 
 
-def _client_process(address: str, num_keys: int, streams: bool, duration_s: float, start,
+def _client_process(address: str, num_keys: int, way: str, duration_s: float, start,
                     results) -> None:  # fmt: skip
-    """Child of concurrent_run: lookups of `num_keys` keys (unary without `streams`); puts the
-    samples."""
-    results.put(_latencies_s(address, num_keys, duration_s, start, streams))
+    """Child of concurrent_run: lookups of `num_keys` keys asked `way`; puts the samples."""
+    results.put(_latencies_s(address, num_keys, duration_s, start, way))
 
 
 def _redis_exists_p50_us(num_keys: int, duration_s: float) -> float:
@@ -233,46 +238,44 @@ def run_lookup(runs: int = 5, duration_s: float = 2.0, concurrency=(1, 8, 32)) -
     result["view_bytes_per_key"] = view_bytes_per_key()
     clients = min(QPS_CLIENTS, max(concurrency))
     result.update(_floors(runs, duration_s, clients))
-    result["lookup_64_vs_grpc_echo"] = result["lookup_64_p50_us"] / result["grpc_echo_64_p50_us"]
-    result["lookup_64_vs_grpc_stream_echo"] = (
-        result["lookup_64_p50_us"] / result["grpc_stream_echo_64_p50_us"]
-    )
-    result["lookup_64_vs_redis"] = result["lookup_64_p50_us"] / result["redis_exists_64_p50_us"]
-    if f"lookup_qps_{clients}_clients" in result:
-        for echo in ("grpc_echo", "grpc_stream_echo"):
-            result[f"lookup_qps_vs_{echo}_{clients}_clients"] = (
-                result[f"lookup_qps_{clients}_clients"] / result[f"{echo}_qps_{clients}_clients"]
+    for floor in ("tcp_echo", "grpc_echo", "grpc_stream_echo"):
+        result[f"lookup_64_vs_{floor}"] = result["lookup_64_p50_us"] / result[f"{floor}_64_p50_us"]
+        if f"lookup_qps_{clients}_clients" in result:
+            result[f"lookup_qps_vs_{floor}_{clients}_clients"] = (
+                result[f"lookup_qps_{clients}_clients"] / result[f"{floor}_qps_{clients}_clients"]
             )
+    result["lookup_64_vs_redis"] = result["lookup_64_p50_us"] / result["redis_exists_64_p50_us"]
     result["machine"] = machine_info()
     return result
 
 
 def _service_lookups(address: str, pid: int, runs: int, duration_s: float,
                      concurrency) -> dict:  # fmt: skip
-    """Lookup latency with one client; qps, latency and the service's CPU per lookup with
-    each number of client processes; and unary Lookups' latency, and qps with the qps goal's
-    clients, beside them."""
+    """On the lookup port: latency with one client; qps, latency and the service's CPU per
+    lookup with each number of client processes. Beside them, for the gRPC ways: latency, and
+    qps and service CPU with the qps goal's clients."""
     result = {}
     for num_keys in (64, 512):
         single = [summary(_latencies_s(address, num_keys, duration_s), duration_s)
                   for _ in range(runs)]  # fmt: skip
         result[f"lookup_{num_keys}_p50_us"] = statistics.median(s["p50_us"] for s in single)
         result[f"lookup_{num_keys}_p99_us"] = statistics.median(s["p99_us"] for s in single)
-    unary = [summary(_latencies_s(address, 64, duration_s, streams=False), duration_s)["p50_us"]
-             for _ in range(runs)]  # fmt: skip
-    result["lookup_unary_64_p50_us"] = statistics.median(unary)
     for clients in concurrency:
-        many = [concurrent_run(_client_process, (address, 64, True), clients, duration_s, pid)
+        many = [concurrent_run(_client_process, (address, 64, "port"), clients, duration_s, pid)
                 for _ in range(runs)]  # fmt: skip
         for field, name in _CONCURRENT_FIELDS:
             result[name.format(clients)] = statistics.median(m[field] for m in many)
     clients = min(QPS_CLIENTS, max(concurrency))
-    unary = [concurrent_run(_client_process, (address, 64, False), clients, duration_s, pid)
-             for _ in range(runs)]  # fmt: skip
-    result[f"lookup_unary_qps_{clients}_clients"] = statistics.median(m["qps"] for m in unary)
-    result[f"lookup_unary_server_cpu_us_{clients}_clients"] = statistics.median(
-        m["server_cpu_us_per_call"] for m in unary
-    )
+    for way in WAYS[1:]:
+        single = [summary(_latencies_s(address, 64, duration_s, way=way), duration_s)["p50_us"]
+                  for _ in range(runs)]  # fmt: skip
+        result[f"lookup_{way}_64_p50_us"] = statistics.median(single)
+        many = [concurrent_run(_client_process, (address, 64, way), clients, duration_s, pid)
+                for _ in range(runs)]  # fmt: skip
+        result[f"lookup_{way}_qps_{clients}_clients"] = statistics.median(m["qps"] for m in many)
+        result[f"lookup_{way}_server_cpu_us_{clients}_clients"] = statistics.median(
+            m["server_cpu_us_per_call"] for m in many
+        )
     return result
 
 
@@ -282,10 +285,11 @@ def _floors(runs: int, duration_s: float, clients: int) -> dict:
     result = echo_floor(request, runs, duration_s, clients)
     result["qps_note"] = (
         f"client processes share this machine's {os.cpu_count()} CPUs with the server; "
-        "grpc_echo_qps_*_clients is the most any unary RPC reaches here with those clients, "
-        "grpc_stream_echo_qps_*_clients the most messages on open streams (how the client "
-        "looks up: lookup_unary_64_p50_us is a unary Lookup's), and 1e6 / "
-        "lookup_server_cpu_us_* the lookups one server core could answer"
+        "tcp_echo_qps_*_clients is the most round trips an asyncio server (the lookup port's "
+        "kind) answers here with those clients, grpc_echo_qps_* the most unary RPCs, "
+        "grpc_stream_echo_qps_* the most messages on open streams (lookup_stream_* and "
+        "lookup_unary_* are the service's on those gRPC ways); 1e6 / lookup_server_cpu_us_* "
+        "is the lookups one server core could answer"
     )
     redis_runs = [_redis_exists_p50_us(64, duration_s) for _ in range(runs)]
     result["redis_exists_64_p50_us"] = statistics.median(redis_runs)

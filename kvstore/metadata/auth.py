@@ -9,6 +9,7 @@ tokens configured, authentication is off.
 from __future__ import annotations
 
 import hmac
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,6 +62,14 @@ class TokenAuth:
         presented = _bearer_token(context)
         if presented is None:
             raise AuthError("missing 'authorization: Bearer <token>' metadata")
+        return self.authorize_token(presented)
+
+    def authorize_token(self, presented: bytes) -> TenantScope:
+        """The scope of a token presented outside gRPC metadata (the lookup port's hello)."""
+        if not self._tokens:
+            return TenantScope(ALL_TENANTS)
+        if not presented:
+            raise AuthError("no bearer token presented")
         for token, scope in self._tokens:  # compare all, in constant time each
             if hmac.compare_digest(token, presented):
                 return scope
@@ -103,3 +112,15 @@ def server_credentials(
         root_certificates=ca,
         require_client_auth=ca is not None,
     )
+
+
+def server_ssl_context(
+    cert_file: Path, key_file: Path, client_ca_file: Path | None = None
+) -> ssl.SSLContext:
+    """The same TLS as `server_credentials`, for the lookup port (a plain asyncio server)."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert_file, key_file)
+    if client_ca_file:
+        context.load_verify_locations(client_ca_file)
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context

@@ -17,6 +17,7 @@ from kvstore import errors
 from kvstore.metadata import wire
 from kvstore.metadata.index import BlockEntry, Holding, NodeRecord
 from kvstore.metadata.lookup_calls import LookupCalls
+from kvstore.metadata.lookup_sockets import LookupSockets
 from kvstore.metadata.status import error_for
 from kvstore.v1 import metadata_pb2 as pb
 from kvstore.v1 import metadata_pb2_grpc as pb_grpc
@@ -87,8 +88,10 @@ class MetadataClient:
     def __init__(
         self, address: str, token: str | None = None, tls_ca: Path | None = None,
         timeout_s: float = 5.0, max_message_bytes: int = 16 << 20, lookup_streams: bool = True,
+        lookup_port: bool = True,
     ) -> None:  # fmt: skip
-        """`lookup_streams`: look up on open LookupStream calls (False: unary Lookups only)."""
+        """`lookup_port`: look up on the service's lookup port where it has one;
+        `lookup_streams`: else on open LookupStream calls (False for both: unary Lookups)."""
         options = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
@@ -107,6 +110,9 @@ class MetadataClient:
         self._stub = pb_grpc.MetadataStub(self._channel)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._lookup_calls = LookupCalls(self._stub, self._metadata, enabled=lookup_streams)
+        self._lookup_sockets = LookupSockets(
+            self._stub, self._metadata, address, token, tls_ca, max_message_bytes, lookup_port
+        )
         self.timeout_s = timeout_s
 
     def wait_ready(self, timeout_s: float) -> None:
@@ -158,12 +164,15 @@ class MetadataClient:
         self, tenant: str, keys: Sequence[bytes], caller_node_id: str = "", chunk_tokens: int = 0,
         timeout_s: float | None = None,
     ) -> LookupResult:  # fmt: skip
-        """On an open LookupStream call; a unary Lookup where none is free (see lookup_calls)."""
+        """On the lookup port; else on an open LookupStream call; else a unary Lookup (see
+        lookup_sockets and lookup_calls: each says when it passes the lookup on)."""
         request = pb.LookupRequest(
             tenant=tenant, keys=keys, caller_node_id=caller_node_id, chunk_tokens=chunk_tokens
         )
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
-        response = self._lookup_calls.lookup(request, deadline)
+        response = self._lookup_sockets.lookup(request, deadline)
+        if response is None:
+            response = self._lookup_calls.lookup(request, deadline)
         if response is None:
             response = self._call("Lookup", request, max(0.0, deadline - time.monotonic()))
         return lookup_result(response)
@@ -210,6 +219,7 @@ class MetadataClient:
             stream.cancel()
 
     def close(self) -> None:
+        self._lookup_sockets.close()
         self._lookup_calls.close()
         self._channel.close()
 

@@ -20,7 +20,7 @@ import grpc
 
 from kvstore import errors
 from kvstore.metadata.slots import REFUSED_A_SLOT
-from kvstore.metadata.status import error_for
+from kvstore.metadata.status import error_for, lookup_answer
 from kvstore.v1 import metadata_pb2 as pb
 
 MAX_OPEN = 4  # calls per client; more lookups at once than this go unary
@@ -28,7 +28,6 @@ WATCH_PERIOD_S = 0.05  # how late past its deadline a lookup may be cancelled
 CLIENT_IDLE_S = 30.0  # the service ends calls idle for 60 s (ServiceLimits.lookup_stream_idle_s)
 REFUSED_BACKOFF_S = 10.0  # no new call, this long after the service refused one a slot
 _END = object()
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
 # failures of a call that had answered before: it may have ended while idle; ask on a new one
 _ENDED_WHILE_IDLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, None)
 
@@ -99,10 +98,7 @@ class LookupCalls:
                 self._drop(call)
                 raise
             self._give(call)
-            if answer.status_code:
-                code = _CODES.get(answer.status_code, grpc.StatusCode.UNKNOWN)
-                raise error_for(code, answer.status_message)
-            return answer.response
+            return lookup_answer(answer)
         return None
 
     def _raise_unless_retried(self, call: _Call, exc: BaseException) -> None:

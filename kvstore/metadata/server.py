@@ -20,9 +20,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
 from kvstore.errors import ConfigError
-from kvstore.metadata.auth import TokenAuth, load_tokens, server_credentials
+from kvstore.metadata.auth import TokenAuth, load_tokens, server_credentials, server_ssl_context
 from kvstore.metadata.index import MetadataIndex
 from kvstore.metadata.journal import DEFAULT_MAP_SIZE_BYTES, MIN_MAP_SIZE_BYTES
+from kvstore.metadata.lookup_port import LookupPort, listen_address, max_request_bytes
 from kvstore.metadata.memory import MemoryIndex
 from kvstore.metadata.metrics import MetadataMetrics
 from kvstore.metadata.service import SERVICE_NAME, MetadataServicer, ServiceLimits, rpc_handlers
@@ -64,6 +65,9 @@ class MetadataConfig:
     # LookupStream calls (clients keep one open per concurrent lookup, a few each; on the loop)
     max_lookup_streams_per_tenant: int = 64
     max_lookup_streams_all_tenants: int = 4096
+    # the lookup port (lookup_port.py): HOST:PORT, "auto" (gRPC's port + 1) or "off"; its
+    # connections hold the LookupStream slots above
+    lookup_listen: str = "auto"
     lmdb_map_size_bytes: int = DEFAULT_MAP_SIZE_BYTES  # the journal's ceiling (sparse file)
     limits: ServiceLimits = field(default_factory=ServiceLimits)
 
@@ -93,6 +97,7 @@ class MetadataConfig:
             )
         if self.lmdb_map_size_bytes < MIN_MAP_SIZE_BYTES:
             raise ConfigError(f"lmdb_map_size_bytes must be at least {MIN_MAP_SIZE_BYTES}")
+        listen_address(self.lookup_listen, self.listen, 0)  # a ConfigError where malformed
 
 
 def open_index(config: MetadataConfig) -> MetadataIndex:
@@ -128,12 +133,17 @@ class MetadataServer:
         )  # fmt: skip
         self._pool = futures.ThreadPoolExecutor(config.max_workers, thread_name_prefix="rpc")
         lookup_slots = StreamSlots(
-            "LookupStream", "max_lookup_streams", config.max_lookup_streams_per_tenant,
-            config.max_lookup_streams_all_tenants,
+            "LookupStream calls and lookup-port connections", "max_lookup_streams",
+            config.max_lookup_streams_per_tenant, config.max_lookup_streams_all_tenants,
         )  # fmt: skip
         self.servicer = MetadataServicer(
             self.index, TokenAuth(tokens), self.metrics, self.streams, self._pool, limits,
             lookup_slots,
+        )  # fmt: skip
+        self.lookup_port = LookupPort(
+            self.servicer.auth, lookup_slots, self.servicer.answer_lookup,
+            self.servicer.count_stream("LookupPort"), limits.lookup_stream_idle_s,
+            min(config.max_message_bytes, max_request_bytes(limits.max_batch)),
         )  # fmt: skip
         self.health = health.aio.HealthServicer()
         self._stopping = threading.Event()
@@ -179,7 +189,30 @@ class MetadataServer:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.streams.start(asyncio.get_running_loop())
         self.servicer.lookup_streams.start(asyncio.get_running_loop())
+        await self._start_lookup_port(port)
         return port
+
+    async def _start_lookup_port(self, grpc_port: int) -> None:
+        """Listen on the lookup port where configured and the index's reads never block (its
+        answers run on the loop); the servicer's Describe tells clients where."""
+        config = self.config
+        address = listen_address(config.lookup_listen, config.listen, grpc_port)
+        if address is None:
+            return
+        if not self.index.nonblocking_reads:
+            logger.info("no lookup port on the %s backend (its reads wait on I/O): clients "
+                        "look up on LookupStream calls", self.index.backend)  # fmt: skip
+            return
+        tls = None
+        if config.tls_cert:
+            tls = server_ssl_context(config.tls_cert, config.tls_key, config.tls_client_ca)
+        try:
+            port = await self.lookup_port.start(*address, tls)
+        except OSError as exc:
+            raise ConfigError(f"cannot listen for lookups on {address[0]}:{address[1]} ({exc}); "
+                              "set --lookup-listen HOST:PORT or off") from None  # fmt: skip
+        self.servicer.lookup_port = port
+        logger.info("lookup port listening on %s:%d", address[0], port)
 
     def _bind(self, server: grpc.aio.Server) -> int:
         config = self.config
@@ -231,6 +264,7 @@ class MetadataServer:
 
     async def _shutdown(self, grace_s: float) -> None:
         await self.health.enter_graceful_shutdown()
+        await self.lookup_port.stop()
         await self._server.stop(grace_s)
         self._server = None
 

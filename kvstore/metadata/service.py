@@ -101,9 +101,10 @@ class MetadataServicer(StreamingRpcs):
         self.snapshot_pool = ThreadPoolExecutor(SNAPSHOT_THREADS, thread_name_prefix="snapshot")
         self.limits = limits
         self._metric_children: dict[tuple[str, grpc.StatusCode], tuple] = {}
+        self.lookup_port = 0  # where the server's lookup port listens (lookup_port.py); 0: none
         self.lookup_streams = LookupStreams(
             auth, lookup_slots, self.answer_lookup, None if index.nonblocking_reads else pool,
-            self._count_stream("LookupStream"), limits.lookup_stream_idle_s,
+            self.count_stream("LookupStream"), limits.lookup_stream_idle_s,
         )  # fmt: skip
 
     def _children(self, name: str, code: grpc.StatusCode) -> tuple:
@@ -252,6 +253,10 @@ class MetadataServicer(StreamingRpcs):
             raise errors.NotFoundError(f"unknown or expired candidate nodes: {unknown[:5]}")
         return requested
 
+    @_unary(pb.DescribeRequest, read=True)
+    def Describe(self, request: pb.DescribeRequest, scope: TenantScope):
+        return pb.DescribeResponse(lookup_port=self.lookup_port)
+
     @_unary(pb.StatsRequest)  # in the pool: the index's stats take its writer lock
     def Stats(self, request: pb.StatsRequest, scope: TenantScope):
         scope.require_all_tenants("read cluster stats")
@@ -277,7 +282,7 @@ class MetadataServicer(StreamingRpcs):
 
 _UNARY_METHODS = (
     "RegisterNode", "Heartbeat", "DeregisterNode", "Publish", "Unpublish", "Lookup", "Route",
-    "Stats",
+    "Stats", "Describe",
 )  # fmt: skip
 
 

@@ -44,3 +44,18 @@ _ERROR_FOR[grpc.StatusCode.DEADLINE_EXCEEDED] = errors.UnavailableError
 def error_for(code: grpc.StatusCode, details: str) -> errors.KVStoreError:
     """The kvstore error a client raises for a call that ended with `code`."""
     return _ERROR_FOR.get(code, errors.KVStoreError)(f"{code.name}: {details}")
+
+
+CODES = {code.value[0]: code for code in grpc.StatusCode}  # a status's number -> the code
+
+
+def code_of(number: int) -> grpc.StatusCode:
+    """The code of a status number carried in a message (LookupStreamResponse.status_code)."""
+    return CODES.get(number, grpc.StatusCode.UNKNOWN)
+
+
+def lookup_answer(answer) -> object:
+    """A LookupStreamResponse's LookupResponse; its error where it carries a status."""
+    if answer.status_code:
+        raise error_for(code_of(answer.status_code), answer.status_message)
+    return answer.response

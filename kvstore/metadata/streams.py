@@ -22,7 +22,7 @@ from kvstore.v1 import metadata_pb2 as pb
 
 
 class StreamingRpcs:
-    def _count_stream(self, method: str) -> Callable[[grpc.StatusCode], None]:
+    def count_stream(self, method: str) -> Callable[[grpc.StatusCode], None]:
         """Counts a stream call of `method` by the status it opened (or failed) with."""
         return lambda code: self.metrics.rpcs.labels(method, code.name).inc()
 
@@ -48,9 +48,9 @@ class StreamingRpcs:
                 context,
                 "watch every tenant's events",
             ),
-            self._count_stream("WatchEvents"),
+            self.count_stream("WatchEvents"),
         )
-        self._count_stream("WatchEvents")(grpc.StatusCode.OK)
+        self.count_stream("WatchEvents")(grpc.StatusCode.OK)
         try:
             async for event in self.streams.stream(request):
                 yield event
@@ -70,7 +70,7 @@ class StreamingRpcs:
                 context,
                 "copy every tenant's index",
             ),
-            self._count_stream("Snapshot"),
+            self.count_stream("Snapshot"),
         )
         try:
             loop = asyncio.get_running_loop()
@@ -79,9 +79,9 @@ class StreamingRpcs:
                 pages = await loop.run_in_executor(pool, _snapshot_pages, self.index, request,
                                                    self.limits.max_batch)  # fmt: skip
             except errors.KVStoreError as exc:
-                self._count_stream("Snapshot")(status_for(exc))
+                self.count_stream("Snapshot")(status_for(exc))
                 await context.abort(status_for(exc), str(exc))
-            self._count_stream("Snapshot")(grpc.StatusCode.OK)
+            self.count_stream("Snapshot")(grpc.StatusCode.OK)
             while (page := await loop.run_in_executor(pool, next, pages, None)) is not None:
                 yield page
         finally:

@@ -74,6 +74,11 @@ class MetadataStub:
                 request_serializer=kvstore_dot_v1_dot_metadata__pb2.RouteRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_metadata__pb2.RouteResponse.FromString,
                 _registered_method=True)
+        self.Describe = channel.unary_unary(
+                '/kvstore.v1.Metadata/Describe',
+                request_serializer=kvstore_dot_v1_dot_metadata__pb2.DescribeRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_metadata__pb2.DescribeResponse.FromString,
+                _registered_method=True)
         self.WatchEvents = channel.unary_stream(
                 '/kvstore.v1.Metadata/WatchEvents',
                 request_serializer=kvstore_dot_v1_dot_metadata__pb2.WatchEventsRequest.SerializeToString,
@@ -144,6 +149,13 @@ class MetadataServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Describe(self, request, context):
+        """What a client needs to know of this service beyond its gRPC address (its lookup port).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def WatchEvents(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -204,6 +216,11 @@ def add_MetadataServicer_to_server(servicer, server):
                     servicer.Route,
                     request_deserializer=kvstore_dot_v1_dot_metadata__pb2.RouteRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_metadata__pb2.RouteResponse.SerializeToString,
+            ),
+            'Describe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Describe,
+                    request_deserializer=kvstore_dot_v1_dot_metadata__pb2.DescribeRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_metadata__pb2.DescribeResponse.SerializeToString,
             ),
             'WatchEvents': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchEvents,
@@ -437,6 +454,33 @@ class Metadata:
             '/kvstore.v1.Metadata/Route',
             kvstore_dot_v1_dot_metadata__pb2.RouteRequest.SerializeToString,
             kvstore_dot_v1_dot_metadata__pb2.RouteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Describe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Metadata/Describe',
+            kvstore_dot_v1_dot_metadata__pb2.DescribeRequest.SerializeToString,
+            kvstore_dot_v1_dot_metadata__pb2.DescribeResponse.FromString,
             options,
             channel_credentials,
             insecure,

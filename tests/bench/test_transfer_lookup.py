@@ -31,19 +31,22 @@ def test_lookup_benchmark_reports_latency_qps_and_the_redis_baseline():
               "grpc_echo_64_p50_us", "lookup_64_vs_grpc_echo", "view_bytes_per_key",
               "publish_keys_per_s_batch_1", "publish_keys_per_s_batch_1024",
               "view_lag_p50_ms", "view_lag_max_ms", "agent_lookup_floor_p50_us",
-              "lookup_unary_64_p50_us", "grpc_stream_echo_64_p50_us",
-              "lookup_64_vs_grpc_stream_echo")  # fmt: skip
+              "lookup_unary_64_p50_us", "lookup_stream_64_p50_us", "grpc_stream_echo_64_p50_us",
+              "lookup_64_vs_grpc_stream_echo", "tcp_echo_64_p50_us",
+              "lookup_64_vs_tcp_echo")  # fmt: skip
     for field in fields:
         assert positive(result[field]), field
     floors = ("grpc_echo_sync_server_64_p50_us", "grpc_echo_qps_2_clients",
               "grpc_echo_sync_server_qps_2_clients",
               "lookup_qps_vs_grpc_echo_2_clients", "grpc_stream_echo_qps_2_clients",
-              "lookup_unary_qps_2_clients",
-              "lookup_qps_vs_grpc_stream_echo_2_clients")  # fmt: skip
+              "lookup_unary_qps_2_clients", "lookup_stream_qps_2_clients",
+              "lookup_qps_vs_grpc_stream_echo_2_clients", "tcp_echo_qps_2_clients",
+              "lookup_qps_vs_tcp_echo_2_clients")  # fmt: skip
     for field in floors:
         assert positive(result[field]), field
     for field in ("lookup_server_cpu_us_1_clients", "lookup_server_cpu_us_2_clients",
-                  "lookup_unary_server_cpu_us_2_clients",
+                  "lookup_unary_server_cpu_us_2_clients", "lookup_stream_server_cpu_us_2_clients",
+                  "tcp_echo_server_cpu_us_per_call",
                   "grpc_echo_server_cpu_us_per_call",
                   "grpc_echo_sync_server_cpu_us_per_call",
                   "grpc_stream_echo_server_cpu_us_per_call"):  # fmt: skip

@@ -220,9 +220,30 @@ def test_network_policies_admit_only_agents_to_transfer_ports():
     assert [peer["podSelector"]["matchLabels"]["kvstore.io/agent"] for peer in transfer["from"]] \
         == ["true"]  # fmt: skip
     metadata = policies["kv-kvstore-metadata"]["spec"]["ingress"][0]
-    assert metadata["ports"] == [{"port": 50051, "protocol": "TCP"}]
+    assert metadata["ports"] == [
+        {"port": 50051, "protocol": "TCP"},
+        {"port": 50052, "protocol": "TCP"},
+    ]
     labels = [peer["podSelector"]["matchLabels"] for peer in metadata["from"]]
     assert {"kvstore.io/agent": "true"}.items() <= labels[0].items()
+
+
+def test_lmdb_metadata_serves_its_lookup_port_and_redis_metadata_none():
+    lmdb = {o["kind"]: o for o in render(CHART / "ci" / "embedded-lmdb-values.yaml")
+            if o["metadata"]["name"] == "kv-kvstore-metadata"}  # fmt: skip
+    container = pod_spec(lmdb["StatefulSet"])["containers"][0]
+    args = container["args"]
+    assert args[args.index("--lookup-listen") + 1] == "0.0.0.0:50052"
+    assert {"name": "lookup", "containerPort": 50052, "protocol": "TCP"} in container["ports"]
+    service_ports = {port["name"]: port for port in lmdb["Service"]["spec"]["ports"]}
+    assert service_ports["lookup"]["port"] == 50052  # clients dial the gRPC host at this port
+    assert service_ports["lookup"]["targetPort"] == "lookup"
+    redis = {o["kind"]: o for o in render(CHART / "ci" / "redis-replicas-values.yaml")
+             if o["metadata"]["name"] == "kv-kvstore-metadata"}  # fmt: skip
+    container = pod_spec(redis["Deployment"])["containers"][0]
+    assert container["args"][container["args"].index("--lookup-listen") + 1] == "off"
+    assert "lookup" not in {port["name"] for port in container["ports"]}
+    assert "lookup" not in {port["name"] for port in redis["Service"]["spec"]["ports"]}
 
 
 def test_lmdb_metadata_keeps_its_data_on_a_pvc_and_probes_grpc_health():

@@ -12,6 +12,7 @@ import uuid
 import pytest
 
 from kvstore.metadata.memory import MemoryIndex
+from tests.metadata.certs import write_tls_files
 from tests.metadata.cluster import RedisClusterProcesses
 
 
@@ -92,3 +93,9 @@ def make_index(kind: str, tmp_path, clock, redis_url=None, **options):
     prefix = f"test-{uuid.uuid4().hex[:8]}"
     cluster = kind == "redis-cluster"
     return RedisIndex(redis_url, prefix=prefix, clock=clock, cluster=cluster, **options)
+
+
+@pytest.fixture
+def tls_files(tmp_path):
+    """A throwaway CA and a server certificate for 127.0.0.1 / localhost: {"ca", "cert", "key"}."""
+    return write_tls_files(tmp_path)

@@ -12,6 +12,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore.metadata.client import MetadataClient
+from kvstore.metadata.index import BlockEntry, NodeRecord
 from kvstore.metadata.server import MetadataConfig, MetadataServer
 from kvstore.metadata.service import ServiceLimits
 
@@ -20,8 +21,9 @@ FAST_LIMITS = ServiceLimits(min_lease_ttl_ms=200, watch_poll_s=0.1)
 
 @contextmanager
 def running_server(tmp_path, **settings):
-    settings = {"listen": "127.0.0.1:0", "data_dir": tmp_path / "meta", **settings}
-    config = MetadataConfig(limits=FAST_LIMITS, **settings)
+    settings = {"listen": "127.0.0.1:0", "data_dir": tmp_path / "meta", "limits": FAST_LIMITS,
+                **settings}  # fmt: skip
+    config = MetadataConfig(**settings)
     server = MetadataServer(config)
     server.start()
     try:
@@ -63,3 +65,23 @@ def wait_until(predicate, timeout_s: float = 5.0, interval_s: float = 0.05) -> b
             return True
         time.sleep(interval_s)
     return predicate()
+
+
+# ---- for the lookup tests (LookupStream and the lookup port) ------------------------------------
+LOOKUP_KEYS = [bytes([i]) * 16 for i in range(8)]
+ALICE = "alice-token-0123456789"
+ADMIN = "admin-token-0123456789"
+
+
+def calls(server: MetadataServer, method: str, code: str = "OK") -> float:
+    """How many calls of `method` the service counted with status `code`."""
+    sample = server.metrics.registry.get_sample_value(
+        "kvstore_metadata_rpcs_total", {"method": method, "code": code}
+    )
+    return sample or 0.0
+
+
+def publish(client, tenant: str = "t", keys=LOOKUP_KEYS[:5]) -> None:
+    """The first five LOOKUP_KEYS, held by node "holder"."""
+    lease, _ = client.register_node(NodeRecord("holder", tcp_address="10.0.0.1:1"))
+    client.publish("holder", lease, tenant, [BlockEntry(k, "host", 1, 1) for k in keys])

@@ -17,34 +17,29 @@ from kvstore.errors import (
     UnavailableError,
 )
 from kvstore.metadata import lookup_calls
-from kvstore.metadata.index import BlockEntry, NodeRecord
 from kvstore.metadata.memory import MemoryIndex
 from kvstore.metadata.server import MetadataConfig, MetadataServer
 from kvstore.metadata.service import SERVICE_NAME, ServiceLimits
 from kvstore.v1 import metadata_pb2 as pb
-from tests.metadata.servers import FAST_LIMITS, client_for, running_server, wait_until
+from tests.metadata.servers import (
+    ADMIN,
+    ALICE,
+    FAST_LIMITS,
+    LOOKUP_KEYS,
+    calls,
+    client_for,
+    publish,
+    running_server,
+    wait_until,
+)
 
-KEYS = [bytes([i]) * 16 for i in range(8)]
-ALICE = "alice-token-0123456789"
-ADMIN = "admin-token-0123456789"
-
-
-def calls(server: MetadataServer, method: str, code: str = "OK") -> float:
-    sample = server.metrics.registry.get_sample_value(
-        "kvstore_metadata_rpcs_total", {"method": method, "code": code}
-    )
-    return sample or 0.0
-
-
-def publish(client, tenant: str = "t", keys=KEYS[:5]) -> None:
-    lease, _ = client.register_node(NodeRecord("holder", tcp_address="10.0.0.1:1"))
-    client.publish("holder", lease, tenant, [BlockEntry(k, "host", 1, 1) for k in keys])
+KEYS = LOOKUP_KEYS
 
 
 def test_lookups_ride_one_open_call_and_answer_as_unary_lookups_do(tmp_path):
-    with running_server(tmp_path) as server, client_for(server) as client:
+    with running_server(tmp_path) as server, client_for(server, lookup_port=False) as client:
         publish(client)
-        with client_for(server, lookup_streams=False) as unary:
+        with client_for(server, lookup_port=False, lookup_streams=False) as unary:
             expected = unary.lookup("t", KEYS, caller_node_id="me")
         assert calls(server, "LookupStream") == 0
         for _ in range(20):
@@ -59,9 +54,9 @@ def test_a_bad_request_fails_its_lookup_only_and_the_call_stays_open(tmp_path):
     token_file = tmp_path / "tokens"
     token_file.write_text(f"{ADMIN} *\n{ALICE} alice\n")
     with running_server(tmp_path, token_file=token_file) as server:
-        with client_for(server, token=ADMIN) as admin:
+        with client_for(server, lookup_port=False, token=ADMIN) as admin:
             publish(admin, "alice")
-        with client_for(server, token=ALICE) as alice:
+        with client_for(server, lookup_port=False, token=ALICE) as alice:
             assert alice.lookup("alice", KEYS).prefix_length == 5
             with pytest.raises(ConfigError, match=r"INVALID_ARGUMENT: .*16 bytes"):
                 alice.lookup("alice", [b"short"])
@@ -74,7 +69,7 @@ def test_a_bad_request_fails_its_lookup_only_and_the_call_stays_open(tmp_path):
 
 
 def test_a_malformed_message_is_answered_with_invalid_argument_on_the_same_call(tmp_path):
-    with running_server(tmp_path) as server, client_for(server) as client:
+    with running_server(tmp_path) as server, client_for(server, lookup_port=False) as client:
         publish(client)
         with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             method = channel.stream_stream(f"/{SERVICE_NAME}/LookupStream")
@@ -87,7 +82,7 @@ def test_a_malformed_message_is_answered_with_invalid_argument_on_the_same_call(
 
 
 def test_concurrent_lookups_hold_a_bounded_number_of_calls(tmp_path):
-    with running_server(tmp_path) as server, client_for(server) as client:
+    with running_server(tmp_path) as server, client_for(server, lookup_port=False) as client:
         publish(client)
         errors, counts = [], []
 
@@ -110,7 +105,10 @@ def test_concurrent_lookups_hold_a_bounded_number_of_calls(tmp_path):
 
 def test_past_the_slot_cap_lookups_go_unary(tmp_path):
     with running_server(tmp_path, max_lookup_streams_all_tenants=1) as server:
-        with client_for(server) as first, client_for(server) as second:
+        with (
+            client_for(server, lookup_port=False) as first,
+            client_for(server, lookup_port=False) as second,
+        ):
             publish(first)
             assert first.lookup("t", KEYS).prefix_length == 5
             for _ in range(3):
@@ -126,7 +124,7 @@ def test_an_idle_call_is_ended_by_the_service_and_the_next_lookup_opens_another(
     server = MetadataServer(config)
     server.start()
     try:
-        with client_for(server) as client:
+        with client_for(server, lookup_port=False) as client:
             publish(client)
             assert client.lookup("t", KEYS).prefix_length == 5
             slots = server.servicer.lookup_streams.slots
@@ -157,7 +155,7 @@ class SlowIndex(MemoryIndex):
 def test_a_late_answer_is_a_deadline_error_and_the_next_lookup_is_answered(tmp_path):
     server, index = slow_server(tmp_path)
     try:
-        with client_for(server) as client:
+        with client_for(server, lookup_port=False) as client:
             publish(client)
             assert client.lookup("t", KEYS).prefix_length == 5
             index.slow.set()
@@ -208,7 +206,7 @@ def slow_server(tmp_path, **settings) -> tuple[MetadataServer, SlowIndex]:
 def test_a_refused_second_call_leaves_the_open_one_in_use(tmp_path):
     server, index = slow_server(tmp_path, max_lookup_streams_all_tenants=1)
     try:
-        with client_for(server) as client:
+        with client_for(server, lookup_port=False) as client:
             publish(client)
             index.delay_s = 0.5
             index.slow.set()
@@ -229,7 +227,10 @@ def test_a_refused_second_call_leaves_the_open_one_in_use(tmp_path):
 
 
 def test_an_oversized_lookup_fails_alone_and_streams_stay_on(tmp_path):
-    with running_server(tmp_path) as server, client_for(server, max_message_bytes=4096) as client:
+    with (
+        running_server(tmp_path) as server,
+        client_for(server, lookup_port=False, max_message_bytes=4096) as client,
+    ):
         publish(client)
         assert client.lookup("t", KEYS).prefix_length == 5
         with pytest.raises(CapacityError, match="RESOURCE_EXHAUSTED"):
@@ -243,7 +244,7 @@ def test_a_lookup_answered_slower_than_the_idle_time_is_not_ended_as_idle(tmp_pa
     limits = ServiceLimits(min_lease_ttl_ms=200, watch_poll_s=0.1, lookup_stream_idle_s=0.3)
     server, index = slow_server(tmp_path, limits=limits)
     try:
-        with client_for(server) as client:
+        with client_for(server, lookup_port=False) as client:
             publish(client)
             index.delay_s = 0.8
             index.slow.set()
@@ -254,7 +255,7 @@ def test_a_lookup_answered_slower_than_the_idle_time_is_not_ended_as_idle(tmp_pa
 
 
 def test_a_lookup_with_no_time_left_is_not_sent(tmp_path):
-    with running_server(tmp_path) as server, client_for(server) as client:
+    with running_server(tmp_path) as server, client_for(server, lookup_port=False) as client:
         publish(client)
         with pytest.raises(UnavailableError, match="DEADLINE_EXCEEDED"):
             client.lookup("t", KEYS, timeout_s=0)
@@ -263,7 +264,7 @@ def test_a_lookup_with_no_time_left_is_not_sent(tmp_path):
 
 def test_closing_the_client_under_lookups_raises_kvstore_errors_only(tmp_path):
     with running_server(tmp_path) as server:
-        client = client_for(server)
+        client = client_for(server, lookup_port=False)
         publish(client)
         failures = []
 

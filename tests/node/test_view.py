@@ -16,7 +16,9 @@ from kvstore.client import KVStoreClient
 from kvstore.keys import Namespace, chunk_keys
 from kvstore.metadata.client import MetadataClient
 from kvstore.metadata.index import BlockEntry, NodeRecord
+from kvstore.node import view_feed
 from kvstore.node.metrics import agent_registry
+from kvstore.retry import Backoff
 from tests.metadata.servers import start_cli, wait_until
 from tests.node.agents import running_agent, start_node_process
 
@@ -94,7 +96,8 @@ def test_lookups_are_answered_by_the_view_while_the_service_is_frozen(tmp_path):
         tmp_path, address
     ) as a:  # fmt: skip
         FakePeer(address, "node-b").publish(KEYS[:5])
-        assert converges(a, KEYS, 5)
+        assert converges(a, KEYS, 5)  # which the service may have answered: wait for the view
+        assert wait_until(lambda: a.view.remote_prefix("t", KEYS) == 5, timeout_s=30)
         service.send_signal(signal.SIGSTOP)  # no round trip could be answered now
         with KVStoreClient(a.config.socket_path, "worker") as worker:
             assert worker.lookup("t", KEYS).remote == 5
@@ -221,8 +224,10 @@ def test_on_a_redis_backend_the_view_converges_and_answers_with_the_service_froz
                 service.send_signal(signal.SIGCONT)
 
 
-def test_an_agent_refused_a_stream_slot_asks_the_service_until_it_gets_one(tmp_path):
+def test_an_agent_refused_a_stream_slot_asks_the_service_until_it_gets_one(tmp_path, monkeypatch):
     """A view that cannot follow the events would go stale: it stands down instead."""
+    # retries within a second: on a loaded machine the doubling back-off can outlast the waits
+    monkeypatch.setattr(view_feed, "REFUSED_BACKOFF", Backoff(base_s=0.2, cap_s=1.0))
     limit = ("--max-watch-streams-all-tenants", "1")
     with metadata_process("--backend", "memory", *limit) as (_, address):
         other = MetadataClient(address)
@@ -230,7 +235,7 @@ def test_an_agent_refused_a_stream_slot_asks_the_service_until_it_gets_one(tmp_p
         try:
             with agent_at(tmp_path, address) as a:
                 FakePeer(address, "node-b").publish(KEYS[:3])
-                assert wait_until(lambda: a.view.counters["refused"] >= 1)
+                assert wait_until(lambda: a.view.counters["refused"] >= 1, timeout_s=30)
                 assert remote_hits(a.config.socket_path, KEYS) == 3, "from the service"
                 assert not a.view.ready
                 taken.cancel()
