@@ -1,16 +1,19 @@
 """The client's side of the lookup port (lookup_port.py): open connections reused across lookups.
 
 Runs in the process of a MetadataClient (node agents, routers, the bench), in the threads that
-look up; no thread of its own. The port is learnt once from the service's Describe and dialled
-on the host of the gRPC address, with TLS where the channel has it. A lookup takes an idle
-connection (or opens one, up to MAX_OPEN), sends its request and reads the answer in the asking
-thread, the socket's timeout its deadline. Where none is to be had (no lookup port, all in use,
-or the port failed, refused a slot or went unanswered in the last RETRY_AFTER_S), `lookup`
-returns None and the caller asks over gRPC instead, with what is left of the deadline.
+look up; no thread of its own. The port and the service's instance id are learnt from Describe;
+the port is dialled on the host of the gRPC address, with TLS where the channel has it. A lookup
+takes an idle connection (or opens one, up to MAX_OPEN), sends its request and reads the answer
+in the asking thread, the socket's timeout its deadline. Where none is to be had (no lookup
+port, all in use, or the port failed or refused in the last RETRY_AFTER_S), `lookup` returns
+None and the caller asks over gRPC instead, with what is left of the deadline. A connection
+that timed out, failed or sat idle for CLIENT_IDLE_S is closed, never reused (an answer still
+on its way would be read as the next lookup's); so are those a forked child inherited.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import ssl
 import threading
@@ -21,16 +24,16 @@ import grpc
 
 from kvstore import errors
 from kvstore.framing import FrameTimeoutError, recv_message, send_message
-from kvstore.metadata.lookup_port import VERSION
-from kvstore.metadata.status import code_of, error_for, lookup_answer
+from kvstore.metadata.lookup_connection import VERSION
+from kvstore.metadata.status import lookup_answer
 from kvstore.v1 import metadata_pb2 as pb
 
 MAX_OPEN = 4  # connections per client; more lookups at once than this go over gRPC
+CONNECT_BUDGET_S = 0.5  # at most this of a lookup's deadline goes to connecting and the hello
 RETRY_AFTER_S = 10.0  # after the port failed, gRPC only for this long
 DESCRIBE_AGAIN_S = 60.0  # a service with no lookup port is asked again after this long
 DESCRIBE_TIMEOUT_S = 1.0
-# a hello refused for these is the caller's error, as it would be on gRPC: raise it
-_CALLERS_FAULT = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+CLIENT_IDLE_S = 30.0  # the service closes connections idle for 60 s (lookup_stream_idle_s)
 
 
 def grpc_host(address: str) -> str | None:
@@ -46,17 +49,18 @@ def grpc_host(address: str) -> str | None:
 class _Connection:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self.answered = 0
+        self.answered = 0  # lookups answered (the hello is not one)
+        self.used_at = time.monotonic()
 
-    def ask(self, request: pb.LookupRequest, deadline: float, max_bytes: int):
+    def ask(self, message, deadline: float, max_bytes: int) -> pb.LookupStreamResponse:
         self.sock.settimeout(max(1e-3, deadline - time.monotonic()))
-        send_message(self.sock, request)
+        send_message(self.sock, message)
         answer = recv_message(
             self.sock, pb.LookupStreamResponse, max_bytes, deadline - time.monotonic()
         )
         if answer is None:
             raise ConnectionResetError("the service closed the lookup connection")
-        self.answered += 1
+        self.used_at = time.monotonic()
         return answer
 
     def close(self) -> None:
@@ -71,13 +75,14 @@ class LookupSockets:
         self._stub = stub
         self._metadata = metadata
         self._host = grpc_host(address)
-        self._hello = pb.LookupHello(token=token or "", version=VERSION)
+        self._token = token or ""
         self._tls = ssl.create_default_context(cafile=str(tls_ca)) if tls_ca else None
         self._max_bytes = max_message_bytes
-        self._port: int | None = None  # None: not asked yet; 0: the service has none
+        self._described: pb.DescribeResponse | None = None  # None: to be asked
         self._lock = threading.Lock()
         self._idle: list[_Connection] = []
         self._open = 0
+        self._pid = os.getpid()
         self._retry_at = 0.0 if enabled and self._host else float("inf")
         self._closed = False
 
@@ -90,32 +95,45 @@ class LookupSockets:
                 return None
             try:
                 answer = connection.ask(request, deadline, self._max_bytes)
+                if not answer.status_code and not answer.HasField("response"):
+                    raise errors.KVStoreError("a lookup answer with no response")
             except (TimeoutError, FrameTimeoutError):
                 self._drop(connection)
                 raise errors.UnavailableError("DEADLINE_EXCEEDED: no lookup answer by its "
                                               "deadline") from None  # fmt: skip
             except (OSError, errors.KVStoreError):
                 self._drop(connection)
-                if connection.answered:  # ended while idle (the service's idle timeout)
+                if connection.answered:  # closed while idle (the service's idle timeout)
                     continue
                 self._back_off()
                 return None
             except BaseException:  # an interrupted wait: the connection's state is unknown
                 self._drop(connection)
                 raise
+            connection.answered += 1
             self._give(connection)
             return lookup_answer(answer)
         return None
 
     def _take(self, deadline: float) -> _Connection | None:
-        with self._lock:
-            if self._closed:
-                raise errors.UnavailableError("UNAVAILABLE: the metadata client is closed")
-            if self._idle:
-                return self._idle.pop()
-            if self._open >= MAX_OPEN or time.monotonic() < self._retry_at:
-                return None
-            self._open += 1
+        stale: list[_Connection] = []
+        try:
+            with self._lock:
+                if self._closed:
+                    raise errors.UnavailableError("UNAVAILABLE: the metadata client is closed")
+                self._forget_inherited()
+                while self._idle:
+                    connection = self._idle.pop()
+                    if time.monotonic() - connection.used_at < CLIENT_IDLE_S:
+                        return connection
+                    stale.append(connection)
+                    self._open -= 1
+                if self._open >= MAX_OPEN or time.monotonic() < self._retry_at:
+                    return None
+                self._open += 1
+        finally:
+            for connection in stale:
+                connection.close()
         connection = None
         try:
             connection = self._connect(deadline)
@@ -125,49 +143,68 @@ class LookupSockets:
                 with self._lock:
                     self._open -= 1
 
+    def _forget_inherited(self) -> None:
+        """In a forked child: the parent's connections are the parent's (both reading one
+        socket would take each other's answers); close the child's copies, start afresh."""
+        if os.getpid() != self._pid:
+            self._pid = os.getpid()
+            for connection in self._idle:
+                connection.close()
+            self._idle, self._open = [], 0
+
     def _connect(self, deadline: float) -> _Connection | None:
-        """A new connection, its hello accepted; None where there is no port or it failed."""
-        port = self._describe(deadline)
-        if not port:
+        """A new connection, its hello accepted; None where there is no port or it failed
+        (the port is then left alone for RETRY_AFTER_S, unless the caller's own deadline was
+        too short to tell)."""
+        described = self._describe(deadline)
+        if described is None:
             return None
+        budget = min(CONNECT_BUDGET_S, deadline - time.monotonic())
+        connect_by = time.monotonic() + budget
+        hello = pb.LookupHello(token=self._token, version=VERSION, instance=described.instance)
+        sock = None
         try:
-            timeout_s = max(1e-3, deadline - time.monotonic())
-            sock = socket.create_connection((self._host, port), timeout_s)
+            sock = socket.create_connection((self._host, described.lookup_port), max(1e-3, budget))
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
             if self._tls is not None:
+                sock.settimeout(max(1e-3, connect_by - time.monotonic()))
                 sock = self._tls.wrap_socket(sock, server_hostname=self._host)
             connection = _Connection(sock)
-            answer = connection.ask(self._hello, deadline, self._max_bytes)
+            answer = connection.ask(hello, connect_by, self._max_bytes)
         except (OSError, errors.KVStoreError):
-            self._port = None  # the service may have moved: ask it again after the back-off
-            self._back_off()
+            if sock is not None:
+                sock.close()
+            if budget >= CONNECT_BUDGET_S:
+                self._described = None  # the service may have moved: ask it again
+                self._back_off()
             return None
-        if answer.status_code:
+        if answer.status_code:  # no slot, another instance, a bad token: gRPC says more
             connection.close()
-            code = code_of(answer.status_code)
-            if code in _CALLERS_FAULT:
-                raise error_for(code, answer.status_message)
-            self._back_off()  # no slot, or the service's trouble: gRPC says more
+            self._described = None
+            self._back_off()
             return None
         return connection
 
-    def _describe(self, deadline: float) -> int:
-        """The service's lookup port, asked once while it answers (0: none for now)."""
-        if self._port is None:
+    def _describe(self, deadline: float) -> pb.DescribeResponse | None:
+        """The service's lookup port and instance, asked once while it answers (None: none,
+        or the service did not say; gRPC meanwhile)."""
+        described = self._described
+        if described is None:
             timeout_s = min(DESCRIBE_TIMEOUT_S, max(1e-3, deadline - time.monotonic()))
             try:
-                response = self._stub.Describe(
+                described = self._stub.Describe(
                     pb.DescribeRequest(), timeout=timeout_s, metadata=self._metadata
                 )
             except grpc.RpcError as exc:  # UNIMPLEMENTED: a service from before the port
                 unimplemented = exc.code() == grpc.StatusCode.UNIMPLEMENTED
                 self._back_off(DESCRIBE_AGAIN_S if unimplemented else RETRY_AFTER_S)
-                return 0
-            if not response.lookup_port:
+                return None
+            if not described.lookup_port:
                 self._back_off(DESCRIBE_AGAIN_S)
-                return 0
-            self._port = response.lookup_port
-        return self._port
+                return None
+            self._described = described
+        return described
 
     def _back_off(self, seconds: float = RETRY_AFTER_S) -> None:
         with self._lock:
@@ -175,7 +212,7 @@ class LookupSockets:
 
     def _give(self, connection: _Connection) -> None:
         with self._lock:
-            if not self._closed:
+            if not self._closed and os.getpid() == self._pid:
                 self._idle.append(connection)
                 return
             self._open -= 1

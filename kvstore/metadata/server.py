@@ -183,13 +183,17 @@ class MetadataServer:
         server.add_generic_rpc_handlers((rpc_handlers(self.servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         port = self._bind(server)
-        await server.start()
+        await self._start_lookup_port(port)  # before gRPC: Describe must know it from the start
+        try:
+            await server.start()
+        except BaseException:
+            await self.lookup_port.stop()
+            raise
         self._server = server
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.streams.start(asyncio.get_running_loop())
         self.servicer.lookup_streams.start(asyncio.get_running_loop())
-        await self._start_lookup_port(port)
         return port
 
     async def _start_lookup_port(self, grpc_port: int) -> None:
@@ -212,6 +216,7 @@ class MetadataServer:
             raise ConfigError(f"cannot listen for lookups on {address[0]}:{address[1]} ({exc}); "
                               "set --lookup-listen HOST:PORT or off") from None  # fmt: skip
         self.servicer.lookup_port = port
+        self.servicer.lookup_instance = self.lookup_port.instance
         logger.info("lookup port listening on %s:%d", address[0], port)
 
     def _bind(self, server: grpc.aio.Server) -> int:

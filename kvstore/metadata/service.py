@@ -102,6 +102,7 @@ class MetadataServicer(StreamingRpcs):
         self.limits = limits
         self._metric_children: dict[tuple[str, grpc.StatusCode], tuple] = {}
         self.lookup_port = 0  # where the server's lookup port listens (lookup_port.py); 0: none
+        self.lookup_instance = b""  # the id its hellos must carry
         self.lookup_streams = LookupStreams(
             auth, lookup_slots, self.answer_lookup, None if index.nonblocking_reads else pool,
             self.count_stream("LookupStream"), limits.lookup_stream_idle_s,
@@ -255,7 +256,7 @@ class MetadataServicer(StreamingRpcs):
 
     @_unary(pb.DescribeRequest, read=True)
     def Describe(self, request: pb.DescribeRequest, scope: TenantScope):
-        return pb.DescribeResponse(lookup_port=self.lookup_port)
+        return pb.DescribeResponse(lookup_port=self.lookup_port, instance=self.lookup_instance)
 
     @_unary(pb.StatsRequest)  # in the pool: the index's stats take its writer lock
     def Stats(self, request: pb.StatsRequest, scope: TenantScope):

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvstore/v1/metadata.proto\x12\nkvstore.v1\"\xc9\x01\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0btcp_address\x18\x02 \x01(\t\x12\x13\n\x0bucx_address\x18\x03 \x01(\t\x12H\n\x13tier_capacity_bytes\x18\x04 \x03(\x0b\x32+.kvstore.v1.NodeInfo.TierCapacityBytesEntry\x1a\x38\n\x16TierCapacityBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"O\n\x13RegisterNodeRequest\x12\"\n\x04node\x18\x01 \x01(\x0b\x32\x14.kvstore.v1.NodeInfo\x12\x14\n\x0clease_ttl_ms\x18\x02 \x01(\r\">\n\x14RegisterNodeResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\x14\n\x0clease_ttl_ms\x18\x02 \x01(\r\"5\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\x04\")\n\x11HeartbeatResponse\x12\x14\n\x0clease_ttl_ms\x18\x01 \x01(\r\":\n\x15\x44\x65registerNodeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\x04\"0\n\x16\x44\x65registerNodeResponse\x12\x16\n\x0eremoved_blocks\x18\x01 \x01(\r\"_\n\nBlockEntry\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x1e\n\x04tier\x18\x02 \x01(\x0e\x32\x10.kvstore.v1.Tier\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\x04\"l\n\x0ePublishRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\x04\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\'\n\x07\x65ntries\x18\x04 \x03(\x0b\x32\x16.kvstore.v1.BlockEntry\"#\n\x0fPublishResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\"n\n\x10UnpublishRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\x04\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\'\n\x07\x65ntries\x18\x04 \x03(\x0b\x32\x16.kvstore.v1.BlockEntry\"$\n\x11UnpublishResponse\x12\x0f\n\x07removed\x18\x01 \x01(\r\"H\n\x0bNodeAddress\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0btcp_address\x18\x02 \x01(\t\x12\x13\n\x0bucx_address\x18\x03 \x01(\t\"[\n\rLookupRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x16\n\x0e\x63\x61ller_node_id\x18\x03 \x01(\t\x12\x14\n\x0c\x63hunk_tokens\x18\x04 \x01(\r\"\xa4\x01\n\x0eLookupResponse\x12\x15\n\rprefix_length\x18\x01 \x01(\r\x12&\n\x05nodes\x18\x02 \x03(\x0b\x32\x17.kvstore.v1.NodeAddress\x12\x15\n\rholder_counts\x18\x03 \x03(\r\x12\x14\n\x0cholder_nodes\x18\x04 \x03(\r\x12&\n\x0cholder_tiers\x18\x05 \x03(\x0e\x32\x10.kvstore.v1.Tier\"q\n\x14LookupStreamResponse\x12,\n\x08response\x18\x01 \x01(\x0b\x32\x1a.kvstore.v1.LookupResponse\x12\x13\n\x0bstatus_code\x18\x02 \x01(\r\x12\x16\n\x0estatus_message\x18\x03 \x01(\t\"-\n\x0bLookupHello\x12\r\n\x05token\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\r\"\x11\n\x0f\x44\x65scribeRequest\"\'\n\x10\x44\x65scribeResponse\x12\x13\n\x0blookup_port\x18\x01 \x01(\r\"H\n\x0cRouteRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x1a\n\x12\x63\x61ndidate_node_ids\x18\x03 \x03(\t\"7\n\rRouteResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x15\n\rprefix_length\x18\x02 \x01(\r\"6\n\x12WatchEventsRequest\x12\x10\n\x08\x66rom_seq\x18\x01 \x01(\x04\x12\x0e\n\x06tenant\x18\x02 \x01(\t\"\xd7\x01\n\x05\x45vent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12$\n\x04kind\x18\x02 \x01(\x0e\x32\x16.kvstore.v1.Event.Kind\x12\x0b\n\x03key\x18\x03 \x01(\x0c\x12\x1e\n\x04tier\x18\x04 \x01(\x0e\x32\x10.kvstore.v1.Tier\x12\x0f\n\x07node_id\x18\x05 \x01(\t\x12\x0e\n\x06tenant\x18\x06 \x01(\t\"M\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0f\n\x0bKIND_STORED\x10\x01\x12\x10\n\x0cKIND_REMOVED\x10\x02\x12\x0c\n\x08KIND_GAP\x10\x03\"F\n\x0fSnapshotRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x10\n\x08max_keys\x18\x02 \x01(\x04\x12\x11\n\tpage_keys\x18\x03 \x01(\r\"\x93\x01\n\x0cSnapshotPage\x12\x10\n\x08last_seq\x18\x01 \x01(\x04\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\x12+\n\x07holders\x18\x04 \x01(\x0b\x32\x1a.kvstore.v1.LookupResponse\x12\x11\n\ttruncated\x18\x05 \x01(\x08\x12\x13\n\x0bincarnation\x18\x06 \x01(\x04\"\x0e\n\x0cStatsRequest\"\xd5\x01\n\tNodeStats\x12\"\n\x04node\x18\x01 \x01(\x0b\x32\x14.kvstore.v1.NodeInfo\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x04\x12\x41\n\x0f\x62locks_per_tier\x18\x03 \x03(\x0b\x32(.kvstore.v1.NodeStats.BlocksPerTierEntry\x12\x1b\n\x13lease_expires_in_ms\x18\x04 \x01(\x04\x1a\x34\n\x12\x42locksPerTierEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x80\x02\n\rStatsResponse\x12$\n\x05nodes\x18\x01 \x03(\x0b\x32\x15.kvstore.v1.NodeStats\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x04\x12\x45\n\x0f\x62locks_per_tier\x18\x03 \x03(\x0b\x32,.kvstore.v1.StatsResponse.BlocksPerTierEntry\x12\x16\n\x0elast_event_seq\x18\x04 \x01(\x04\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12\x13\n\x0bincarnation\x18\x06 \x01(\x04\x1a\x34\n\x12\x42locksPerTierEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01*K\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0f\n\x0bTIER_DEVICE\x10\x01\x12\r\n\tTIER_HOST\x10\x02\x12\r\n\tTIER_DISK\x10\x03\x32\xec\x06\n\x08Metadata\x12Q\n\x0cRegisterNode\x12\x1f.kvstore.v1.RegisterNodeRequest\x1a .kvstore.v1.RegisterNodeResponse\x12H\n\tHeartbeat\x12\x1c.kvstore.v1.HeartbeatRequest\x1a\x1d.kvstore.v1.HeartbeatResponse\x12W\n\x0e\x44\x65registerNode\x12!.kvstore.v1.DeregisterNodeRequest\x1a\".kvstore.v1.DeregisterNodeResponse\x12\x42\n\x07Publish\x12\x1a.kvstore.v1.PublishRequest\x1a\x1b.kvstore.v1.PublishResponse\x12H\n\tUnpublish\x12\x1c.kvstore.v1.UnpublishRequest\x1a\x1d.kvstore.v1.UnpublishResponse\x12?\n\x06Lookup\x12\x19.kvstore.v1.LookupRequest\x1a\x1a.kvstore.v1.LookupResponse\x12O\n\x0cLookupStream\x12\x19.kvstore.v1.LookupRequest\x1a .kvstore.v1.LookupStreamResponse(\x01\x30\x01\x12<\n\x05Route\x12\x18.kvstore.v1.RouteRequest\x1a\x19.kvstore.v1.RouteResponse\x12\x45\n\x08\x44\x65scribe\x12\x1b.kvstore.v1.DescribeRequest\x1a\x1c.kvstore.v1.DescribeResponse\x12\x42\n\x0bWatchEvents\x12\x1e.kvstore.v1.WatchEventsRequest\x1a\x11.kvstore.v1.Event0\x01\x12<\n\x05Stats\x12\x18.kvstore.v1.StatsRequest\x1a\x19.kvstore.v1.StatsResponse\x12\x43\n\x08Snapshot\x12\x1b.kvstore.v1.SnapshotRequest\x1a\x18.kvstore.v1.SnapshotPage0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvstore/v1/metadata.proto\x12\nkvstore.v1\"\xc9\x01\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0btcp_address\x18\x02 \x01(\t\x12\x13\n\x0bucx_address\x18\x03 \x01(\t\x12H\n\x13tier_capacity_bytes\x18\x04 \x03(\x0b\x32+.kvstore.v1.NodeInfo.TierCapacityBytesEntry\x1a\x38\n\x16TierCapacityBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"O\n\x13RegisterNodeRequest\x12\"\n\x04node\x18\x01 \x01(\x0b\x32\x14.kvstore.v1.NodeInfo\x12\x14\n\x0clease_ttl_ms\x18\x02 \x01(\r\">\n\x14RegisterNodeResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\x14\n\x0clease_ttl_ms\x18\x02 \x01(\r\"5\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\x04\")\n\x11HeartbeatResponse\x12\x14\n\x0clease_ttl_ms\x18\x01 \x01(\r\":\n\x15\x44\x65registerNodeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\x04\"0\n\x16\x44\x65registerNodeResponse\x12\x16\n\x0eremoved_blocks\x18\x01 \x01(\r\"_\n\nBlockEntry\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x1e\n\x04tier\x18\x02 \x01(\x0e\x32\x10.kvstore.v1.Tier\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\x04\"l\n\x0ePublishRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\x04\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\'\n\x07\x65ntries\x18\x04 \x03(\x0b\x32\x16.kvstore.v1.BlockEntry\"#\n\x0fPublishResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\"n\n\x10UnpublishRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\x04\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\'\n\x07\x65ntries\x18\x04 \x03(\x0b\x32\x16.kvstore.v1.BlockEntry\"$\n\x11UnpublishResponse\x12\x0f\n\x07removed\x18\x01 \x01(\r\"H\n\x0bNodeAddress\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0btcp_address\x18\x02 \x01(\t\x12\x13\n\x0bucx_address\x18\x03 \x01(\t\"[\n\rLookupRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x16\n\x0e\x63\x61ller_node_id\x18\x03 \x01(\t\x12\x14\n\x0c\x63hunk_tokens\x18\x04 \x01(\r\"\xa4\x01\n\x0eLookupResponse\x12\x15\n\rprefix_length\x18\x01 \x01(\r\x12&\n\x05nodes\x18\x02 \x03(\x0b\x32\x17.kvstore.v1.NodeAddress\x12\x15\n\rholder_counts\x18\x03 \x03(\r\x12\x14\n\x0cholder_nodes\x18\x04 \x03(\r\x12&\n\x0cholder_tiers\x18\x05 \x03(\x0e\x32\x10.kvstore.v1.Tier\"q\n\x14LookupStreamResponse\x12,\n\x08response\x18\x01 \x01(\x0b\x32\x1a.kvstore.v1.LookupResponse\x12\x13\n\x0bstatus_code\x18\x02 \x01(\r\x12\x16\n\x0estatus_message\x18\x03 \x01(\t\"?\n\x0bLookupHello\x12\r\n\x05token\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\r\x12\x10\n\x08instance\x18\x03 \x01(\x0c\"\x11\n\x0f\x44\x65scribeRequest\"9\n\x10\x44\x65scribeResponse\x12\x13\n\x0blookup_port\x18\x01 \x01(\r\x12\x10\n\x08instance\x18\x02 \x01(\x0c\"H\n\x0cRouteRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x1a\n\x12\x63\x61ndidate_node_ids\x18\x03 \x03(\t\"7\n\rRouteResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x15\n\rprefix_length\x18\x02 \x01(\r\"6\n\x12WatchEventsRequest\x12\x10\n\x08\x66rom_seq\x18\x01 \x01(\x04\x12\x0e\n\x06tenant\x18\x02 \x01(\t\"\xd7\x01\n\x05\x45vent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12$\n\x04kind\x18\x02 \x01(\x0e\x32\x16.kvstore.v1.Event.Kind\x12\x0b\n\x03key\x18\x03 \x01(\x0c\x12\x1e\n\x04tier\x18\x04 \x01(\x0e\x32\x10.kvstore.v1.Tier\x12\x0f\n\x07node_id\x18\x05 \x01(\t\x12\x0e\n\x06tenant\x18\x06 \x01(\t\"M\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0f\n\x0bKIND_STORED\x10\x01\x12\x10\n\x0cKIND_REMOVED\x10\x02\x12\x0c\n\x08KIND_GAP\x10\x03\"F\n\x0fSnapshotRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x10\n\x08max_keys\x18\x02 \x01(\x04\x12\x11\n\tpage_keys\x18\x03 \x01(\r\"\x93\x01\n\x0cSnapshotPage\x12\x10\n\x08last_seq\x18\x01 \x01(\x04\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\x12+\n\x07holders\x18\x04 \x01(\x0b\x32\x1a.kvstore.v1.LookupResponse\x12\x11\n\ttruncated\x18\x05 \x01(\x08\x12\x13\n\x0bincarnation\x18\x06 \x01(\x04\"\x0e\n\x0cStatsRequest\"\xd5\x01\n\tNodeStats\x12\"\n\x04node\x18\x01 \x01(\x0b\x32\x14.kvstore.v1.NodeInfo\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x04\x12\x41\n\x0f\x62locks_per_tier\x18\x03 \x03(\x0b\x32(.kvstore.v1.NodeStats.BlocksPerTierEntry\x12\x1b\n\x13lease_expires_in_ms\x18\x04 \x01(\x04\x1a\x34\n\x12\x42locksPerTierEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x80\x02\n\rStatsResponse\x12$\n\x05nodes\x18\x01 \x03(\x0b\x32\x15.kvstore.v1.NodeStats\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x04\x12\x45\n\x0f\x62locks_per_tier\x18\x03 \x03(\x0b\x32,.kvstore.v1.StatsResponse.BlocksPerTierEntry\x12\x16\n\x0elast_event_seq\x18\x04 \x01(\x04\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12\x13\n\x0bincarnation\x18\x06 \x01(\x04\x1a\x34\n\x12\x42locksPerTierEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01*K\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0f\n\x0bTIER_DEVICE\x10\x01\x12\r\n\tTIER_HOST\x10\x02\x12\r\n\tTIER_DISK\x10\x03\x32\xec\x06\n\x08Metadata\x12Q\n\x0cRegisterNode\x12\x1f.kvstore.v1.RegisterNodeRequest\x1a .kvstore.v1.RegisterNodeResponse\x12H\n\tHeartbeat\x12\x1c.kvstore.v1.HeartbeatRequest\x1a\x1d.kvstore.v1.HeartbeatResponse\x12W\n\x0e\x44\x65registerNode\x12!.kvstore.v1.DeregisterNodeRequest\x1a\".kvstore.v1.DeregisterNodeResponse\x12\x42\n\x07Publish\x12\x1a.kvstore.v1.PublishRequest\x1a\x1b.kvstore.v1.PublishResponse\x12H\n\tUnpublish\x12\x1c.kvstore.v1.UnpublishRequest\x1a\x1d.kvstore.v1.UnpublishResponse\x12?\n\x06Lookup\x12\x19.kvstore.v1.LookupRequest\x1a\x1a.kvstore.v1.LookupResponse\x12O\n\x0cLookupStream\x12\x19.kvstore.v1.LookupRequest\x1a .kvstore.v1.LookupStreamResponse(\x01\x30\x01\x12<\n\x05Route\x12\x18.kvstore.v1.RouteRequest\x1a\x19.kvstore.v1.RouteResponse\x12\x45\n\x08\x44\x65scribe\x12\x1b.kvstore.v1.DescribeRequest\x1a\x1c.kvstore.v1.DescribeResponse\x12\x42\n\x0bWatchEvents\x12\x1e.kvstore.v1.WatchEventsRequest\x1a\x11.kvstore.v1.Event0\x01\x12<\n\x05Stats\x12\x18.kvstore.v1.StatsRequest\x1a\x19.kvstore.v1.StatsResponse\x12\x43\n\x08Snapshot\x12\x1b.kvstore.v1.SnapshotRequest\x1a\x18.kvstore.v1.SnapshotPage0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,8 +37,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_NODESTATS_BLOCKSPERTIERENTRY']._serialized_options = b'8\001'
   _globals['_STATSRESPONSE_BLOCKSPERTIERENTRY']._loaded_options = None
   _globals['_STATSRESPONSE_BLOCKSPERTIERENTRY']._serialized_options = b'8\001'
-  _globals['_TIER']._serialized_start=2666
-  _globals['_TIER']._serialized_end=2741
+  _globals['_TIER']._serialized_start=2702
+  _globals['_TIER']._serialized_end=2777
   _globals['_NODEINFO']._serialized_start=42
   _globals['_NODEINFO']._serialized_end=243
   _globals['_NODEINFO_TIERCAPACITYBYTESENTRY']._serialized_start=187
@@ -74,35 +74,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOOKUPSTREAMRESPONSE']._serialized_start=1326
   _globals['_LOOKUPSTREAMRESPONSE']._serialized_end=1439
   _globals['_LOOKUPHELLO']._serialized_start=1441
-  _globals['_LOOKUPHELLO']._serialized_end=1486
-  _globals['_DESCRIBEREQUEST']._serialized_start=1488
-  _globals['_DESCRIBEREQUEST']._serialized_end=1505
-  _globals['_DESCRIBERESPONSE']._serialized_start=1507
-  _globals['_DESCRIBERESPONSE']._serialized_end=1546
-  _globals['_ROUTEREQUEST']._serialized_start=1548
-  _globals['_ROUTEREQUEST']._serialized_end=1620
-  _globals['_ROUTERESPONSE']._serialized_start=1622
-  _globals['_ROUTERESPONSE']._serialized_end=1677
-  _globals['_WATCHEVENTSREQUEST']._serialized_start=1679
-  _globals['_WATCHEVENTSREQUEST']._serialized_end=1733
-  _globals['_EVENT']._serialized_start=1736
-  _globals['_EVENT']._serialized_end=1951
-  _globals['_EVENT_KIND']._serialized_start=1874
-  _globals['_EVENT_KIND']._serialized_end=1951
-  _globals['_SNAPSHOTREQUEST']._serialized_start=1953
-  _globals['_SNAPSHOTREQUEST']._serialized_end=2023
-  _globals['_SNAPSHOTPAGE']._serialized_start=2026
-  _globals['_SNAPSHOTPAGE']._serialized_end=2173
-  _globals['_STATSREQUEST']._serialized_start=2175
-  _globals['_STATSREQUEST']._serialized_end=2189
-  _globals['_NODESTATS']._serialized_start=2192
-  _globals['_NODESTATS']._serialized_end=2405
-  _globals['_NODESTATS_BLOCKSPERTIERENTRY']._serialized_start=2353
-  _globals['_NODESTATS_BLOCKSPERTIERENTRY']._serialized_end=2405
-  _globals['_STATSRESPONSE']._serialized_start=2408
-  _globals['_STATSRESPONSE']._serialized_end=2664
-  _globals['_STATSRESPONSE_BLOCKSPERTIERENTRY']._serialized_start=2353
-  _globals['_STATSRESPONSE_BLOCKSPERTIERENTRY']._serialized_end=2405
-  _globals['_METADATA']._serialized_start=2744
-  _globals['_METADATA']._serialized_end=3620
+  _globals['_LOOKUPHELLO']._serialized_end=1504
+  _globals['_DESCRIBEREQUEST']._serialized_start=1506
+  _globals['_DESCRIBEREQUEST']._serialized_end=1523
+  _globals['_DESCRIBERESPONSE']._serialized_start=1525
+  _globals['_DESCRIBERESPONSE']._serialized_end=1582
+  _globals['_ROUTEREQUEST']._serialized_start=1584
+  _globals['_ROUTEREQUEST']._serialized_end=1656
+  _globals['_ROUTERESPONSE']._serialized_start=1658
+  _globals['_ROUTERESPONSE']._serialized_end=1713
+  _globals['_WATCHEVENTSREQUEST']._serialized_start=1715
+  _globals['_WATCHEVENTSREQUEST']._serialized_end=1769
+  _globals['_EVENT']._serialized_start=1772
+  _globals['_EVENT']._serialized_end=1987
+  _globals['_EVENT_KIND']._serialized_start=1910
+  _globals['_EVENT_KIND']._serialized_end=1987
+  _globals['_SNAPSHOTREQUEST']._serialized_start=1989
+  _globals['_SNAPSHOTREQUEST']._serialized_end=2059
+  _globals['_SNAPSHOTPAGE']._serialized_start=2062
+  _globals['_SNAPSHOTPAGE']._serialized_end=2209
+  _globals['_STATSREQUEST']._serialized_start=2211
+  _globals['_STATSREQUEST']._serialized_end=2225
+  _globals['_NODESTATS']._serialized_start=2228
+  _globals['_NODESTATS']._serialized_end=2441
+  _globals['_NODESTATS_BLOCKSPERTIERENTRY']._serialized_start=2389
+  _globals['_NODESTATS_BLOCKSPERTIERENTRY']._serialized_end=2441
+  _globals['_STATSRESPONSE']._serialized_start=2444
+  _globals['_STATSRESPONSE']._serialized_end=2700
+  _globals['_STATSRESPONSE_BLOCKSPERTIERENTRY']._serialized_start=2389
+  _globals['_STATSRESPONSE_BLOCKSPERTIERENTRY']._serialized_end=2441
+  _globals['_METADATA']._serialized_start=2780
+  _globals['_METADATA']._serialized_end=3656
 # @@protoc_insertion_point(module_scope)

@@ -176,22 +176,26 @@ class LookupStreamResponse(_message.Message):
     def __init__(self, response: _Optional[_Union[LookupResponse, _Mapping]] = ..., status_code: _Optional[int] = ..., status_message: _Optional[str] = ...) -> None: ...
 
 class LookupHello(_message.Message):
-    __slots__ = ("token", "version")
+    __slots__ = ("token", "version", "instance")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
     token: str
     version: int
-    def __init__(self, token: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+    instance: bytes
+    def __init__(self, token: _Optional[str] = ..., version: _Optional[int] = ..., instance: _Optional[bytes] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("lookup_port",)
+    __slots__ = ("lookup_port", "instance")
     LOOKUP_PORT_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
     lookup_port: int
-    def __init__(self, lookup_port: _Optional[int] = ...) -> None: ...
+    instance: bytes
+    def __init__(self, lookup_port: _Optional[int] = ..., instance: _Optional[bytes] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
     __slots__ = ("tenant", "keys", "candidate_node_ids")

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from kvstore.errors import AuthError, ConfigError, PermissionDeniedError, UnavailableError
-from kvstore.metadata import lookup_port, lookup_sockets
+from kvstore.metadata import lookup_connection, lookup_sockets
 from kvstore.metadata.client import MetadataClient
 from kvstore.metadata.lookup_port import listen_address
 from kvstore.metadata.lookup_sockets import grpc_host
@@ -34,6 +34,7 @@ KEYS = LOOKUP_KEYS
 
 LENGTH = struct.Struct("<I")
 OK, INVALID_ARGUMENT, DEADLINE_EXCEEDED, PERMISSION_DENIED = 0, 3, 4, 7
+FAILED_PRECONDITION = 9
 RESOURCE_EXHAUSTED, UNAUTHENTICATED = 8, 16
 
 
@@ -48,10 +49,17 @@ def send(sock: socket.socket, payload: bytes) -> None:
 
 
 def answer(sock: socket.socket) -> pb.LookupStreamResponse:
-    head = sock.recv(LENGTH.size, socket.MSG_WAITALL)
-    assert len(head) == LENGTH.size, f"the connection ended ({head!r})"
-    body = sock.recv(LENGTH.unpack(head)[0], socket.MSG_WAITALL)
-    return pb.LookupStreamResponse.FromString(body)
+    head = recv_exactly(sock, LENGTH.size)
+    return pb.LookupStreamResponse.FromString(recv_exactly(sock, LENGTH.unpack(head)[0]))
+
+
+def recv_exactly(sock: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        piece = sock.recv(size - len(data))
+        assert piece, f"the connection ended after {len(data)} of {size} bytes"
+        data += piece
+    return data
 
 
 def ended(sock: socket.socket) -> bool:
@@ -61,8 +69,9 @@ def ended(sock: socket.socket) -> bool:
         return True
 
 
-def hello(sock: socket.socket, token: str = "") -> pb.LookupStreamResponse:
-    send(sock, pb.LookupHello(token=token, version=1).SerializeToString())
+def hello(sock: socket.socket, server: MetadataServer, token: str = "") -> pb.LookupStreamResponse:
+    instance = server.lookup_port.instance
+    send(sock, pb.LookupHello(token=token, version=1, instance=instance).SerializeToString())
     return answer(sock)
 
 
@@ -104,7 +113,7 @@ def test_a_malformed_frame_is_answered_with_invalid_argument_on_the_same_connect
     with running_server(tmp_path) as server, client_for(server) as client:
         publish(client)
         with connect(server) as sock:
-            assert hello(sock).status_code == OK
+            assert hello(sock, server).status_code == OK
             send(sock, b"\xff\xff\xff")
             bad = answer(sock)
             assert bad.status_code == INVALID_ARGUMENT
@@ -117,7 +126,7 @@ def test_pipelined_requests_are_answered_in_order(tmp_path):
     with running_server(tmp_path) as server, client_for(server) as client:
         publish(client)
         with connect(server) as sock:
-            assert hello(sock).status_code == OK
+            assert hello(sock, server).status_code == OK
             frames = b"".join(
                 LENGTH.pack(len(p)) + p
                 for n in range(1, 9)
@@ -134,15 +143,17 @@ def test_an_oversized_frame_ends_its_connection_with_its_status_and_nothing_else
         publish(client)
         limit = server.lookup_port.max_request_bytes
         with connect(server) as sock:
-            assert hello(sock).status_code == OK
+            assert hello(sock, server).status_code == OK
             sock.sendall(LENGTH.pack(limit + 1))
             refused = answer(sock)
-            assert refused.status_code == RESOURCE_EXHAUSTED
-            assert f"over the {limit}-byte limit" in refused.status_message
+            assert refused.status_code == INVALID_ARGUMENT
+            assert f"LookupRequest frame of {limit + 1} bytes is over the {limit}-byte limit" in (
+                refused.status_message
+            )
             assert ended(sock)
         with connect(server) as sock:  # an HTTP/2 client dialling the wrong port
             sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
-            assert answer(sock).status_code == RESOURCE_EXHAUSTED
+            assert answer(sock).status_code == INVALID_ARGUMENT
             assert ended(sock)
         assert client.lookup("t", KEYS).prefix_length == 5  # the service keeps answering
 
@@ -153,7 +164,7 @@ def test_a_hello_without_a_valid_token_is_refused_and_ends_the_connection(tmp_pa
     with running_server(tmp_path, token_file=token_file) as server:
         for token in ("", "not-a-token-0123456789"):
             with connect(server) as sock:
-                refused = hello(sock, token)
+                refused = hello(sock, server, token)
                 assert refused.status_code == UNAUTHENTICATED
                 assert ended(sock)
         with connect(server) as sock:  # no request is answered before the hello
@@ -166,15 +177,15 @@ def test_a_hello_without_a_valid_token_is_refused_and_ends_the_connection(tmp_pa
             with pytest.raises(AuthError):
                 bad.lookup("alice", KEYS)
         with connect(server) as sock:
-            assert hello(sock, ALICE).status_code == OK
+            assert hello(sock, server, ALICE).status_code == OK
             send(sock, pb.LookupRequest(tenant="bob", keys=KEYS).SerializeToString())
             assert answer(sock).status_code == PERMISSION_DENIED
         assert calls(server, "LookupPort", "UNAUTHENTICATED") == 2
 
 
 def test_a_silent_connection_is_ended_and_silent_ones_are_bounded(tmp_path, monkeypatch):
-    monkeypatch.setattr(lookup_port, "HELLO_TIMEOUT_S", 0.3)
-    monkeypatch.setattr(lookup_port, "MAX_AWAITING_HELLO", 2)
+    monkeypatch.setattr(lookup_connection, "HELLO_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(lookup_connection, "MAX_AWAITING_HELLO", 2)
     with running_server(tmp_path) as server:
         silent = [connect(server), connect(server)]
         with connect(server) as third:
@@ -186,7 +197,7 @@ def test_a_silent_connection_is_ended_and_silent_ones_are_bounded(tmp_path, monk
             assert ended(sock)
             sock.close()
         with connect(server) as sock:  # their places are free again
-            assert hello(sock).status_code == OK
+            assert hello(sock, server).status_code == OK
         assert calls(server, "LookupPort", "RESOURCE_EXHAUSTED") == 1
 
 
@@ -198,20 +209,23 @@ def test_connections_hold_the_lookup_stream_slots_of_their_tenant(tmp_path):
     ) as server:  # fmt: skip
         held = [connect(server), connect(server)]
         for sock in held:
-            assert hello(sock, ALICE).status_code == OK
+            assert hello(sock, server, ALICE).status_code == OK
         with connect(server) as sock:
-            refused = hello(sock, ALICE)
+            refused = hello(sock, server, ALICE)
             assert refused.status_code == RESOURCE_EXHAUSTED
             assert "max_lookup_streams_per_tenant" in refused.status_message
             assert ended(sock)
         with client_for(server, token=ALICE) as alice:  # no slot anywhere: a unary Lookup
             assert alice.lookup("alice", KEYS).prefix_length == 0
+        assert calls(server, "LookupPort", "RESOURCE_EXHAUSTED") == 2  # the raw one, the client
+        assert calls(server, "LookupStream", "RESOURCE_EXHAUSTED") == 1
+        assert calls(server, "Lookup") == 1  # answered once, unary
         held.pop().close()
         deadline = time.monotonic() + 5
         while server.lookup_port.slots.open_count("alice") > 1 and time.monotonic() < deadline:
             time.sleep(0.02)
         with connect(server) as sock:
-            assert hello(sock, ALICE).status_code == OK
+            assert hello(sock, server, ALICE).status_code == OK
         held[0].close()
 
 
@@ -221,10 +235,10 @@ def test_an_idle_connection_is_ended_and_the_next_lookup_opens_another(tmp_path)
         publish(client)
         assert client.lookup("t", KEYS).prefix_length == 5
         with connect(server) as sock:
-            assert hello(sock).status_code == OK
+            assert hello(sock, server).status_code == OK
             started = time.monotonic()
             assert ended(sock)  # closed without a frame: none would answer a lookup
-            assert 0.3 < time.monotonic() - started < 2.0
+            assert 0.3 < time.monotonic() - started < 10
         time.sleep(0.3)  # the client's connection has been ended too
         assert client.lookup("t", KEYS).prefix_length == 5  # retried on a new connection
         assert calls(server, "LookupPort") == 3
@@ -244,12 +258,14 @@ def test_a_lookup_port_that_never_answers_is_a_deadline_error(tmp_path, monkeypa
 
     threading.Thread(target=accept_hello_then_stall, daemon=True).start()
     stalled_port = listener.getsockname()[1]
-    monkeypatch.setattr(lookup_sockets.LookupSockets, "_describe", lambda self, d: stalled_port)
+    described = pb.DescribeResponse(lookup_port=stalled_port, instance=b"x")
+    monkeypatch.setattr(lookup_sockets.LookupSockets, "_describe", lambda self, d: described)
     with running_server(tmp_path) as server, client_for(server) as client:
         started = time.monotonic()
-        with pytest.raises(UnavailableError, match="DEADLINE_EXCEEDED"):
-            client.lookup("t", KEYS, timeout_s=0.3)
-        assert time.monotonic() - started < 1.5
+        with pytest.raises(UnavailableError, match="DEADLINE_EXCEEDED: no lookup answer"):
+            client.lookup("t", KEYS, timeout_s=1.0)
+        assert time.monotonic() - started < 3
+        assert calls(server, "Lookup") == 0  # the deadline was the port's, not gRPC's
     listener.close()
     for sock in accepted:
         sock.close()
@@ -319,3 +335,78 @@ def test_a_fixed_lookup_port_in_use_stops_the_start_with_a_clear_error(tmp_path)
     with pytest.raises(ConfigError, match=f"cannot listen for lookups on 127.0.0.1:{port}"):
         MetadataServer(config).start()
     taken.close()
+
+
+def test_a_hello_for_another_service_instance_is_refused(tmp_path):
+    with running_server(tmp_path) as server, connect(server) as sock:
+        send(sock, pb.LookupHello(version=1, instance=b"0" * 16).SerializeToString())
+        refused = answer(sock)
+        assert refused.status_code == FAILED_PRECONDITION
+        assert "another service instance's" in refused.status_message
+        assert ended(sock)
+
+
+def test_many_threads_share_a_client_s_few_connections(tmp_path):
+    with running_server(tmp_path) as server, client_for(server) as client:
+        publish(client)
+        wrong = []
+
+        def look_up(count: int) -> None:
+            for n in range(count):
+                found = client.lookup("t", KEYS[: 1 + n % 8]).prefix_length
+                if found != min(5, 1 + n % 8):
+                    wrong.append((n, found))
+
+        threads = [threading.Thread(target=look_up, args=(60,)) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert wrong == []
+        sockets = client._lookup_sockets
+        assert sockets._open == len(sockets._idle) <= lookup_sockets.MAX_OPEN
+        assert calls(server, "LookupPort") <= lookup_sockets.MAX_OPEN
+        assert calls(server, "Lookup") == 8 * 60  # each answered once, whichever way
+        client.close()
+        assert sockets._open == 0 and sockets._idle == []
+
+
+def test_a_client_that_does_not_read_its_answers_is_no_longer_read(tmp_path):
+    with running_server(tmp_path) as server, client_for(server) as client:
+        publish(client)
+        request = pb.LookupRequest(tenant="t", keys=KEYS).SerializeToString()
+        count = 40_000  # 7 MB of requests, 8 MB of answers
+        with connect(server) as sock:
+            assert hello(sock, server).status_code == OK
+            sender = threading.Thread(
+                target=sock.sendall, args=((LENGTH.pack(len(request)) + request) * count,)
+            )
+            sender.start()
+            time.sleep(2)  # the service answers until the socket's buffers are full
+            (connection,) = server.lookup_port.connections
+            assert len(connection.buffer) < 1 << 20
+            assert connection.transport.get_write_buffer_size() < 1 << 20
+            assert client.lookup("t", KEYS).prefix_length == 5  # others are answered meanwhile
+            answers = [answer(sock).response.prefix_length for _ in range(count)]
+            sender.join()
+        assert answers == [5] * count
+
+
+def test_a_tls_handshake_counts_against_the_hello_s_bounds(tmp_path, tls_files, monkeypatch):
+    monkeypatch.setattr(lookup_connection, "HELLO_TIMEOUT_S", 0.3)
+    with running_server(tmp_path, tls_cert=tls_files["cert"], tls_key=tls_files["key"]) as server:
+        with connect(server) as silent:  # connected, no ClientHello
+            deadline = time.monotonic() + 5
+            while server.lookup_port.awaiting_hello != 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert server.lookup_port.awaiting_hello == 1
+            assert ended(silent)  # cut at the hello's deadline, mid-handshake
+        deadline = time.monotonic() + 5
+        while server.lookup_port.awaiting_hello and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.lookup_port.awaiting_hello == 0
+        assert server.lookup_port.connections == set()
+        with MetadataClient(f"localhost:{server.port}", tls_ca=tls_files["ca"]) as client:
+            publish(client)
+            assert client.lookup("t", KEYS).prefix_length == 5
+        assert calls(server, "LookupPort") == 1
