@@ -37,20 +37,18 @@ WILDCARD_HOSTS = ("", "0.0.0.0", "::")  # every address, of both families where 
 Answer = Callable[[bytes, TenantScope], pb.LookupStreamResponse]
 
 
-def listen_address(lookup_listen: str, grpc_listen: str, grpc_port: int) -> tuple[str, int] | None:
+def listen_address(lookup_listen: str, grpc_listen: str) -> tuple[str, int] | None:
     """Where the lookup port listens: `lookup_listen` as HOST:PORT; "auto", the gRPC port + 1
-    on the gRPC host (any free port where gRPC's was chosen by the system); "off": None."""
+    on the gRPC host (any free port where gRPC's is chosen by the system); "off": None."""
     if lookup_listen == "off":
         return None
-    if lookup_listen == "auto":
-        host, _, port = grpc_listen.rpartition(":")
-        chosen = int(port) if port.isdigit() else 0
-        if grpc_port >= 65535:
-            raise ConfigError("lookup_listen 'auto' is the gRPC port + 1, past 65535: set one")
-        return host.strip("[]"), grpc_port + 1 if chosen else 0
-    host, _, port = lookup_listen.rpartition(":")
+    host, _, port = (grpc_listen if lookup_listen == "auto" else lookup_listen).rpartition(":")
     if not port.isdigit() or int(port) > 65535:
         raise ConfigError(f"lookup_listen {lookup_listen!r}: use HOST:PORT, 'auto' or 'off'")
+    if lookup_listen == "auto":
+        if int(port) >= 65535:
+            raise ConfigError("lookup_listen 'auto' is the gRPC port + 1, past 65535: set one")
+        return host.strip("[]"), int(port) + 1 if int(port) else 0
     return host.strip("[]"), int(port)
 
 

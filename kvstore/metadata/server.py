@@ -97,7 +97,7 @@ class MetadataConfig:
             )
         if self.lmdb_map_size_bytes < MIN_MAP_SIZE_BYTES:
             raise ConfigError(f"lmdb_map_size_bytes must be at least {MIN_MAP_SIZE_BYTES}")
-        listen_address(self.lookup_listen, self.listen, 0)  # a ConfigError where malformed
+        listen_address(self.lookup_listen, self.listen)  # a ConfigError where malformed
 
 
 def open_index(config: MetadataConfig) -> MetadataIndex:
@@ -182,9 +182,12 @@ class MetadataServer:
         server = grpc.aio.server(options=options)
         server.add_generic_rpc_handlers((rpc_handlers(self.servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        port = self._bind(server)
-        await self._start_lookup_port(port)  # before gRPC: Describe must know it from the start
+        # the lookup port first: Describe knows it from the first call, and a lookup port that
+        # cannot listen stops the start before gRPC binds (a bound, unstarted gRPC server
+        # keeps its port until the process ends)
+        await self._start_lookup_port()
         try:
+            port = self._bind(server)
             await server.start()
         except BaseException:
             await self.lookup_port.stop()
@@ -196,11 +199,11 @@ class MetadataServer:
         self.servicer.lookup_streams.start(asyncio.get_running_loop())
         return port
 
-    async def _start_lookup_port(self, grpc_port: int) -> None:
+    async def _start_lookup_port(self) -> None:
         """Listen on the lookup port where configured and the index's reads never block (its
         answers run on the loop); the servicer's Describe tells clients where."""
         config = self.config
-        address = listen_address(config.lookup_listen, config.listen, grpc_port)
+        address = listen_address(config.lookup_listen, config.listen)
         if address is None:
             return
         if not self.index.nonblocking_reads:

@@ -29,6 +29,7 @@ from tests.metadata.servers import (
     publish,
     running_server,
 )
+from tests.sockets import listening_sockets
 
 KEYS = LOOKUP_KEYS
 
@@ -312,14 +313,16 @@ def test_an_index_whose_reads_block_gets_no_lookup_port(tmp_path):
 
 
 def test_the_lookup_address_follows_the_grpc_one():
-    assert listen_address("auto", "0.0.0.0:50051", 50051) == ("0.0.0.0", 50052)
-    assert listen_address("auto", "[::]:7000", 7000) == ("::", 7001)
-    assert listen_address("auto", "127.0.0.1:0", 41234) == ("127.0.0.1", 0)  # a free one
-    assert listen_address("10.0.0.5:9000", "0.0.0.0:50051", 50051) == ("10.0.0.5", 9000)
-    assert listen_address("off", "0.0.0.0:50051", 50051) is None
+    assert listen_address("auto", "0.0.0.0:50051") == ("0.0.0.0", 50052)
+    assert listen_address("auto", "[::]:7000") == ("::", 7001)
+    assert listen_address("auto", "127.0.0.1:0") == ("127.0.0.1", 0)  # a free one, as gRPC's
+    assert listen_address("10.0.0.5:9000", "0.0.0.0:50051") == ("10.0.0.5", 9000)
+    assert listen_address("off", "0.0.0.0:50051") is None
+    with pytest.raises(ConfigError, match="past 65535"):
+        listen_address("auto", "0.0.0.0:65535")
     for bad in ("nowhere", "host:99999", "host:"):
         with pytest.raises(ConfigError, match="HOST:PORT, 'auto' or 'off'"):
-            listen_address(bad, "0.0.0.0:50051", 50051)
+            listen_address(bad, "0.0.0.0:50051")
     assert grpc_host("meta.kvstore.svc:50051") == "meta.kvstore.svc"
     assert grpc_host("dns:///meta:50051") == "meta"
     assert grpc_host("[::1]:50051") == "::1"
@@ -332,8 +335,10 @@ def test_a_fixed_lookup_port_in_use_stops_the_start_with_a_clear_error(tmp_path)
     config = MetadataConfig(
         listen="127.0.0.1:0", backend="memory", lookup_listen=f"127.0.0.1:{port}"
     )
+    before = listening_sockets()
     with pytest.raises(ConfigError, match=f"cannot listen for lookups on 127.0.0.1:{port}"):
         MetadataServer(config).start()
+    assert listening_sockets() == before  # the gRPC port it had bound is let go
     taken.close()
 
 

@@ -4,7 +4,6 @@ mid-block leaves nothing partial, and a process using UCX idles quietly and exit
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import socket
@@ -27,6 +26,7 @@ from kvstore.errors import ConfigError, TransferError
 from kvstore.tiers.host import ARENA_PREFIX, SHM_DIR
 from kvstore.transfer import ucx, ucx_runtime
 from kvstore.transfer.ucx import UcxEngine
+from tests.sockets import listening_sockets
 from tests.transfer.conftest import (
     KEYS,
     LOOPBACK,
@@ -247,26 +247,6 @@ def test_a_process_that_never_closes_its_engines_exits_with_a_clean_stdout():
 
     assert done.returncode == 0, done.stderr
     assert done.stdout == "done\n"  # UCX's and UCXX's logs went to stderr
-
-
-def listening_sockets(pid: int | str = "self") -> set[tuple[str, int]]:
-    """(local address, port) of every socket process `pid` listens on, from /proc/net/tcp{,6}
-    (addresses as the kernel prints them: 0100007F is 127.0.0.1, 00000000 any IPv4)."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        with contextlib.suppress(OSError):  # closed meanwhile
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            if target.startswith("socket:["):
-                inodes.add(target[len("socket:[") : -1])
-    found = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as lines:
-            for line in list(lines)[1:]:
-                fields = line.split()
-                address, _, hex_port = fields[1].rpartition(":")
-                if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
-                    found.add((address, int(hex_port, 16)))
-    return found
 
 
 LOOPBACK_V4 = "0100007F"
