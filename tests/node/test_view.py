@@ -231,10 +231,12 @@ def test_an_agent_refused_a_stream_slot_asks_the_service_until_it_gets_one(tmp_p
     limit = ("--max-watch-streams-all-tenants", "1")
     with metadata_process("--backend", "memory", *limit) as (_, address):
         other = MetadataClient(address)
-        taken = other.open_events()  # holds the `*` scope's one stream slot
+        taken = other.open_events()  # holds the `*` scope's one stream slot...
         try:
+            events = iter(taken)
+            FakePeer(address, "node-b").publish(KEYS[:3])
+            next(events)  # ...once the service admitted it (before, the agent could take it)
             with agent_at(tmp_path, address) as a:
-                FakePeer(address, "node-b").publish(KEYS[:3])
                 assert wait_until(lambda: a.view.counters["refused"] >= 1, timeout_s=30)
                 assert remote_hits(a.config.socket_path, KEYS) == 3, "from the service"
                 assert not a.view.ready
