@@ -46,16 +46,12 @@ def error_for(code: grpc.StatusCode, details: str) -> errors.KVStoreError:
     return _ERROR_FOR.get(code, errors.KVStoreError)(f"{code.name}: {details}")
 
 
-CODES = {code.value[0]: code for code in grpc.StatusCode}  # a status's number -> the code
-
-
-def code_of(number: int) -> grpc.StatusCode:
-    """The code of a status number carried in a message (LookupStreamResponse.status_code)."""
-    return CODES.get(number, grpc.StatusCode.UNKNOWN)
+_CODES = {code.value[0]: code for code in grpc.StatusCode}  # a status's number -> the code
 
 
 def lookup_answer(answer) -> object:
     """A LookupStreamResponse's LookupResponse; its error where it carries a status."""
     if answer.status_code:
-        raise error_for(code_of(answer.status_code), answer.status_message)
+        code = _CODES.get(answer.status_code, grpc.StatusCode.UNKNOWN)
+        raise error_for(code, answer.status_message)
     return answer.response
