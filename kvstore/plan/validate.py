@@ -198,7 +198,8 @@ def _predict(runs: list[Run], arena_pages: int, calibration: cal.Calibration,
         loaded.append(count * CHUNK_TOKENS)
     steady_s = np.array(steady)
     return {"ttft_s": steady_s * calibration.slowdown, "steady_ttft_s": steady_s,
-            "cached_tokens": np.array(loaded)}  # fmt: skip
+            "cached_tokens": np.array(loaded),
+            "stored_tokens": hits.hit_chunks["host"] * CHUNK_TOKENS}  # fmt: skip
 
 
 def _summary(slice_, runs, arena_pages, measured, predicted, calibration, started) -> dict:
@@ -214,6 +215,8 @@ def _summary(slice_, runs, arena_pages, measured, predicted, calibration, starte
         "arena_pages": arena_pages,
         "policy": POLICY,
         "arrivals": "compressed: one request at a time, in trace order",
+        # what the store held for each request, before the load-or-recompute choice
+        "stored_token_ratio": float(predicted["stored_tokens"][trace].sum() / tokens),
         "predicted_token_hit_ratio": float(predicted["cached_tokens"][trace].sum() / tokens),
         "measured_token_hit_ratio": float(measured["cached_tokens"][trace].sum() / tokens),
     }
