@@ -66,15 +66,19 @@ def lookup_result(response: pb.LookupResponse) -> LookupResult:
     most repeat; each pass in C where every key has one holder, the common case."""
     nodes = response.nodes
     addresses = {n.node_id: (n.tcp_address, n.ucx_address) for n in nodes}
-    counts = response.holder_counts
-    holder_nodes, holder_tiers = response.holder_nodes, response.holder_tiers
+    counts = list(response.holder_counts)  # each container read once, in C
+    holder_nodes, holder_tiers = list(response.holder_nodes), list(response.holder_tiers)
     if not len(holder_nodes) == len(holder_tiers) == sum(counts):
         raise errors.KVStoreError("malformed LookupResponse: its holder arrays disagree")
-    pairs = list(zip(holder_nodes, holder_tiers, strict=False))  # lengths checked above
-    made = {pair: Holding(nodes[pair[0]].node_id, wire.PROTO_TO_TIER[pair[1]])
-            for pair in set(pairs)}  # fmt: skip
-    flat = list(map(made.__getitem__, pairs))
-    if len(flat) == len(counts) and max(counts, default=1) == 1:  # one holder a key
+    if len(set(holder_nodes)) == 1 == len(set(holder_tiers)):  # one node and tier hold it all
+        node, tier = holder_nodes[0], holder_tiers[0]
+        flat = [Holding(nodes[node].node_id, wire.PROTO_TO_TIER[tier])] * len(holder_nodes)
+    else:
+        pairs = list(zip(holder_nodes, holder_tiers, strict=False))  # lengths checked above
+        made = {pair: Holding(nodes[pair[0]].node_id, wire.PROTO_TO_TIER[pair[1]])
+                for pair in set(pairs)}  # fmt: skip
+        flat = list(map(made.__getitem__, pairs))
+    if counts.count(1) == len(counts) == len(flat):  # one holder a key
         holders = [[holding] for holding in flat]
     else:
         holders, start = [], 0

@@ -106,7 +106,8 @@ def node_to_proto(node: NodeRecord) -> pb.NodeInfo:
 def lookup_response(found: list[list[Holding]], nodes: dict[str, NodeRecord],
                     caller_node_id: str) -> pb.LookupResponse:  # fmt: skip
     """Flatten the holders of each key into the response's parallel arrays (the hot path: a
-    pass per array, each in C where the key has one holder, the common case)."""
+    pass per array, each in C where the key has one holder, the common case; one repeated
+    value where one node and tier hold the whole prefix, the most common)."""
     counts = list(map(len, found))
     if not found or max(counts) == 1:
         flat = [holders[0] for holders in found]
@@ -115,19 +116,26 @@ def lookup_response(found: list[list[Holding]], nodes: dict[str, NodeRecord],
         for holders in found:
             flat.extend(rank_holders(holders, caller_node_id) if len(holders) > 1 else holders)
     node_ids = list(map(_NODE_ID, flat))
-    node_index = {node_id: i for i, node_id in enumerate(dict.fromkeys(node_ids))}
-    addresses = []
-    for node_id in node_index:
-        node = nodes.get(node_id)
-        addresses.append(pb.NodeAddress(
-            node_id=node_id,
-            tcp_address=node.tcp_address if node else "",
-            ucx_address=node.ucx_address if node else "",
-        ))  # fmt: skip
+    distinct = list(dict.fromkeys(node_ids))
+    addresses = [_address(node_id, nodes.get(node_id)) for node_id in distinct]
+    tiers = list(map(_TIER, flat))
+    if len(distinct) == 1 and tiers.count(tiers[0]) == len(tiers):
+        holder_nodes, holder_tiers = [0] * len(flat), [TIER_TO_PROTO[tiers[0]]] * len(flat)
+    else:
+        node_index = {node_id: i for i, node_id in enumerate(distinct)}
+        holder_nodes = list(map(node_index.__getitem__, node_ids))
+        holder_tiers = list(map(TIER_TO_PROTO.__getitem__, tiers))
     return pb.LookupResponse(
         prefix_length=len(found), nodes=addresses, holder_counts=counts,
-        holder_nodes=list(map(node_index.__getitem__, node_ids)),
-        holder_tiers=list(map(TIER_TO_PROTO.__getitem__, map(_TIER, flat))),
+        holder_nodes=holder_nodes, holder_tiers=holder_tiers,
+    )  # fmt: skip
+
+
+def _address(node_id: str, node: NodeRecord | None) -> pb.NodeAddress:
+    return pb.NodeAddress(
+        node_id=node_id,
+        tcp_address=node.tcp_address if node else "",
+        ucx_address=node.ucx_address if node else "",
     )  # fmt: skip
 
 
