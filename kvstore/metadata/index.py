@@ -105,8 +105,9 @@ class MetadataIndex(ABC):
         """Forget holdings (key and tier); unknown ones are ignored. Returns how many went."""
 
     @abstractmethod
-    def lookup(self, tenant: str, keys: Sequence[bytes]) -> list[list[Holding]]:
-        """Holdings on live nodes for the longest prefix of `keys` that has any. No side effects."""
+    def lookup(self, tenant: str, keys: Sequence[bytes]) -> list[Sequence[Holding]]:
+        """Holdings on live nodes for the longest prefix of `keys` that has any (each key's a
+        list or a tuple: read them, never change them). No side effects."""
 
     @abstractmethod
     def live_nodes(self) -> dict[str, NodeRecord]:

@@ -15,6 +15,8 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from itertools import chain
+from operator import attrgetter
 from pathlib import Path
 
 from kvstore.errors import CapacityError, LeaseError, NotFoundError, QuotaExceededError
@@ -32,10 +34,9 @@ from kvstore.metadata.ring import EventRing
 
 logger = logging.getLogger(__name__)
 
-Slot = tuple[str, str]  # (node_id, tier)
 Held = tuple[str, bytes, str]  # (tenant, key, tier)
-Holders = dict[bytes, dict[Slot, Holding]]  # one tenant's keys
-SnapshotCopy = tuple[int, dict[str, NodeRecord], list[tuple[str, list[tuple[bytes, dict]]]]]
+Holders = dict[bytes, tuple[Holding, ...]]  # one tenant's keys; a key's holders, replaced whole
+SnapshotCopy = tuple[int, dict[str, NodeRecord], list[tuple[str, list[tuple[bytes, tuple]]]]]
 
 
 class MemoryIndex(MetadataIndex):
@@ -176,7 +177,7 @@ class MemoryIndex(MetadataIndex):
             fresh = {
                 (e.key, e.tier): Holding(node_id, e.tier, e.size_bytes, e.checksum)
                 for e in entries
-                if (node_id, e.tier) not in self._holders.get(tenant, {}).get(e.key, {})
+                if not _holds(self._holders.get(tenant, {}).get(e.key, ()), node_id, e.tier)
             }
             self._check_quota(tenant, {key for key, _ in fresh})
 
@@ -219,9 +220,10 @@ class MemoryIndex(MetadataIndex):
         keys = self._holders.setdefault(tenant, {})
         holders = keys.get(key)
         if holders is None:
-            holders = keys[key] = {}
+            holders = ()
             self._tenant_keys[tenant] += 1
-        holders[(holding.node_id, holding.tier)] = holding
+        others = _without(holders, holding.node_id, holding.tier)
+        keys[key] = (*others, holding)  # one store: a reader sees the old tuple or the new
         self._by_node.setdefault(holding.node_id, set()).add((tenant, key, holding.tier))
         self._tier_blocks[holding.tier] += 1
         self._node_blocks.setdefault(holding.node_id, Counter())[holding.tier] += 1
@@ -237,9 +239,10 @@ class MemoryIndex(MetadataIndex):
         node_blocks = self._node_blocks.get(node_id, Counter())
         for tenant, key, tier in held:
             keys = self._holders.get(tenant, {})
-            holders = keys.get(key, {})
-            holders.pop((node_id, tier), None)
-            if not holders:
+            holders = _without(keys.get(key, ()), node_id, tier)
+            if holders:
+                keys[key] = holders
+            elif key in keys:
                 keys.pop(key, None)
                 self._tenant_keys[tenant] -= 1
                 if not self._tenant_keys[tenant]:
@@ -250,28 +253,21 @@ class MemoryIndex(MetadataIndex):
             _decrement(node_blocks, tier)
             self._emit("removed", tenant, key, node_id, tier)
 
-    def lookup(self, tenant: str, keys: Sequence[bytes]) -> list[list[Holding]]:
-        """Lock-free: each dictionary is read in one C-level step (`get`, `tuple(values())`),
-        which no writer thread can interleave; a concurrent write is seen whole or not at all
-        per key, as under the lock."""
+    def lookup(self, tenant: str, keys: Sequence[bytes]) -> list[tuple[Holding, ...]]:
+        """Lock-free: a key's holders are a tuple that writers replace whole, and the keys'
+        tuples are read in one C-level step (`map` over `dict.get`) that no writer thread can
+        interleave: the prefix is of one moment, as under the lock. It ends at the first key
+        held by no live node."""
         alive = self._alive_ids()
         held = self._holders.get(tenant)
-        found: list[list[Holding]] = []
         if held is None:
+            return []
+        found = list(map(held.get, keys))
+        if None in found:
+            del found[found.index(None) :]
+        if alive.issuperset(map(_NODE_ID, chain.from_iterable(found))):  # the common case
             return found
-        for key in keys:
-            holders = held.get(key)
-            if not holders:
-                break
-            values = tuple(holders.values())
-            if len(values) == 1:  # the common case, without a comprehension's frame
-                live = list(values) if values[0].node_id in alive else None
-            else:
-                live = [h for h in values if h.node_id in alive]
-            if not live:
-                break
-            found.append(live)
-        return found
+        return _live_prefix(found, alive)
 
     def _alive_ids(self) -> frozenset[str]:
         """Ids of live nodes, recomputed only when membership changed or the earliest lease
@@ -334,6 +330,28 @@ class MemoryIndex(MetadataIndex):
             if self._journal:
                 self._journal.close()
                 self._journal = None
+
+
+_NODE_ID = attrgetter("node_id")
+
+
+def _holds(holders: tuple[Holding, ...], node_id: str, tier: str) -> bool:
+    return any(h.node_id == node_id and h.tier == tier for h in holders)
+
+
+def _without(holders: tuple[Holding, ...], node_id: str, tier: str) -> tuple[Holding, ...]:
+    return tuple(h for h in holders if h.node_id != node_id or h.tier != tier)
+
+
+def _live_prefix(found: list[tuple[Holding, ...]], alive: frozenset[str]) -> list[tuple]:
+    """The holders on live nodes of each key, up to the first key with none."""
+    live_prefix = []
+    for holders in found:
+        live = tuple(h for h in holders if h.node_id in alive)
+        if not live:
+            break
+        live_prefix.append(live)
+    return live_prefix
 
 
 def _decrement(counter: Counter[str], name: str) -> None:

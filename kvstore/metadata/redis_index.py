@@ -229,10 +229,8 @@ class RedisIndex(MetadataIndex):
             for name, blob in zip(names, blobs, strict=True):
                 if blob:  # gone between SCAN and MGET: its removal is an event after last_seq
                     tenant, _, key = name[stem_len:].partition(b"\0")
-                    pairs = _parse_holders.__wrapped__(blob)[2]  # uncached: a copy is read once
-                    held.setdefault(tenant.decode(), {})[key] = {
-                        (h.node_id, h.tier): h for _, h in pairs
-                    }
+                    holdings = _parse_holders.__wrapped__(blob)[1]  # uncached: read once
+                    held.setdefault(tenant.decode(), {})[key] = holdings
             if cursor in (b"0", 0):
                 return last_seq, held
 

@@ -103,7 +103,7 @@ def node_to_proto(node: NodeRecord) -> pb.NodeInfo:
     )
 
 
-def lookup_response(found: list[list[Holding]], nodes: dict[str, NodeRecord],
+def lookup_response(found: list[Sequence[Holding]], nodes: dict[str, NodeRecord],
                     caller_node_id: str) -> pb.LookupResponse:  # fmt: skip
     """Flatten the holders of each key into the response's parallel arrays (the hot path: a
     pass per array, each in C where the key has one holder, the common case; one repeated
@@ -139,7 +139,7 @@ def _address(node_id: str, node: NodeRecord | None) -> pb.NodeAddress:
     )  # fmt: skip
 
 
-def rank_holders(holders: list[Holding], caller_node_id: str) -> list[Holding]:
+def rank_holders(holders: Sequence[Holding], caller_node_id: str) -> list[Holding]:
     """The caller's own node first, then faster tiers first, then by node id (deterministic)."""
     return sorted(
         holders, key=lambda h: (h.node_id != caller_node_id, TIERS.index(h.tier), h.node_id)
@@ -163,7 +163,7 @@ def _pages(copy, max_keys: int, page_keys: int) -> Iterator[pb.SnapshotPage]:
     for tenant, items in tenants:
         keys, found = [], []
         for key, holders in items:
-            live = [h for h in tuple(holders.values()) if h.node_id in nodes]
+            live = [h for h in holders if h.node_id in nodes]
             if not live:
                 continue
             if max_keys and sent == max_keys:

@@ -133,7 +133,7 @@ def held(copy) -> set[tuple]:
         (tenant, key, h.node_id, h.tier)
         for tenant, items in tenants
         for key, holders in items
-        for h in holders.values()
+        for h in holders
         if h.node_id in nodes
     }
 
