@@ -85,7 +85,10 @@ def test_the_view_follows_publishes_evictions_and_node_expiry(tmp_path):
         c.publish(KEYS[:8], tier="disk")
         assert converges(a, KEYS, 8)
         assert converges(a, KEYS, 3), "node-c's lease ran out: its keys left the view"
-        assert a.view.keys == 3 and a.view.counters["fallback_not_ready"] == 0
+        # lookups skip node-c as soon as its expiry is seen; its keys leave as their removed
+        # events arrive (CI once counted 4 keys still in the view right after the lookup)
+        assert wait_until(lambda: a.view.keys == 3)
+        assert a.view.counters["fallback_not_ready"] == 0
         scraped = generate_latest(agent_registry(a.stats)).decode()
         assert "kvstore_agent_view_keys 3.0" in scraped
         assert 'kvstore_agent_view_lookups_total{answer="fallback_overflow"} 0.0' in scraped
