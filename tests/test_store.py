@@ -190,3 +190,20 @@ def test_a_waiter_for_a_received_block_learns_as_soon_as_it_is_decided(store):
     started = time.monotonic()
     assert store.await_arrival(KEYS[1], timeout_s=10) is False  # not on its way: no wait
     assert time.monotonic() - started < 1
+
+
+def test_lookup_slots_name_each_leading_key_s_fastest_slot_and_stop_at_another_tenant(store):
+    def stored(key, parent, tenant):
+        store.reserve(key, parent, 100, tenant=tenant).fill_(1)
+        store.commit(key)
+
+    for n in range(6):
+        stored(KEYS[n], KEYS[n - 1] if n else None, "a")
+    stored(KEYS[6], KEYS[5], "b")  # 4 fit on host: KEYS[:3] went down to disk
+    assert store.lookup_slots(KEYS[3:6], "a") == bytes(3)  # all on host: slot 0
+    assert store.lookup_slots(KEYS[:6], "a") == bytes([1, 1, 1, 0, 0, 0])
+    assert store.lookup_slots(KEYS[3:8], "a") == bytes(3)  # KEYS[6] is b's: absent for a
+    assert store.lookup_slots(KEYS[6:7], "b") == bytes(1)
+    assert store.lookup_slots(KEYS[6:7], "a") == b""
+    assert store.lookup_slots(KEYS[:7]) == bytes([1, 1, 1, 0, 0, 0, 0])  # any tenant
+    assert store.lookup_slots([], "a") == b""
