@@ -254,7 +254,8 @@ def run_agent(plan: AgentPlan, halt, steady, stop, results) -> None:
     agent.results = results
     with ThreadPoolExecutor(HEARTBEAT_THREADS) as pool:
         list(pool.map(agent.register, agent.nodes))
-    threading.Thread(target=agent.heartbeat_loop, daemon=True).start()
+    heartbeats = threading.Thread(target=agent.heartbeat_loop, daemon=True)
+    heartbeats.start()
     agent.preload(agent.nodes)  # one batch in flight per process: the service's pace
     results.put(("preloaded", agent.counts["preloaded"], agent.counts["heartbeat_misses"]))
     groups = [agent.nodes[i :: plan.threads] for i in range(plan.threads)]
@@ -265,6 +266,7 @@ def run_agent(plan: AgentPlan, halt, steady, stop, results) -> None:
     agent.counts["steady_s"] = time.monotonic() - started
     agent.counts["errors_by_kind"] = dict(agent.errors)
     results.put(("agent", dict(agent.counts), agent.lookup_us.values, agent.first_miss_s))
+    heartbeats.join()  # its round ends, then the stop ends it: no call on a closed channel
     agent.client.close()
 
 
