@@ -121,6 +121,20 @@ def test_no_agent_is_unavailable(tmp_path):
         KVStoreClient(tmp_path / "absent.sock")
 
 
+def test_an_agent_that_never_answers_is_unavailable_within_the_client_timeout(tmp_path):
+    import socket
+    import time
+
+    path = tmp_path / "silent.sock"
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(str(path))
+        listener.listen()  # accepts (the kernel's backlog), never answers the hello
+        started = time.monotonic()
+        with pytest.raises(UnavailableError, match="node agent connection failed"):
+            KVStoreClient(path, timeout_s=0.3)
+        assert 0.25 < time.monotonic() - started < 2.0
+
+
 _DYING_WORKER = textwrap.dedent(
     """
     import sys, time
