@@ -3,10 +3,9 @@
 Runs in the process of a MetadataClient (node agents, routers, the bench), in the threads that
 look up; no thread of its own. The port and the service's instance id are learnt from Describe;
 the port is dialled on the host of the gRPC address, with TLS where the channel has it. A lookup
-takes an idle connection (or opens one, up to MAX_OPEN; with all of them in use, it waits for
-one, so a client holds at most MAX_OPEN of its tenant's lookup slots), sends its request and
-reads the answer in the asking thread, the socket's timeout its deadline. Where none is to be
-had (no lookup port, or the port failed or refused in the last RETRY_AFTER_S), `lookup` returns
+takes an idle connection (or opens one, up to MAX_OPEN), sends its request and reads the answer
+in the asking thread, the socket's timeout its deadline. Where none is to be had (no lookup
+port, all in use, or the port failed or refused in the last RETRY_AFTER_S), `lookup` returns
 None and the caller asks over gRPC instead, with what is left of the deadline. A connection
 that timed out, failed or sat idle for CLIENT_IDLE_S is closed, never reused (an answer still
 on its way would be read as the next lookup's); so are those a forked child inherited.
@@ -124,7 +123,6 @@ class LookupSockets:
         self._max_bytes = max_message_bytes
         self._described: pb.DescribeResponse | None = None  # None: to be asked
         self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)  # a connection came back, or went
         self._idle: list[_Connection] = []
         self._open = 0
         self._pid = os.getpid()
@@ -164,24 +162,18 @@ class LookupSockets:
         stale: list[_Connection] = []
         try:
             with self._lock:
-                while True:
-                    if self._closed:
-                        raise errors.UnavailableError("UNAVAILABLE: the metadata client is closed")
-                    self._forget_inherited()
-                    while self._idle:
-                        connection = self._idle.pop()
-                        if time.monotonic() - connection.used_at < CLIENT_IDLE_S:
-                            return connection
-                        stale.append(connection)
-                        self._open -= 1
-                    if time.monotonic() < self._retry_at:
-                        return None
-                    if self._open < MAX_OPEN:
-                        self._open += 1
-                        break
-                    left = deadline - time.monotonic()  # all in use: wait for one
-                    if left <= 0 or not self._changed.wait(left):
-                        return None
+                if self._closed:
+                    raise errors.UnavailableError("UNAVAILABLE: the metadata client is closed")
+                self._forget_inherited()
+                while self._idle:
+                    connection = self._idle.pop()
+                    if time.monotonic() - connection.used_at < CLIENT_IDLE_S:
+                        return connection
+                    stale.append(connection)
+                    self._open -= 1
+                if self._open >= MAX_OPEN or time.monotonic() < self._retry_at:
+                    return None
+                self._open += 1
         finally:
             for connection in stale:
                 connection.close()
@@ -191,7 +183,8 @@ class LookupSockets:
             return connection
         finally:
             if connection is None:
-                self._closed_one()
+                with self._lock:
+                    self._open -= 1
 
     def _forget_inherited(self) -> None:
         """In a forked child: the parent's connections are the parent's (both reading one
@@ -259,32 +252,24 @@ class LookupSockets:
     def _back_off(self, seconds: float = RETRY_AFTER_S) -> None:
         with self._lock:
             self._retry_at = time.monotonic() + seconds
-            self._changed.notify_all()  # waiters ask over gRPC meanwhile
 
     def _give(self, connection: _Connection) -> None:
         with self._lock:
             if not self._closed and os.getpid() == self._pid:
                 self._idle.append(connection)
-                self._changed.notify()
                 return
             self._open -= 1
-            self._changed.notify()
         connection.close()
 
     def _drop(self, connection: _Connection) -> None:
-        self._closed_one()
-        connection.close()
-
-    def _closed_one(self) -> None:
         with self._lock:
             self._open -= 1
-            self._changed.notify()  # a waiter may open another
+        connection.close()
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
             self._open -= len(idle)
-            self._changed.notify_all()
         for connection in idle:
             connection.close()
