@@ -61,7 +61,10 @@ class _Connection:
         service breaking the protocol: the connection is dropped."""
         payload = message.SerializeToString()
         self.sock.settimeout(max(1e-3, deadline - time.monotonic()))
+        sent_at = time.monotonic()
         self.sock.sendall(LENGTH.pack(len(payload)) + payload)
+        if time.monotonic() - sent_at > 1e-3:  # a send that waited: the read gets what is left
+            self.sock.settimeout(max(1e-3, deadline - time.monotonic()))
         data = self.sock.recv(READ_BYTES)
         end = _frame_end(data, max_bytes)
         if end is None or len(data) < end:
