@@ -1,6 +1,8 @@
-"""Length-prefixed protobuf messages over a stream socket (the node agent's unix socket).
+"""Length-prefixed protobuf messages over a stream socket (the node agent's unix socket, the
+metadata service's lookup port).
 
-Used by both ends: the node agent's control server and the worker-side client. A frame is a
+Used by both ends of the agent's socket, the node agent's control server and the worker-side
+client, and by the lookup port's client (`recv_answer`). A frame is a
 4-byte little-endian length then the serialized message. The reader is bounded: a frame larger
 than `max_bytes` is refused from its length alone, its body is read as it arrives (a stalled
 frame costs only the bytes that came), and with `frame_timeout_s` the whole frame must arrive
@@ -20,6 +22,7 @@ from kvstore.errors import ConfigError, TransferError
 
 MAX_FRAME_BYTES = 64 << 20
 _READ_SLICE_BYTES = 1 << 20
+_ANSWER_READ_BYTES = 1 << 16  # recv_answer's first read: a whole answer, in the common case
 _LENGTH = struct.Struct("<I")
 LENGTH_BYTES = _LENGTH.size  # the frame header
 M = TypeVar("M", bound=Message)
@@ -49,7 +52,33 @@ def recv_message(
     (length,) = _LENGTH.unpack(head)
     if length > max_bytes:
         raise ConfigError(f"frame of {length} bytes exceeds the {max_bytes}-byte limit")
-    body = _recv_exactly(sock, length, deadline)
+    return _parse(message_type, _recv_exactly(sock, length, deadline))
+
+
+def recv_answer(
+    sock: socket.socket, message_type: type[M], max_bytes: int, deadline: float
+) -> M | None:
+    """The answer to the one request outstanding on `sock` (the lookup port's client): one
+    recv where it arrives whole, the common case, the rest by `deadline` (monotonic). None:
+    the peer closed before answering. Bytes past the answer are the peer breaking the
+    protocol, as nothing else was asked: TransferError."""
+    data = sock.recv(_ANSWER_READ_BYTES)
+    if not data:
+        return None
+    if len(data) < _LENGTH.size:
+        data += _recv_exactly(sock, _LENGTH.size - len(data), deadline)
+    (length,) = _LENGTH.unpack_from(data)
+    if length > max_bytes:
+        raise ConfigError(f"frame of {length} bytes exceeds the {max_bytes}-byte limit")
+    end = _LENGTH.size + length
+    if len(data) < end:
+        data += _recv_exactly(sock, end - len(data), deadline)
+    elif len(data) > end:
+        raise TransferError(f"{len(data) - end} bytes past the answer: more than was asked")
+    return _parse(message_type, memoryview(data)[_LENGTH.size :])
+
+
+def _parse(message_type: type[M], body) -> M:
     try:
         return message_type.FromString(body)
     except DecodeError as exc:

@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 
 import grpc
-from google.protobuf.message import DecodeError
 
 from kvstore import errors
+from kvstore.framing import FrameTimeoutError, recv_answer
 from kvstore.metadata.lookup_connection import LENGTH, VERSION
 from kvstore.metadata.status import lookup_answer
 from kvstore.v1 import metadata_pb2 as pb
@@ -34,7 +34,6 @@ RETRY_AFTER_S = 10.0  # after the port failed, gRPC only for this long
 DESCRIBE_AGAIN_S = 60.0  # a service with no lookup port is asked again after this long
 DESCRIBE_TIMEOUT_S = 1.0
 CLIENT_IDLE_S = 30.0  # the service closes connections idle for 60 s (lookup_stream_idle_s)
-READ_BYTES = 1 << 16  # one recv: a whole answer of up to ~3,000 keys
 
 
 def grpc_host(address: str) -> str | None:
@@ -65,52 +64,14 @@ class _Connection:
         self.sock.sendall(LENGTH.pack(len(payload)) + payload)
         if time.monotonic() - sent_at > 1e-3:  # a send that waited: the read gets what is left
             self.sock.settimeout(max(1e-3, deadline - time.monotonic()))
-        data = self.sock.recv(READ_BYTES)
-        end = _frame_end(data, max_bytes)
-        if end is None or len(data) < end:
-            data = self._read_rest(bytearray(data), deadline, max_bytes)
-            end = _frame_end(data, max_bytes)
-        if len(data) > end:
-            raise errors.KVStoreError("the service sent a lookup answer that was not asked for")
-        try:
-            answer = pb.LookupStreamResponse.FromString(memoryview(data)[LENGTH.size :])
-        except DecodeError as exc:
-            raise errors.KVStoreError(f"malformed lookup answer: {exc}") from None
+        answer = recv_answer(self.sock, pb.LookupStreamResponse, max_bytes, deadline)
+        if answer is None:
+            raise ConnectionResetError("the service closed the lookup connection")
         self.used_at = time.monotonic()
         return answer
 
-    def _read_rest(self, data: bytearray, deadline: float, max_bytes: int) -> bytearray:
-        """The rest of an answer that came in pieces, by the deadline."""
-        while True:
-            if not data:
-                raise ConnectionResetError("the service closed the lookup connection")
-            end = _frame_end(data, max_bytes)
-            if end is not None and len(data) >= end:
-                return data
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("the lookup answer was incomplete by its deadline")
-            self.sock.settimeout(left)
-            wanted = READ_BYTES if end is None else min(end - len(data), 1 << 20)
-            piece = self.sock.recv(wanted)
-            if not piece:
-                raise ConnectionResetError(f"the service closed the lookup connection mid-answer "
-                                           f"({len(data)} bytes read)")  # fmt: skip
-            data += piece
-
     def close(self) -> None:
         self.sock.close()
-
-
-def _frame_end(data, max_bytes: int) -> int | None:
-    """Where the frame starting `data` ends; None: its length has not all arrived."""
-    if len(data) < LENGTH.size:
-        return None
-    (length,) = LENGTH.unpack_from(data)
-    if length > max_bytes:
-        raise errors.ConfigError(f"a lookup answer of {length} bytes is over the "
-                                 f"{max_bytes}-byte limit")  # fmt: skip
-    return LENGTH.size + length
 
 
 class LookupSockets:
@@ -143,7 +104,7 @@ class LookupSockets:
                 answer = connection.ask(request, deadline, self._max_bytes)
                 if not answer.status_code and not answer.HasField("response"):
                     raise errors.KVStoreError("a lookup answer with no response")
-            except TimeoutError:
+            except (TimeoutError, FrameTimeoutError):
                 self._drop(connection)
                 raise errors.UnavailableError("DEADLINE_EXCEEDED: no lookup answer by its "
                                               "deadline") from None  # fmt: skip
