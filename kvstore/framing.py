@@ -2,7 +2,8 @@
 metadata service's lookup port).
 
 Used by both ends of the agent's socket, the node agent's control server and the worker-side
-client, and by the lookup port's client (`recv_answer`). A frame is a
+client (which polls for its answer before sleeping: `spin_until_readable`), and by the lookup
+port's client (`recv_answer`). A frame is a
 4-byte little-endian length then the serialized message. The reader is bounded: a frame larger
 than `max_bytes` is refused from its length alone, its body is read as it arrives (a stalled
 frame costs only the bytes that came), and with `frame_timeout_s` the whole frame must arrive
@@ -11,6 +12,7 @@ within that time of its first byte.
 
 from __future__ import annotations
 
+import select
 import socket
 import struct
 import time
@@ -76,6 +78,20 @@ def recv_answer(
     elif len(data) > end:
         raise TransferError(f"{len(data) - end} bytes past the answer: more than was asked")
     return _parse(message_type, memoryview(data)[_LENGTH.size :])
+
+
+def spin_until_readable(poller: select.poll, spin_s: float) -> bool:
+    """Poll, never sleeping, for up to `spin_s`: True once the polled socket is readable.
+
+    A thread that sleeps through a wait of tens of microseconds pays a wakeup when the bytes
+    arrive: another core must be interrupted and, on a VM whose idle vCPUs halt, the
+    hypervisor must run it again, tens of microseconds each way. A caller that expects its
+    answer that soon polls first, then reads as usual (sleeping, bounded by its timeout)."""
+    end = time.perf_counter() + spin_s
+    while not poller.poll(0):
+        if time.perf_counter() >= end:
+            return False
+    return True
 
 
 def _parse(message_type: type[M], body) -> M:

@@ -139,6 +139,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
                     self.settings.socket_path, worker=f"sglang-tp{self.storage_config.tp_rank}",
                     timeout_s=self.settings.timeout_s,
                     credential_file=self.settings.credential_file or None,
+                    answer_spin_us=self.settings.answer_spin_us,
                 )  # fmt: skip
             except _FAILURES as exc:
                 logger.warning(

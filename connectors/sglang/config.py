@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from kvstore.client import DEFAULT_ANSWER_SPIN_US
 from kvstore.codec import CODEC_IDS
 from kvstore.errors import ConfigError
 
@@ -34,6 +35,7 @@ class BackendSettings:
     load_timeout_s: float = 10.0  # how long a get may wait for blocks from other hosts
     reconnect_interval_s: float = 1.0  # the least time between two reconnect attempts
     timeout_s: float = 30.0  # one control call to the agent
+    answer_spin_us: int = DEFAULT_ANSWER_SPIN_US  # polling for the agent's answer (client.py)
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> BackendSettings:

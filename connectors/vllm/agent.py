@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable
 from typing import TypeVar
 
+from connectors.vllm.config import ConnectorSettings
 from kvstore.client import KVStoreClient
 from kvstore.errors import KVStoreError
 
@@ -19,11 +20,9 @@ T = TypeVar("T")
 
 
 class AgentConnection:
-    def __init__(self, socket_path: str, worker: str, credential_file: str = "",
-                 pin_mapping: bool = True) -> None:  # fmt: skip
-        self.socket_path = socket_path
+    def __init__(self, settings: ConnectorSettings, worker: str, pin_mapping: bool = True) -> None:
+        self.settings = settings
         self.worker = worker
-        self.credential_file = credential_file or None
         self.pin_mapping = pin_mapping  # off where payloads are never copied (the scheduler)
         self._client: KVStoreClient | None = None
 
@@ -33,8 +32,9 @@ class AgentConnection:
         if self._client is None:
             try:
                 self._client = KVStoreClient(
-                    self.socket_path, self.worker, credential_file=self.credential_file,
-                    pin_mapping=self.pin_mapping,
+                    self.settings.socket_path, self.worker, pin_mapping=self.pin_mapping,
+                    credential_file=self.settings.credential_file or None,
+                    answer_spin_us=self.settings.answer_spin_us,
                 )  # fmt: skip
             except KVStoreError as exc:
                 logger.warning("kvstore agent unavailable (%s); prefixes are computed", exc)

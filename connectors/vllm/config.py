@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from connectors.vllm import compat
+from kvstore.client import DEFAULT_ANSWER_SPIN_US
 from kvstore.errors import ConfigError
 from kvstore.fingerprint import model_fingerprint
 from kvstore.keys import Namespace, chunk_keys
@@ -35,6 +36,7 @@ class ConnectorSettings:
 
     socket_path: str = "/run/kvstore/agent.sock"  # the host's node agent
     credential_file: str = ""  # a token the agent maps to tenants; empty: this process's uid
+    answer_spin_us: int = DEFAULT_ANSWER_SPIN_US  # polling for the agent's answer (client.py)
     chunk_tokens: int = 256  # a multiple of vLLM's block size
     tenant: str = "default"
     salt: str = ""  # isolates deployments that must never share KV
@@ -79,6 +81,8 @@ class ConnectorSettings:
             raise ConfigError("events_max_chunks must be positive")
         if not 1 <= settings.stage_threads <= MAX_STAGE_THREADS:
             raise ConfigError(f"stage_threads must be in [1, {MAX_STAGE_THREADS}]")
+        if settings.answer_spin_us < 0:
+            raise ConfigError("answer_spin_us must be >= 0 (0: sleep for each answer at once)")
         if settings.head_group_size < 0:
             raise ConfigError("head_group_size must be >= 0 (0: this TP rank's kv heads)")
         return settings

@@ -51,11 +51,10 @@ class SchedulerSide:
         self.kv = kv
         self.groups = groups
         # the lookup thread's connection, and each staging thread's own; none copies payloads
-        self.agent = AgentConnection(settings.socket_path, "vllm-scheduler",
-                                     settings.credential_file, pin_mapping=False)  # fmt: skip
-        self.stage_agents = ThreadConnections(lambda: AgentConnection(
-            settings.socket_path, "vllm-scheduler-stage", settings.credential_file,
-            pin_mapping=False))  # fmt: skip
+        self.agent = AgentConnection(settings, "vllm-scheduler", pin_mapping=False)
+        self.stage_agents = ThreadConnections(
+            lambda: AgentConnection(settings, "vllm-scheduler-stage", pin_mapping=False)
+        )
         self._staged_lock = threading.Lock()  # the staging threads' counters and cost samples
         self.requests: dict[str, RequestState] = {}
         self._pending_loads: dict[str, RequestState] = {}

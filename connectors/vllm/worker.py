@@ -88,7 +88,7 @@ class WorkerSide:
         self.kv = kv
         self.groups = groups
         self._layer_groups: list[int] = []  # per payload layer: its KV cache group
-        self.agent = AgentConnection(settings.socket_path, "vllm-worker", settings.credential_file)
+        self.agent = AgentConnection(settings, "vllm-worker")
         self.kv_caches: dict[str, torch.Tensor] = {}
         self._layer_indexes: dict[str, int] = {}
         self._load: LayerwiseLoad | None = None

@@ -14,6 +14,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import queue
+import select
 import socket
 import statistics
 import tempfile
@@ -24,6 +25,7 @@ from queue import Empty
 
 from kvstore.bench.transfer import _process_cpu_s
 from kvstore.errors import ConfigError
+from kvstore.framing import spin_until_readable
 
 WARMUP_CALLS = 20
 READY_TIMEOUT_S = 60.0  # a spawned client's first connection on a loaded machine
@@ -257,10 +259,11 @@ def _socket_echo(path: str, response_bytes: int, ready) -> None:
 
 
 def unix_socket_floor_p50_us(request_bytes: int, response_bytes: int, runs: int,
-                             duration_s: float) -> float:  # fmt: skip
+                             duration_s: float, spin_s: float = 0.0) -> float:  # fmt: skip
     """Median over `runs` of the p50 of a raw round trip to another process over a unix
-    socket (one send and one recv each side, no framing, no parsing): what a worker's call to
-    its node agent cannot beat on this machine."""
+    socket (one send and one recv each side, no framing, no parsing; the client polls for the
+    answer `spin_s` before sleeping, as KVStoreClient does): what a worker's call to its node
+    agent cannot beat on this machine."""
     context = multiprocessing.get_context("spawn")
     ready = context.Queue()
     with tempfile.TemporaryDirectory() as directory:
@@ -272,9 +275,13 @@ def unix_socket_floor_p50_us(request_bytes: int, response_bytes: int, runs: int,
             with socket.socket(socket.AF_UNIX) as client:
                 client.connect(path)
                 request = bytes(request_bytes)
+                answer = select.poll()
+                answer.register(client, select.POLLIN)
 
                 def call() -> None:
                     client.sendall(request)
+                    if spin_s:
+                        spin_until_readable(answer, spin_s)
                     if not client.recv(1 << 16):
                         raise ConfigError("the unix-socket echo closed")
 

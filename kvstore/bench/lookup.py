@@ -3,8 +3,10 @@ it starts on loopback (a separate process), on its lookup port (the client's way
 client's gRPC ways, LookupStream calls and unary Lookups, beside it), beside pipelined Redis
 EXISTS of the same keys and the machine's echo floors (raw TCP, gRPC); a
 worker's lookups through its node agent (another process, answering from its cluster view) for
-all-local, all-remote and all-absent prompts, beside a raw unix-socket round trip between two
-processes (the floor under them); the view's bytes per key; publish batching.
+all-local, all-remote and all-absent prompts (with the client's default wait, polling for the
+answer before sleeping, and with a client that sleeps at once), each beside a raw unix-socket
+round trip between two processes waiting the same way (the floor under them); the view's
+bytes per key; publish batching.
 
 Runs in the benchmark process; clients for the concurrent runs are separate processes so the
 service, not the client's GIL, is what is measured. They share the machine's cores with the
@@ -14,6 +16,7 @@ and the echo floor (kvstore/bench/grpc_floor.py) is measured under the same clie
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
@@ -119,41 +122,47 @@ def _redis_exists_p50_us(num_keys: int, duration_s: float) -> float:
 
 
 def _agent_lookups(address: str, runs: int, duration_s: float) -> dict:
-    """p50 of a 64-key lookup through a node agent's control socket, per kind of prompt."""
-    from kvstore.client import KVStoreClient  # torch: not in the spawned lookup clients
+    """p50 of a 64-key lookup through a node agent's control socket, per kind of prompt: with
+    the client's default wait (it polls for the answer before sleeping) and, beside it, a
+    client that sleeps at once; each beside its floor, a raw round trip waiting the same way."""
+    from kvstore.client import DEFAULT_ANSWER_SPIN_US, KVStoreClient  # torch: not in clients
 
     page_bytes = 64 << 10
     with tempfile.TemporaryDirectory() as directory, peers.node_agent(
         Path(directory), page_bytes, 128, "--metadata-address", address, "--transfer", "tcp",
-    ) as socket_path, KVStoreClient(socket_path, "bench") as worker:  # fmt: skip
+    ) as socket_path, KVStoreClient(socket_path, "bench") as worker, KVStoreClient(
+        socket_path, "bench-sleeps", answer_spin_us=0) as sleeper:  # fmt: skip
         prompts = {
             "local": _saved_keys(worker, page_bytes // 2),
             "remote": bench_keys(64),
             "absent": [os.urandom(16) for _ in range(64)],
         }
         _wait_for_view(worker, prompts["remote"])
-        result = {}
+        result = {"agent_lookup_64_p50_us": {}, "agent_lookup_64_blocking_p50_us": {}}
         for kind, keys in prompts.items():
             expected = {"local": (64, 0), "remote": (0, 64), "absent": (0, 0)}[kind]
-            p50s = [_agent_p50_us(worker, keys, expected, duration_s) for _ in range(runs)]
-            result[f"all_{kind}"] = statistics.median(p50s)
+            for name, client in (("", worker), ("_blocking", sleeper)):
+                p50s = [_agent_p50_us(client, keys, expected, duration_s) for _ in range(runs)]
+                result[f"agent_lookup_64{name}_p50_us"][f"all_{kind}"] = statistics.median(p50s)
         lags_ms = sorted(_view_lag_ms(address, worker) for _ in range(20))
-        view = json.loads(worker.stats())["view"]
-    return {
-        "agent_lookup_64_p50_us": result, "agent_view": view,
-        "agent_lookup_floor_p50_us": _agent_floor_p50_us(prompts["local"], runs, duration_s),
+        result["agent_view"] = json.loads(worker.stats())["view"]
+    floor = functools.partial(_agent_floor_p50_us, prompts["local"], runs, duration_s)
+    return result | {
+        "agent_lookup_floor_p50_us": floor(DEFAULT_ANSWER_SPIN_US / 1e6),
+        "agent_lookup_floor_blocking_p50_us": floor(0.0),
         "view_lag_p50_ms": lags_ms[len(lags_ms) // 2], "view_lag_max_ms": lags_ms[-1],
     }  # fmt: skip
 
 
-def _agent_floor_p50_us(keys: list[bytes], runs: int, duration_s: float) -> float:
+def _agent_floor_p50_us(keys: list[bytes], runs: int, duration_s: float, spin_s: float) -> float:
     """A raw unix-socket round trip with the bytes of a 64-key agent lookup and its answer."""
     request = agent_pb.AgentRequest(request_id=1, lookup=agent_pb.LookupKeysRequest(
         tenant=TENANT, keys=keys))  # fmt: skip
     response = agent_pb.AgentResponse(request_id=1)
     response.lookup.local_hits, response.lookup.tiers = len(keys), b"h" * len(keys)
     framed = LENGTH_BYTES + response.ByteSize()
-    return unix_socket_floor_p50_us(LENGTH_BYTES + request.ByteSize(), framed, runs, duration_s)
+    return unix_socket_floor_p50_us(LENGTH_BYTES + request.ByteSize(), framed, runs, duration_s,
+                                    spin_s)  # fmt: skip
 
 
 def _view_lag_ms(address: str, worker, timeout_s: float = 10.0) -> float:

@@ -135,6 +135,48 @@ def test_an_agent_that_never_answers_is_unavailable_within_the_client_timeout(tm
         assert 0.25 < time.monotonic() - started < 2.0
 
 
+def test_a_call_polls_for_its_answer_only_briefly_then_sleeps(tmp_path):
+    """The client polls for an answer for answer_spin_us, then sleeps on it: waiting out a
+    silent agent's 0.3 s costs its thread a few milliseconds of CPU, not 0.3 s."""
+    import socket
+    import time
+
+    path = tmp_path / "silent.sock"
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(str(path))
+        listener.listen()
+        cpu_before, started = time.thread_time(), time.monotonic()
+        with pytest.raises(UnavailableError, match="node agent connection failed"):
+            KVStoreClient(path, timeout_s=0.3, answer_spin_us=1000)
+        cpu_s = time.thread_time() - cpu_before
+        assert time.monotonic() - started > 0.25 and cpu_s < 0.1
+
+
+def test_a_client_that_never_polls_gets_the_same_answers(tmp_path):
+    with running_agent(tmp_path) as agent:
+        with KVStoreClient(agent.config.socket_path, answer_spin_us=0) as sleeper:
+            assert save_chain(sleeper, KEYS[:3]) == 3
+            assert sleeper.lookup("t", KEYS) == LookupCounts(local=3, remote=0)
+        with pytest.raises(ConfigError, match="answer_spin_us"):
+            KVStoreClient(agent.config.socket_path, answer_spin_us=-1)
+
+
+def test_polling_for_a_socket_stops_at_its_bound_or_once_readable():
+    import select
+    import socket
+    import time
+
+    left, right = socket.socketpair()
+    with left, right:
+        poller = select.poll()
+        poller.register(left, select.POLLIN)
+        started = time.perf_counter()
+        assert not framing.spin_until_readable(poller, 0.002)
+        assert 0.002 <= time.perf_counter() - started < 0.5
+        right.send(b"x")
+        assert framing.spin_until_readable(poller, 10.0)
+
+
 _DYING_WORKER = textwrap.dedent(
     """
     import sys, time
