@@ -29,6 +29,7 @@ from kvstore.tiers.host import MappedBuffer, map_fd
 from kvstore.v1 import agent_pb2 as pb
 
 DEFAULT_ANSWER_SPIN_US = 100  # a lookup's answer comes in 30-50 us (docs/view.md)
+MAX_ANSWER_SPIN_US = 10_000  # past this, polling burns a core for nothing a sleep would lose
 _ERROR_FOR_CODE = {
     "INVALID_ARGUMENT": errors.ConfigError,
     "NOT_FOUND": errors.NotFoundError,
@@ -118,8 +119,10 @@ class KVStoreClient:
         credential_file: str | Path | None = None, pin_mapping: bool = True,
         answer_spin_us: int = DEFAULT_ANSWER_SPIN_US,
     ) -> None:  # fmt: skip
-        if answer_spin_us < 0:
-            raise errors.ConfigError("answer_spin_us must be 0 or more")
+        if not 0 <= answer_spin_us <= MAX_ANSWER_SPIN_US:
+            raise errors.ConfigError(
+                f"answer_spin_us must be in [0, {MAX_ANSWER_SPIN_US}], got {answer_spin_us}"
+            )
         credential = read_secret_file(Path(credential_file), "worker credential") if (
             credential_file) else ""  # fmt: skip
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -12,6 +12,7 @@ import types
 import pytest
 import torch
 
+from kvstore import framing
 from kvstore.bench.sglang import _allow_sglang_imports, backend_for, host_pool
 from kvstore.client import KVStoreClient
 from kvstore.errors import ConfigError
@@ -101,6 +102,27 @@ def test_sglangs_clear_reports_failure_and_the_pages_stay(tmp_path):
         with pytest.raises(NotImplementedError, match="shared by every engine"):
             controller_of(backend).clear_storage_backend()  # StorageAttachment: success=False
         assert backend.batch_exists(["a"]) == 1
+
+
+def test_the_backend_polls_for_answers_as_its_extra_config_says(tmp_path, monkeypatch):
+    polled = []
+    spin = framing.spin_until_readable
+    monkeypatch.setattr(
+        framing,
+        "spin_until_readable",
+        lambda poller, spin_s: polled.append(spin_s) or spin(poller, spin_s),
+    )
+    with running_agent(tmp_path, **AGENT) as agent:
+        pool = host_pool("page_first", 4, **SHAPE)
+        backend = backend_for(agent.config.socket_path, pool, answer_spin_us=0)
+        assert backend.batch_exists(["a"]) == 0
+        assert polled == []
+        backend = backend_for(agent.config.socket_path, pool, answer_spin_us=300)
+        assert backend.batch_exists(["a"]) == 0
+        assert polled and set(polled) == {300e-6}
+    for wrong in (10_001, -1, "100", True):
+        with pytest.raises(ConfigError, match="answer_spin_us"):
+            BackendSettings.from_extra_config({"answer_spin_us": wrong})
 
 
 def test_the_file_storage_path_sglang_adds_is_accepted():
