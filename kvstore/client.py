@@ -30,6 +30,16 @@ from kvstore.v1 import agent_pb2 as pb
 
 DEFAULT_ANSWER_SPIN_US = 100  # a lookup's answer comes in 30-50 us (docs/view.md)
 MAX_ANSWER_SPIN_US = 10_000  # past this, polling burns a core for nothing a sleep would lose
+
+
+def check_answer_spin_us(value: int) -> None:
+    """`answer_spin_us`, refused outside [0, MAX_ANSWER_SPIN_US] (the connectors check it when
+    their settings are read, before any connection)."""
+    if not 0 <= value <= MAX_ANSWER_SPIN_US:
+        raise errors.ConfigError(f"answer_spin_us must be in [0, {MAX_ANSWER_SPIN_US}] "
+                                 f"(0: sleep for each answer at once), got {value}")  # fmt: skip
+
+
 _ERROR_FOR_CODE = {
     "INVALID_ARGUMENT": errors.ConfigError,
     "NOT_FOUND": errors.NotFoundError,
@@ -119,10 +129,7 @@ class KVStoreClient:
         credential_file: str | Path | None = None, pin_mapping: bool = True,
         answer_spin_us: int = DEFAULT_ANSWER_SPIN_US,
     ) -> None:  # fmt: skip
-        if not 0 <= answer_spin_us <= MAX_ANSWER_SPIN_US:
-            raise errors.ConfigError(
-                f"answer_spin_us must be in [0, {MAX_ANSWER_SPIN_US}], got {answer_spin_us}"
-            )
+        check_answer_spin_us(answer_spin_us)
         credential = read_secret_file(Path(credential_file), "worker credential") if (
             credential_file) else ""  # fmt: skip
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

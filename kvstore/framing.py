@@ -3,11 +3,10 @@ metadata service's lookup port).
 
 Used by both ends of the agent's socket, the node agent's control server and the worker-side
 client (which polls for its answer before sleeping: `spin_until_readable`), and by the lookup
-port's client (`recv_answer`). A frame is a
-4-byte little-endian length then the serialized message. The reader is bounded: a frame larger
-than `max_bytes` is refused from its length alone, its body is read as it arrives (a stalled
-frame costs only the bytes that came), and with `frame_timeout_s` the whole frame must arrive
-within that time of its first byte.
+port's client (`recv_answer`). A frame is a 4-byte little-endian length then the serialized
+message. The reader is bounded: a frame larger than `max_bytes` is refused from its length
+alone, its body is read as it arrives (a stalled frame costs only the bytes that came), and
+with `frame_timeout_s` the whole frame must arrive within that time of its first byte.
 """
 
 from __future__ import annotations

@@ -8,6 +8,21 @@ import os
 import pytest
 
 
+@pytest.fixture
+def answer_polls(monkeypatch) -> list[float]:
+    """The windows (s) that KVStoreClient calls polled for their answers, in order."""
+    from kvstore import framing
+
+    polled: list[float] = []
+    spin = framing.spin_until_readable
+    monkeypatch.setattr(
+        framing,
+        "spin_until_readable",
+        lambda poller, spin_s: polled.append(spin_s) or spin(poller, spin_s),
+    )
+    return polled
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if os.environ.get("KVSTORE_NO_SKIPS") != "1":
         return

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kvstore.client import DEFAULT_ANSWER_SPIN_US, MAX_ANSWER_SPIN_US
+from kvstore.client import DEFAULT_ANSWER_SPIN_US, check_answer_spin_us
 from kvstore.codec import CODEC_IDS
 from kvstore.errors import ConfigError
 
@@ -62,8 +62,7 @@ class BackendSettings:
         for name in ("load_timeout_s", "reconnect_interval_s", "timeout_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.answer_spin_us > MAX_ANSWER_SPIN_US:
-            raise ConfigError(f"answer_spin_us must be at most {MAX_ANSWER_SPIN_US}")
+        check_answer_spin_us(self.answer_spin_us)
 
 
 def _coerce(name: str, value: Any, type_name: str) -> Any:

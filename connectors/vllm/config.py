@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from connectors.vllm import compat
-from kvstore.client import DEFAULT_ANSWER_SPIN_US, MAX_ANSWER_SPIN_US
+from kvstore.client import DEFAULT_ANSWER_SPIN_US, check_answer_spin_us
 from kvstore.errors import ConfigError
 from kvstore.fingerprint import model_fingerprint
 from kvstore.keys import Namespace, chunk_keys
@@ -81,9 +81,7 @@ class ConnectorSettings:
             raise ConfigError("events_max_chunks must be positive")
         if not 1 <= settings.stage_threads <= MAX_STAGE_THREADS:
             raise ConfigError(f"stage_threads must be in [1, {MAX_STAGE_THREADS}]")
-        if not 0 <= settings.answer_spin_us <= MAX_ANSWER_SPIN_US:
-            raise ConfigError(f"answer_spin_us must be in [0, {MAX_ANSWER_SPIN_US}] "
-                              "(0: sleep for each answer at once)")  # fmt: skip
+        check_answer_spin_us(settings.answer_spin_us)
         if settings.head_group_size < 0:
             raise ConfigError("head_group_size must be >= 0 (0: this TP rank's kv heads)")
         return settings

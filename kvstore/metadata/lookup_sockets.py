@@ -60,10 +60,8 @@ class _Connection:
         service breaking the protocol: the connection is dropped."""
         payload = message.SerializeToString()
         self.sock.settimeout(max(1e-3, deadline - time.monotonic()))
-        sent_at = time.monotonic()
         self.sock.sendall(LENGTH.pack(len(payload)) + payload)
-        if time.monotonic() - sent_at > 1e-3:  # a send that waited: the read gets what is left
-            self.sock.settimeout(max(1e-3, deadline - time.monotonic()))
+        self.sock.settimeout(max(1e-3, deadline - time.monotonic()))  # the read: what is left
         answer = recv_answer(self.sock, pb.LookupStreamResponse, max_bytes, deadline)
         if answer is None:
             raise ConnectionResetError("the service closed the lookup connection")

@@ -161,22 +161,15 @@ def test_a_client_that_never_polls_gets_the_same_answers(tmp_path):
             KVStoreClient(agent.config.socket_path, answer_spin_us=-1)
 
 
-def test_each_call_polls_for_its_answer_as_long_as_the_client_was_told(tmp_path, monkeypatch):
-    polled = []
-    spin = framing.spin_until_readable
-    monkeypatch.setattr(
-        framing,
-        "spin_until_readable",
-        lambda poller, spin_s: polled.append(spin_s) or spin(poller, spin_s),
-    )
+def test_each_call_polls_for_its_answer_as_long_as_the_client_was_told(tmp_path, answer_polls):
     with running_agent(tmp_path) as agent:
         with KVStoreClient(agent.config.socket_path) as client:
             client.lookup("t", KEYS[:4])
-            assert polled == [1e-4, 1e-4]  # the hello, the lookup
-        polled.clear()
+            assert answer_polls == [1e-4, 1e-4]  # the hello, the lookup
+        answer_polls.clear()
         with KVStoreClient(agent.config.socket_path, answer_spin_us=0) as sleeper:
             sleeper.lookup("t", KEYS[:4])
-            assert polled == []
+            assert answer_polls == []
         with pytest.raises(ConfigError, match=r"answer_spin_us must be in \[0, 10000\]"):
             KVStoreClient(agent.config.socket_path, answer_spin_us=10_001)
 

@@ -12,7 +12,6 @@ import types
 import pytest
 import torch
 
-from kvstore import framing
 from kvstore.bench.sglang import _allow_sglang_imports, backend_for, host_pool
 from kvstore.client import KVStoreClient
 from kvstore.errors import ConfigError
@@ -104,22 +103,15 @@ def test_sglangs_clear_reports_failure_and_the_pages_stay(tmp_path):
         assert backend.batch_exists(["a"]) == 1
 
 
-def test_the_backend_polls_for_answers_as_its_extra_config_says(tmp_path, monkeypatch):
-    polled = []
-    spin = framing.spin_until_readable
-    monkeypatch.setattr(
-        framing,
-        "spin_until_readable",
-        lambda poller, spin_s: polled.append(spin_s) or spin(poller, spin_s),
-    )
+def test_the_backend_polls_for_answers_as_its_extra_config_says(tmp_path, answer_polls):
     with running_agent(tmp_path, **AGENT) as agent:
         pool = host_pool("page_first", 4, **SHAPE)
         backend = backend_for(agent.config.socket_path, pool, answer_spin_us=0)
         assert backend.batch_exists(["a"]) == 0
-        assert polled == []
+        assert answer_polls == []
         backend = backend_for(agent.config.socket_path, pool, answer_spin_us=300)
         assert backend.batch_exists(["a"]) == 0
-        assert polled and set(polled) == {300e-6}
+        assert answer_polls and set(answer_polls) == {300e-6}
     for wrong in (10_001, -1, "100", True):
         with pytest.raises(ConfigError, match="answer_spin_us"):
             BackendSettings.from_extra_config({"answer_spin_us": wrong})

@@ -5,28 +5,20 @@ import pytest
 
 from connectors.vllm.agent import AgentConnection
 from connectors.vllm.config import ConnectorSettings
-from kvstore import framing
 from kvstore.errors import ConfigError
 from tests.node.agents import running_agent
 
 
-def test_the_connection_polls_for_answers_as_the_settings_say(tmp_path, monkeypatch):
-    polled = []
-    spin = framing.spin_until_readable
-    monkeypatch.setattr(
-        framing,
-        "spin_until_readable",
-        lambda poller, spin_s: polled.append(spin_s) or spin(poller, spin_s),
-    )
+def test_the_connection_polls_for_answers_as_the_settings_say(tmp_path, answer_polls):
     with running_agent(tmp_path) as agent:
         for spin_us, expected in ((250, [250e-6, 250e-6]), (0, [])):
-            polled.clear()
+            answer_polls.clear()
             settings = ConnectorSettings.from_extra_config(
                 {"socket_path": str(agent.config.socket_path), "answer_spin_us": spin_us}
             )
             connection = AgentConnection(settings, "vllm-test")
             assert connection.call(lambda c: c.lookup("t", [bytes(16)]).total, None) == 0
-            assert polled == expected  # the hello, the lookup
+            assert answer_polls == expected  # the hello, the lookup
             connection.drop()
 
 
