@@ -21,6 +21,7 @@ from kvstore.metadata.auth import load_tokens
 from kvstore.metadata.server import MetadataConfig
 from kvstore.node.agent import NodeConfig
 from kvstore.node.identity import WorkerCredentials
+from kvstore.serve_secrets import ServeSecrets
 from kvstore.tiers.base import pages_for
 
 SHM_DIR = Path("/dev/shm")
@@ -52,9 +53,11 @@ def check_node(config: NodeConfig) -> int:
     return _report(_node_problems(config))
 
 
-def check_embedded(metadata: MetadataConfig, node: NodeConfig) -> int:
-    problems = _metadata_problems(metadata)
-    node_problems = _node_problems(node, embedded=True)
+def check_embedded(metadata: MetadataConfig, node: NodeConfig, own: ServeSecrets) -> int:
+    """`own`: the secrets a start makes where missing; those present must be safe."""
+    problems = _metadata_problems(metadata, embedded=True)
+    problems.attempt(own.check)
+    node_problems = _node_problems(node, embedded=True, own_secrets=own.made_on_start())
     problems.messages += node_problems.messages
     problems.warnings += node_problems.warnings
     return _report(problems)
@@ -69,7 +72,8 @@ def _report(problems: Problems) -> int:
     return 0
 
 
-def _metadata_problems(config: MetadataConfig) -> Problems:
+def _metadata_problems(config: MetadataConfig, embedded: bool = False) -> Problems:
+    """`embedded`: serve's service, whose tokens the start makes (serve_secrets.py)."""
     problems = Problems()
     problems.attempt(check_address, config.listen, "listen", False)
     if config.metrics_listen:
@@ -84,6 +88,12 @@ def _metadata_problems(config: MetadataConfig) -> Problems:
         problems.attempt(cluster_seeds, config.redis_url)
     if config.token_file is not None:
         problems.attempt(check_token_file, config.token_file)
+    if not config.auth_configured() and not embedded:
+        problems.warnings.append(
+            f"auth is off: any process that reaches {config.listen} may read and publish "
+            "every tenant's keys; give --token-file"
+        )
+    problems.attempt(check_kube_api, config)
     if config.tls_cert is not None:
         problems.attempt(check_tls, config.tls_cert, config.tls_key, config.tls_client_ca)
     if config.key_quota_per_tenant < 0:
@@ -93,7 +103,9 @@ def _metadata_problems(config: MetadataConfig) -> Problems:
     return problems
 
 
-def _node_problems(config: NodeConfig, embedded: bool = False) -> Problems:
+def _node_problems(
+    config: NodeConfig, embedded: bool = False, own_secrets: tuple[Path, ...] = ()
+) -> Problems:
     problems = Problems()
     problems.attempt(pages_for, config.host_capacity_bytes, config.page_size_bytes, "host")
     _check_shm_size(config.host_capacity_bytes, problems)
@@ -114,7 +126,7 @@ def _node_problems(config: NodeConfig, embedded: bool = False) -> Problems:
     for name, what in (("metadata_token_file", "metadata token"),
                        ("cluster_secret_file", "cluster secret")):  # fmt: skip
         path = getattr(config, name)
-        if path is not None:
+        if path is not None and path not in own_secrets:
             problems.attempt(read_secret_file, path, what)
     if config.metadata_tls_ca is not None:
         problems.attempt(check_ca_file, config.metadata_tls_ca, "metadata_tls_ca")
@@ -128,6 +140,11 @@ def _check_transfer(config: NodeConfig, problems: Problems) -> None:
         return
     if config.transfer == "ucx" and importlib.util.find_spec("ucxx") is None:
         problems.add("transfer 'ucx' needs ucxx (pip install 'kvstore[ucx]')")
+    if not config.cluster_secret_file:  # so insecure_transfer (NodeConfig refuses otherwise)
+        problems.warnings.append(
+            f"insecure_transfer: the {config.transfer} transfer engine would serve every block "
+            "to any process that reaches its port; give --cluster-secret-file"
+        )
     if not 0 <= config.transfer_port <= 65535:
         problems.add(f"transfer_port {config.transfer_port} is not a port (0-65535)")
     if not config.transfer_host.strip():
@@ -214,6 +231,14 @@ def check_redis_url(url: str) -> None:
         parse_url(url)
     except ValueError as exc:
         raise ConfigError(f"redis_url: {exc}") from None
+
+
+def check_kube_api(config: MetadataConfig) -> None:
+    """With agent service accounts: the API server's address and this service's own
+    credentials (token, CA) for TokenReviews; nothing is asked of the API server."""
+    api = config.kube_api()
+    if api is not None:
+        api.check()
 
 
 def check_token_file(path: Path) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -16,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvstore.errors import KVStoreError
+from kvstore.errors import AuthError, KVStoreError
 
 
 def _print_result(result: dict, as_json: bool) -> None:
@@ -41,13 +42,12 @@ def _plan(args: argparse.Namespace) -> dict | int:
     return run_plan_command(args)
 
 
-def _metadata_config(args: argparse.Namespace, backend: str | None = None):
+def _metadata_config(args: argparse.Namespace, **overrides):
     from kvstore.config import build_config, read_toml_section
     from kvstore.metadata.server import MetadataConfig
 
     flags = {name: getattr(args, name, None) for name in _METADATA_FLAGS}
-    if backend:
-        flags["backend"] = backend
+    flags.update(overrides)
     section = read_toml_section(args.config, "metadata")
     return build_config(MetadataConfig, section, os.environ, flags, "KVSTORE_METADATA_")
 
@@ -57,7 +57,8 @@ _METADATA_FLAGS = (
     "tls_client_ca", "key_quota_per_tenant", "metrics_listen", "max_watch_streams_per_tenant",
     "lmdb_map_size_bytes", "redis_wait_replicas", "redis_wait_timeout_ms",
     "max_watch_streams_all_tenants", "max_lookup_streams_per_tenant",
-    "max_lookup_streams_all_tenants", "lookup_listen",
+    "max_lookup_streams_all_tenants", "lookup_listen", "insecure_no_auth",
+    "kube_agent_service_account", "kube_sidecar_service_account",
 )  # fmt: skip
 
 
@@ -66,7 +67,8 @@ _NODE_FLAGS = (
     "disk_capacity_bytes", "host_policy", "disk_policy", "metadata_address",
     "metadata_token_file", "worker_credentials", "cluster_secret_file", "max_workers",
     "max_pins_per_worker", "private_buffer_bytes", "transfer", "transfer_host", "transfer_port",
-    "advertise_host", "node_metrics_listen", "view_max_keys",
+    "advertise_host", "node_metrics_listen", "view_max_keys", "insecure_transfer",
+    "tenant_share", "reservation_ttl_s", "promotion_reserve_pages",
 )  # fmt: skip
 
 
@@ -84,18 +86,28 @@ def _node_config(args: argparse.Namespace, **overrides):
 
 
 def _serve(args: argparse.Namespace) -> int:
+    """The embedded default, closed to other local users: its transfer engine and metadata
+    service take only the secrets it keeps in its data dir (serve_secrets.py)."""
     from kvstore.serve import run_embedded
+    from kvstore.serve_secrets import ServeSecrets
 
-    metadata = _metadata_config(args, backend="lmdb")
-    data_dir = metadata.data_dir
-    node = _node_config(
-        args, disk_dir=data_dir / "disk", socket_path=data_dir / "agent.sock",
-        host_capacity_bytes=1 << 30,
-    )  # fmt: skip
+    # never open: the service takes the tokens made below, whatever --listen says
+    given = _metadata_config(args, backend="lmdb", insecure_no_auth=True)
+    own = ServeSecrets(given.data_dir)
+    defaults = {
+        "disk_dir": given.data_dir / "disk",
+        "socket_path": given.data_dir / "agent.sock",
+        "host_capacity_bytes": 1 << 30,
+        "cluster_secret_file": own.cluster_secret_file,
+        "metadata_token_file": own.agent_token_file,
+    }
+    node = _node_config(args, **defaults)
     if args.check:
         from kvstore.checks import check_embedded
 
-        return check_embedded(metadata, node)
+        return check_embedded(given, node, own)
+    own.ensure(node.node_id, given.token_file)
+    metadata = dataclasses.replace(given, token_file=own.tokens_file, insecure_no_auth=False)
     return run_embedded(metadata, node)
 
 
@@ -119,14 +131,28 @@ def _metadata(args: argparse.Namespace) -> int:
     return run_metadata(_metadata_config(args))
 
 
-def _stats(args: argparse.Namespace) -> dict | int:
+def _metadata_token(args: argparse.Namespace) -> str | None:
+    """The token of --token-file, or the operator token of a `kvstore serve` --data-dir."""
     from kvstore.config import read_secret_file
+    from kvstore.serve_secrets import ServeSecrets
+
+    if args.token_file:
+        return read_secret_file(args.token_file, "metadata token")
+    if args.data_dir:
+        return ServeSecrets(args.data_dir).operator_token()
+    return None
+
+
+def _stats(args: argparse.Namespace) -> dict | int:
     from kvstore.metadata.client import MetadataClient
     from kvstore.stats import format_stats, stats_dict
 
-    token = read_secret_file(args.token_file, "metadata token") if args.token_file else None
-    with MetadataClient(args.address, token=token, tls_ca=args.tls_ca) as client:
-        stats = stats_dict(client.stats())
+    try:
+        with MetadataClient(args.address, token=_metadata_token(args), tls_ca=args.tls_ca) as meta:
+            stats = stats_dict(meta.stats())
+    except AuthError as exc:
+        hint = "give --token-file, or the --data-dir of the `kvstore serve` asked"
+        raise AuthError(f"{exc}; {hint}") from None
     if args.json:
         return stats
     print(format_stats(stats))
@@ -134,11 +160,10 @@ def _stats(args: argparse.Namespace) -> dict | int:
 
 
 def _events(args: argparse.Namespace) -> dict:
-    from kvstore.config import read_secret_file
     from kvstore.events_zmq import EventsConfig, run_events
     from kvstore.stop_signals import StopSignals
 
-    token = read_secret_file(args.token_file, "metadata token") if args.token_file else None
+    token = _metadata_token(args)
     config = EventsConfig(
         metadata_address=args.metadata_address, zmq_endpoint=args.zmq, model=args.model,
         replay_endpoint=args.replay, tenant=args.tenant, token=token, tls_ca=args.tls_ca,
@@ -154,6 +179,13 @@ def _add_metadata_flags(parser: argparse.ArgumentParser, with_backend: bool) -> 
     if with_backend:
         parser.add_argument("--backend", choices=["lmdb", "memory", "redis", "redis-cluster"])
         parser.add_argument(
+            "--insecure-no-auth",
+            action="store_true",
+            default=None,
+            help="listen beyond loopback without --token-file: anyone who reaches it may read "
+            "and publish every tenant's keys",
+        )
+        parser.add_argument(
             "--redis-url", help="redis://host:port/db; redis-cluster: redis://h1:p1,h2:p2 (seeds)"
         )
         parser.add_argument(
@@ -163,6 +195,17 @@ def _add_metadata_flags(parser: argparse.ArgumentParser, with_backend: bool) -> 
     parser.add_argument("--data-dir", type=Path, help="where LMDB keeps the index")
     parser.add_argument(
         "--token-file", type=Path, help="'TOKEN TENANT [node=NODE_ID]' lines; enables auth"
+    )
+    parser.add_argument(
+        "--kube-agent-service-account",
+        metavar="NAMESPACE/NAME",
+        help="accept this service account's projected tokens (audience kvstore), each acting as "
+        "the node its pod runs on (TokenReview; enables auth)",
+    )
+    parser.add_argument(
+        "--kube-sidecar-service-account",
+        metavar="NAMESPACE/NAME",
+        help="the same for sidecar agents, each acting as its pod's name",
     )
     parser.add_argument("--tls-cert", type=Path)
     parser.add_argument("--tls-key", type=Path)
@@ -191,6 +234,17 @@ def _add_metadata_flags(parser: argparse.ArgumentParser, with_backend: bool) -> 
     parser.add_argument("--metrics-listen", help="host:port of the Prometheus endpoint")
 
 
+def _add_token_flags(parser: argparse.ArgumentParser) -> None:
+    """How a client of the metadata service finds its token."""
+    token = parser.add_mutually_exclusive_group()
+    token.add_argument("--token-file", type=Path, help="file holding a metadata token")
+    token.add_argument(
+        "--data-dir",
+        type=Path,
+        help="data dir of the `kvstore serve` asked: use the operator token it made there",
+    )
+
+
 def _add_check_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--check", action="store_true",
@@ -206,6 +260,13 @@ def _add_node_flags(parser: argparse.ArgumentParser, standalone: bool) -> None:
             "--metadata-token-file", type=Path, help="file holding a `*` metadata token"
         )
         parser.add_argument("--disk-dir", type=Path, help="LMDB disk tier directory (none: off)")
+        parser.add_argument(
+            "--insecure-transfer",
+            action="store_true",
+            default=None,
+            help="serve transfers without --cluster-secret-file: any process that reaches the "
+            "port, other local users included, may read every block",
+        )
     parser.add_argument("--node-id", help="this host's name in the cluster (default: hostname)")
     parser.add_argument("--socket-path", type=Path, help="unix socket workers connect to")
     parser.add_argument("--host-capacity-bytes", help="shared-memory arena size, e.g. 8GiB")
@@ -229,6 +290,20 @@ def _add_node_flags(parser: argparse.ArgumentParser, standalone: bool) -> None:
     )
     parser.add_argument("--max-workers", type=int, help="worker connections at once (256)")
     parser.add_argument("--max-pins-per-worker", type=int, help="pages one worker may hold")
+    parser.add_argument(
+        "--tenant-share",
+        type=float,
+        help="share of the arena one tenant's reserved and pinned pages may hold while "
+        "other tenants use it (0.5)",
+    )
+    parser.add_argument(
+        "--reservation-ttl-s", type=float, help="a save not committed by then is released (120)"
+    )
+    parser.add_argument(
+        "--promotion-reserve-pages",
+        type=int,
+        help="arena pages no save may reserve, kept for promotions from disk (-1: 1/64)",
+    )
     parser.add_argument("--private-buffer-bytes", help="buffer of each private worker (256MiB)")
     parser.add_argument(
         "--view-max-keys",
@@ -264,7 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     stats = commands.add_parser("stats", help="cluster stats from a metadata service")
     stats.add_argument("--address", default="127.0.0.1:50051")
-    stats.add_argument("--token-file", type=Path, help="file holding a metadata token")
+    _add_token_flags(stats)
     stats.add_argument("--tls-ca", type=Path, help="CA certificate to verify the service")
     stats.add_argument("--json", action="store_true")
     stats.set_defaults(handler=_stats)
@@ -277,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     events.add_argument("--replay", default="", help="ROUTER endpoint for replays by seq")
     events.add_argument("--model", default="kvstore", help="the <model> of kv@<node>@<model>")
     events.add_argument("--tenant", default="", help="one tenant's events (default: every one)")
-    events.add_argument("--token-file", type=Path, help="file holding a metadata token")
+    _add_token_flags(events)
     events.add_argument("--tls-ca", type=Path, help="CA certificate to verify the service")
     events.add_argument("--block-tokens", type=int, default=0, help="tokens per kvstore block")
     events.add_argument("--bytes-hashes", action="store_true",

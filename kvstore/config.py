@@ -7,6 +7,7 @@ rejects unknown names and unparsable values with a message saying what to change
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import tomllib
 import types
 import typing
@@ -93,3 +94,14 @@ def read_secret_file(path: Path, what: str) -> str:
     if not secret:
         raise ConfigError(f"{what} file {path} is empty")
     return secret
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether `host` (a name, an address, or a bracketed IPv6 one) is this machine's loopback
+    only; "" (every address) and other names are not."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

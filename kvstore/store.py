@@ -2,8 +2,10 @@
 
 Runs in the process that owns the tiers (the node agent; replay and benchmarks in-process).
 Thread-safe: one lock guards what every tier holds; reads of pinned blocks, and the copies
-of promotions and of demotions ahead of need, run outside it. Longest-prefix lookup across
-tiers; pins (pinned blocks are never evicted); stored/removed events for the publisher. Moves
+of promotions and of demotions ahead of need, run outside it. Blocks are named by owned keys
+(kvstore/owned.py: a tenant's key), so one tenant's block never answers another's. Longest-
+prefix lookup across tiers; pins (pinned blocks are never evicted); each tenant's share of the
+top tier's pages; stored/removed events for the publisher. Moves
 between tiers (promotion on a pin, demotion on eviction or ahead of it): kvstore/store_moves.py;
 blocks received from peers: kvstore/store_received.py.
 """
@@ -13,20 +15,27 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from itertools import repeat
 
 import torch
 
 from kvstore import block
-from kvstore.errors import ChecksumError, ConfigError, NotFoundError
+from kvstore.errors import (
+    CapacityError,
+    ChecksumError,
+    ConfigError,
+    NotFoundError,
+    QuotaExceededError,
+)
 from kvstore.events import EventFeed, EventKind
 from kvstore.eviction.base import EvictionPolicy
 from kvstore.keys import BlockKey
 from kvstore.kvcopy.verified import copy_and_checksum
+from kvstore.owned import key_of, owned_key, tenant_of
 from kvstore.store_moves import TierMoves
 from kvstore.store_received import PendingWrite, ReceivedBlocks
 from kvstore.tiers.base import Tier
@@ -40,49 +49,71 @@ class TierSlot:
     policy: EvictionPolicy
 
 
+@dataclass(frozen=True)
+class ArenaLimits:
+    """How tenants share the top tier's pages (the defaults bound nothing).
+
+    `tenant_share`: the fraction of the pages one tenant's reservations and pins may hold
+    while another tenant has blocks, reservations or pins there. `promotion_reserve_pages`:
+    pages no save may reserve, so that a block below can always be promoted to be read.
+    `reservation_ttl_s`: a worker's save not claimed for commit by then is released (0: never).
+    """
+
+    tenant_share: float = 1.0
+    promotion_reserve_pages: int = 0
+    reservation_ttl_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.tenant_share <= 1 or self.promotion_reserve_pages < 0:
+            raise ConfigError("tenant_share must be in (0, 1], promotion_reserve_pages >= 0")
+        if self.reservation_ttl_s < 0:
+            raise ConfigError("reservation_ttl_s must be >= 0 (0: reservations never expire)")
+
+
 class TieredStore(TierMoves, ReceivedBlocks):
     """Blocks across tiers. Slot 0 is the fastest; new blocks are written there."""
 
-    def __init__(self, slots: Sequence[TierSlot], events: EventFeed | None = None) -> None:
+    def __init__(
+        self, slots: Sequence[TierSlot], events: EventFeed | None = None,
+        limits: ArenaLimits | None = None,
+    ) -> None:  # fmt: skip
         if not slots:
             raise ConfigError("a store needs at least one tier")
         self.slots = list(slots)
         self.events = events or EventFeed()
+        self.limits = limits or ArenaLimits()
         self._lock = threading.RLock()
-        self._pins: Counter[BlockKey] = Counter()
-        self._pending: dict[BlockKey, PendingWrite] = {}
-        self._promoting: dict[BlockKey, threading.Event] = {}  # set when its copy up is done
-        self._tenants: dict[BlockKey, str] = {}  # key -> tenant, for events
+        self._pins: Counter[bytes] = Counter()  # owned key -> pins
+        self._pending: dict[bytes, PendingWrite] = {}
+        self._promoting: dict[bytes, threading.Event] = {}  # set when its copy up is done
+        self._reserved: Counter[str] = Counter()  # tenant -> its saves' reserved pages
+        self._pinned: Counter[str] = Counter()  # tenant -> its pinned blocks
+        self._stored: Counter[tuple[str, str]] = Counter()  # (tenant, tier kind) -> blocks
         self.removals: Counter[str] = Counter()  # per tier: evicted, demoted or purged
         self.checksum_failures = 0
         self.write_failures = 0  # victims a lower tier failed to store (evicted, not demoted)
+        self.expired_reservations = 0
+        self.share_refusals = 0  # reserves and pins refused: the tenant held its share
         self._recover()
 
     # ---- lookups -------------------------------------------------------------------------
-    def lookup(self, keys: Sequence[BlockKey], tenant: str | None = None) -> int:
-        """How many leading `keys` are committed in some tier (and, with `tenant`, belong to
-        that tenant: another tenant's block reads as absent). No side effects."""
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """How many leading owned `keys` are committed in some tier. No side effects."""
         with self._lock:
             for count, key in enumerate(keys):
-                if not self._readable(key, tenant):
+                if self._slot_of(key) is None:
                     return count
             return len(keys)
 
-    def lookup_slots(self, keys: Sequence[BlockKey], tenant: str | None = None) -> bytes:
+    def lookup_slots(self, keys: Sequence[bytes]) -> bytes:
         """`lookup` with where: one byte per leading readable key, the index of the fastest
         slot holding it (len() is what `lookup` counts). No side effects."""
         found = bytearray()
         with self._lock:
             fastest = self.slots[0].tier.committed_keys()
-            if tenant is None:
-                owners = repeat(None)
-            else:
-                owners = list(map(self._tenants.get, keys))
-                if owners.count(tenant) == len(keys) and all(map(fastest.__contains__, keys)):
-                    return bytes(len(keys))  # the common hit, in C: all in the fastest slot
-            for key, owner in zip(keys, owners, strict=False):  # repeat() is endless
-                if owner != tenant:
-                    break
+            if all(map(fastest.__contains__, keys)):
+                return bytes(len(keys))  # the common hit, in C: all in the fastest slot
+            for key in keys:
                 if key in fastest:  # the common case, tested in C
                     found.append(0)
                     continue
@@ -92,38 +123,36 @@ class TieredStore(TierMoves, ReceivedBlocks):
                 found.append(index)
         return bytes(found)
 
-    def _readable(self, key: BlockKey, tenant: str | None) -> bool:
-        if self._slot_of(key) is None:
-            return False
-        return tenant is None or self._tenants.get(key) == tenant
-
-    def tier_of(self, key: BlockKey) -> str | None:
+    def tier_of(self, key: bytes) -> str | None:
         """The kind of the fastest tier holding `key`, or None."""
         with self._lock:
             slot = self._slot_of(key)
             return None if slot is None else self.slots[slot].tier.kind
 
-    def _slot_of(self, key: BlockKey) -> int | None:
+    def _slot_of(self, key: bytes) -> int | None:
         for index, slot in enumerate(self.slots):
             if key in slot.tier:
                 return index
         return None
 
     # ---- pins ----------------------------------------------------------------------------
-    def pin(self, keys: Sequence[BlockKey], tenant: str | None = None) -> int:
-        """Pin the leading resident `keys` (of `tenant`, when given) for reading and return
-        how many were pinned.
+    def pin(self, keys: Sequence[bytes]) -> int:
+        """Pin the leading resident owned `keys` for reading and return how many were pinned.
 
         Counts as an access for every policy; promotes blocks from lower tiers to the top
         tier when room can be made (key by key: a later key may be evicted to make room for
         an earlier one), reading them with the store lock released, so a disk read stalls no
-        other worker. A block failing its checksum ends the run (it is purged).
+        other worker. A block failing its checksum ends the run (it is purged). A key that
+        would take its tenant past its share of the top tier ends the run too, or raises
+        QuotaExceededError when it is the first.
         """
         for index, key in enumerate(keys):
             with self._lock:
-                if not self._readable(key, tenant):
+                if self._slot_of(key) is None:
                     return index
-                self._pins[key] += 1
+                if key not in self._pins and not self._within_share(tenant_of(key), index == 0):
+                    return index
+                self._pin(key)
                 for slot in self.slots:
                     slot.policy.touch(key)
                 if self._slot_of(key) == 0:
@@ -138,29 +167,83 @@ class TieredStore(TierMoves, ReceivedBlocks):
                 return index
         return len(keys)
 
-    def unpin(self, keys: Sequence[BlockKey]) -> None:
+    def unpin(self, keys: Sequence[bytes]) -> None:
         """Drop one pin from each key; unknown or unpinned keys are ignored."""
         with self._lock:
             for key in keys:
-                if self._pins[key] <= 1:
-                    self._pins.pop(key, None)
-                else:
-                    self._pins[key] -= 1
+                pins = self._pins.get(key, 0)
+                if pins > 1:
+                    self._pins[key] = pins - 1
+                elif pins == 1:
+                    del self._pins[key]
+                    _count(self._pinned, tenant_of(key), -1)
+
+    def _pin(self, key: bytes) -> None:
+        """Under the lock: one more pin on `key`; its first counts against its tenant."""
+        if key not in self._pins:
+            self._pinned[tenant_of(key)] += 1
+        self._pins[key] += 1
 
     def pins_held(self) -> int:
         with self._lock:
             return sum(self._pins.values())
 
-    def _can_evict(self, key: BlockKey) -> bool:
+    def _can_evict(self, key: bytes) -> bool:
         return key not in self._pins
+
+    # ---- each tenant's share of the top tier ---------------------------------------------
+    def _within_share(self, tenant: str, raise_if_not: bool) -> bool:
+        """Under the lock: whether `tenant` may hold one more top-tier page reserved or pinned
+        (always while no other tenant uses the tier). Past its share, False, or with
+        `raise_if_not` QuotaExceededError; counted either way."""
+        top = self.slots[0].tier
+        limit = max(1, int(self.limits.tenant_share * top.capacity_pages))
+        held = self._reserved[tenant] + self._pinned[tenant]
+        if held >= limit and self.expire_reservations():
+            held = self._reserved[tenant] + self._pinned[tenant]
+        if held < limit or not self._others_use_top(tenant):
+            return True
+        self.share_refusals += 1
+        if raise_if_not:
+            raise QuotaExceededError(
+                f"tenant {tenant!r} holds {held} of this node's {top.capacity_pages} "
+                f"{top.kind} pages reserved or pinned, its share while other tenants use them "
+                "(--tenant-share): commit saves or release loads first"
+            )
+        return False
+
+    def _others_use_top(self, tenant: str) -> bool:
+        kind = self.slots[0].tier.kind
+        users = (*self._reserved, *self._pinned)
+        return any(other != tenant for other in users) or any(
+            other != tenant and where == kind for other, where in self._stored
+        )
+
+    def tenant_pages(self) -> dict[str, dict[str, int]]:
+        """Per tenant: pages its saves reserved, blocks pinned, and blocks stored per tier
+        (as "stored_host", "stored_disk")."""
+        self.expire_reservations()
+        with self._lock:
+            pages: dict[str, dict[str, int]] = {}
+            for tenant, reserved in self._reserved.items():
+                pages.setdefault(tenant, {})["reserved"] = reserved
+            for tenant, pinned in self._pinned.items():
+                pages.setdefault(tenant, {})["pinned"] = pinned
+            for (tenant, kind), stored in self._stored.items():
+                pages.setdefault(tenant, {})[f"stored_{kind}"] = stored
+            return pages
 
     # ---- two-phase writes ----------------------------------------------------------------
     def reserve(
-        self, key: BlockKey, parent: BlockKey | None, payload_bytes: int,
-        layout_hash: int = 0, codec_id: int = 0, tenant: str = "default",
+        self, key: bytes, parent: bytes | None, payload_bytes: int, layout_hash: int = 0,
+        codec_id: int = 0, writer: object = None,
     ) -> torch.Tensor | None:  # fmt: skip
-        """A writable payload view in the top tier for `key`, or None if `key` is already
-        stored or being written. Evicts as needed; CapacityError if nothing can be evicted."""
+        """A writable payload view in the top tier for owned `key` (`parent`: its parent's
+        owned key), or None if `key` is already stored or being written. Evicts as needed;
+        CapacityError if nothing can be evicted, or if only the pages kept for promotions are
+        left; QuotaExceededError past the tenant's share. A `writer` (a worker's save) names
+        who may claim, commit or abort it, and lets the reservation expire (see
+        expire_reservations)."""
         with self._lock:
             if self._slot_of(key) is not None or key in self._pending or key in self._promoting:
                 return None
@@ -170,20 +253,90 @@ class TieredStore(TierMoves, ReceivedBlocks):
                     f"payload of {payload_bytes} bytes does not fit a {top.kind} page of "
                     f"{top.page_size_bytes} bytes (header {block.HEADER_BYTES})"
                 )
+            tenant = tenant_of(key)
             block.encode_tenant(tenant)  # validate before taking a page, not at commit
+            self._check_room_for_saves()
+            self._within_share(tenant, raise_if_not=True)
             self._make_room(0)
             page = top.reserve(key)
-            header = block.BlockHeader(key, parent, payload_bytes, 0, layout_hash, codec_id, tenant)
-            self._pending[key] = PendingWrite(0, page, header)
+            parent_key = None if parent is None else key_of(parent)
+            header = block.BlockHeader(
+                key_of(key), parent_key, payload_bytes, 0, layout_hash, codec_id, tenant
+            )
+            self._pending[key] = PendingWrite(0, page, header, writer=writer)
+            self._reserved[tenant] += 1
             return page[block.HEADER_BYTES : block.HEADER_BYTES + payload_bytes]
 
-    def commit(self, key: BlockKey, checksum: int | None = None) -> None:
-        """Seal the header and make the block readable. `checksum` is the payload's xxh3-64 if
-        the writer computed it while writing; otherwise it is computed here (one more pass)."""
+    def _check_room_for_saves(self) -> None:
+        """Under the lock: CapacityError when a save's page would leave fewer evictable pages
+        than the promotion reserve (a pinned block on disk could then not be read)."""
+        top = self.slots[0].tier
+        kept = self.limits.promotion_reserve_pages
+        if not kept or self._unevictable() < top.capacity_pages - kept:
+            return
+        if self.expire_reservations() and self._unevictable() < top.capacity_pages - kept:
+            return
+        raise CapacityError(
+            f"{top.kind} tier: {self._unevictable()} of {top.capacity_pages} pages are reserved "
+            f"or pinned; the last {kept} are kept for promotions"
+        )
+
+    def _unevictable(self) -> int:
+        """Top-tier pages reserved or pinned (a pin below the top tier counts too: rare, and
+        erring on the side of room for promotions)."""
+        return len(self._pending) + len(self._pins)
+
+    def claim(self, key: bytes, writer: object) -> bool:
+        """Whether `writer`'s reservation of `key` is still there; if so it no longer expires
+        (its writer is about to commit or abort it). Call before copying into its page."""
         with self._lock:
-            pending = self._pending.pop(key, None)
-            if pending is None:
-                raise NotFoundError(f"{key!r} is not reserved in this store")
+            pending = self._pending.get(key)
+            if pending is None or pending.writer is not writer:
+                return False
+            pending.claimed = True
+            return True
+
+    def expire_reservations(self) -> int:
+        """Release worker reservations older than the reservation TTL and not claimed; returns
+        how many (counted in expired_reservations). Runs whenever pages are wanted and none
+        is free (a save, a promotion, a tenant at its share) and at each metrics scrape."""
+        ttl_s = self.limits.reservation_ttl_s
+        if not ttl_s:
+            return 0
+        now = time.monotonic()
+        with self._lock:
+            stale = [
+                key
+                for key, pending in self._pending.items()
+                if pending.writer is not None
+                and not pending.claimed
+                and now - pending.reserved_at > ttl_s
+            ]
+            for key in stale:
+                self.slots[self._drop_pending(key).slot].tier.release(key)
+            self.expired_reservations += len(stale)
+        if stale:
+            logger.warning("released %d reservations not committed within %.0f s", len(stale),
+                           ttl_s)  # fmt: skip
+        return len(stale)
+
+    def _drop_pending(self, key: bytes) -> PendingWrite:
+        """Under the lock: forget `key`'s reservation (its page stays the caller's to free or
+        commit) and what it counted against its tenant."""
+        pending = self._pending.pop(key)
+        if pending.arrived is None:  # a save's page (reserve), not a block from a peer
+            _count(self._reserved, pending.header.tenant, -1)
+        return pending
+
+    def commit(self, key: bytes, checksum: int | None = None, writer: object = None) -> None:
+        """Seal the header and make the block readable. `checksum` is the payload's xxh3-64 if
+        the writer computed it while writing; otherwise it is computed here (one more pass).
+        NotFoundError if `key` is not reserved by `writer` (committed, aborted or expired)."""
+        with self._lock:
+            pending = self._pending.get(key)
+            if pending is None or pending.writer is not writer:
+                raise NotFoundError(f"{key_of(key)!r} is not reserved in this store")
+            self._drop_pending(key)
             header = pending.header
             if checksum is None:
                 payload = pending.page[block.HEADER_BYTES : header.block_bytes]
@@ -194,17 +347,21 @@ class TieredStore(TierMoves, ReceivedBlocks):
             self.slots[pending.slot].tier.commit(key, sealed.block_bytes)
             self._announce(pending.slot, sealed)
 
-    def abort(self, key: BlockKey) -> None:
-        """Give up a reservation; its page is freed and nothing becomes readable."""
+    def abort(self, key: bytes, writer: object = None) -> None:
+        """Give up `writer`'s reservation of `key`; its page is freed and nothing becomes
+        readable. Another writer's reservation (this one's expired) is left alone."""
         with self._lock:
-            pending = self._pending.pop(key, None)
-            if pending is not None:
-                self.slots[pending.slot].tier.release(key)
-                if pending.arrived is not None:
-                    pending.arrived.set()
+            pending = self._pending.get(key)
+            if pending is None or pending.writer is not writer:
+                return
+            self._drop_pending(key)
+            self.slots[pending.slot].tier.release(key)
+            if pending.arrived is not None:
+                pending.arrived.set()
 
-    def put(self, key: BlockKey, parent: BlockKey | None, payload: bytes | torch.Tensor) -> bool:
-        """Store a whole payload (reserve, copy, commit). False if `key` was already present."""
+    def put(self, key: bytes, parent: bytes | None, payload: bytes | torch.Tensor) -> bool:
+        """Store a whole payload (reserve, copy, commit) under owned `key`. False if `key` was
+        already present."""
         source = (
             payload
             if isinstance(payload, torch.Tensor)
@@ -224,24 +381,28 @@ class TieredStore(TierMoves, ReceivedBlocks):
 
     # ---- reads ---------------------------------------------------------------------------
     @contextmanager
-    def read(self, key: BlockKey) -> Iterator[torch.Tensor | None]:
+    def read(self, key: bytes) -> Iterator[torch.Tensor | None]:
         """Yield the payload of `key` from its fastest tier, or None on a miss; see open_block."""
         with self.open_block(key) as whole:
             yield None if whole is None else whole[block.HEADER_BYTES :]
 
+    def open_tenant_block(self, key: BlockKey, tenant: str):
+        """open_block of `tenant`'s block of `key`: what the transfer engine serves peers (a
+        block of another tenant is a miss, like an absent one)."""
+        return self.open_block(owned_key(tenant, key))
+
     @contextmanager
-    def open_block(self, key: BlockKey, tenant: str | None = None) -> Iterator[torch.Tensor | None]:
-        """Yield the whole stored block (header + payload) of `key`, or None on a miss; with
-        `tenant`, a block of another tenant is a miss too (the caller cannot tell them apart).
+    def open_block(self, key: bytes) -> Iterator[torch.Tensor | None]:
+        """Yield the whole stored block (header + payload) of owned `key`, or None on a miss.
 
         The block is pinned while the context is open, so the view stays valid without the
         store lock (other threads keep working). Blocks from tiers that require it (disk) are
         checksummed first; a corrupt block is purged and reads as a miss.
         """
         with self._lock:
-            index = self._slot_of(key) if self._readable(key, tenant) else None
+            index = self._slot_of(key)
             if index is not None:
-                self._pins[key] += 1
+                self._pin(key)
         if index is None:
             yield None
             return
@@ -252,7 +413,7 @@ class TieredStore(TierMoves, ReceivedBlocks):
         finally:
             self.unpin([key])
 
-    def purge_if_corrupt(self, key: BlockKey) -> None:
+    def purge_if_corrupt(self, key: bytes) -> None:
         """Checksum `key`'s stored block (a reader's copy of it failed its checksum) and purge
         it if its bytes are not the checksum's; a block whose page was reused under the reader
         is not in doubt and stays."""
@@ -260,7 +421,7 @@ class TieredStore(TierMoves, ReceivedBlocks):
             index = self._slot_of(key)
             if index is None:
                 return
-            self._pins[key] += 1
+            self._pin(key)
         try:
             with self.slots[index].tier.open(key) as page:
                 self._checked_header(index, key, page, verify=True)
@@ -268,17 +429,22 @@ class TieredStore(TierMoves, ReceivedBlocks):
             self.unpin([key])
 
     def _checked_header(
-        self, index: int, key: BlockKey, page: torch.Tensor | None, verify: bool = False
+        self, index: int, key: bytes, page: torch.Tensor | None, verify: bool = False
     ) -> block.BlockHeader | None:
         tier = self.slots[index].tier
         try:
             if page is None:
-                raise ChecksumError(f"{tier.kind} tier lost {key!r}")
+                raise ChecksumError(f"{tier.kind} tier lost {key_of(key)!r}")
             if verify or tier.verify_reads:
-                return block.verify(page, key)
-            header = block.unpack_header(page if page.device.type == "cpu" else page[:64].cpu())
-            if header.key != key:
-                raise ChecksumError(f"{tier.kind} page holds {header.key!r}, not {key!r}")
+                header = block.verify(page, key_of(key))
+            else:
+                cpu = page if page.device.type == "cpu" else page[: block.HEADER_BYTES].cpu()
+                header = block.unpack_header(cpu)
+            if owned_key(header.tenant, header.key) != key:
+                raise ChecksumError(
+                    f"{tier.kind} page holds {header.key!r} of {header.tenant!r}, not "
+                    f"{key_of(key)!r} of {tenant_of(key)!r}"
+                )
             return header
         except ChecksumError as exc:
             logger.warning("purging corrupt block: %s", exc)
@@ -292,21 +458,21 @@ class TieredStore(TierMoves, ReceivedBlocks):
     def _announce(self, index: int, header: block.BlockHeader) -> None:
         """A block became readable in tier `index`: tell its policy and the event feed."""
         slot = self.slots[index]
-        slot.policy.insert(header.key, header.parent)
-        self._tenants[header.key] = header.tenant
+        parent = None if header.parent is None else owned_key(header.tenant, header.parent)
+        slot.policy.insert(owned_key(header.tenant, header.key), parent)
+        self._stored[header.tenant, slot.tier.kind] += 1
         self.events.emit(
             EventKind.STORED, header.key, slot.tier.kind, header.block_bytes, header.tenant
         )
 
-    def _remove(self, index: int, key: BlockKey) -> None:
+    def _remove(self, index: int, key: bytes) -> None:
         slot = self.slots[index]
         slot.tier.release(key)
         slot.policy.remove(key)
-        tenant = self._tenants.get(key, "default")
+        tenant = tenant_of(key)
         self.removals[slot.tier.kind] += 1
-        if self._slot_of(key) is None:
-            self._tenants.pop(key, None)
-        self.events.emit(EventKind.REMOVED, key, slot.tier.kind, tenant=tenant)
+        _count(self._stored, (tenant, slot.tier.kind), -1)
+        self.events.emit(EventKind.REMOVED, key_of(key), slot.tier.kind, tenant=tenant)
 
     def _recover(self) -> None:
         """Index blocks already in the tiers (a reopened disk tier) and announce them."""
@@ -316,13 +482,13 @@ class TieredStore(TierMoves, ReceivedBlocks):
                 if header is not None:
                     self._announce(index, header)
 
-    def _recovered_header(self, index: int, key: BlockKey) -> block.BlockHeader | None:
+    def _recovered_header(self, index: int, key: bytes) -> block.BlockHeader | None:
         """Header only: payloads are checksummed when read, not all at start-up."""
         tier = self.slots[index].tier
         with tier.open(key) as page:
             try:
                 header = block.unpack_header(page[: block.HEADER_BYTES].cpu())
-                if header.key == key:
+                if owned_key(header.tenant, header.key) == key:
                     return header
             except ChecksumError:
                 pass
@@ -330,8 +496,8 @@ class TieredStore(TierMoves, ReceivedBlocks):
         self._remove(index, key)
         return None
 
-    def remove(self, keys: Sequence[BlockKey]) -> int:
-        """Drop `keys` from every tier (removed events follow); pinned keys stay. Returns how
+    def remove(self, keys: Sequence[bytes]) -> int:
+        """Drop owned `keys` from every tier (removed events follow); pinned keys stay. Returns how
         many blocks were removed."""
         removed = 0
         with self._lock:
@@ -348,7 +514,7 @@ class TieredStore(TierMoves, ReceivedBlocks):
         """(key, tier kind, tenant) of every readable block, for a full re-publish."""
         with self._lock:
             return [
-                (key, slot.tier.kind, self._tenants.get(key, "default"))
+                (key_of(key), slot.tier.kind, tenant_of(key))
                 for slot in self.slots
                 for key in slot.tier.keys()  # noqa: SIM118 (a Tier is not a dict)
             ]
@@ -370,3 +536,13 @@ class TieredStore(TierMoves, ReceivedBlocks):
         with self._lock:
             for slot in self.slots:
                 slot.tier.close()
+
+
+def _count(counter: Counter, name: object, change: int) -> None:
+    """Add `change` to `counter[name]`, dropping names that reach zero (so a counter's keys
+    are exactly who holds something)."""
+    left = counter[name] + change
+    if left > 0:
+        counter[name] = left
+    else:
+        counter.pop(name, None)

@@ -16,8 +16,8 @@ import torch
 
 from kvstore import block
 from kvstore.errors import CapacityError, ChecksumError
-from kvstore.keys import BlockKey
 from kvstore.kvcopy.verified import copy_block
+from kvstore.owned import key_of, owned_key
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +29,8 @@ class TierMoves:
         slot = self.slots[index]
         while slot.tier.free_pages <= 0:
             victim = slot.policy.victim(self._can_evict)
+            if victim is None and index == 0 and self.expire_reservations():
+                continue
             if victim is None:
                 raise CapacityError(
                     f"{slot.tier.kind} tier full: all {slot.tier.capacity_pages} pages are "
@@ -36,7 +38,7 @@ class TierMoves:
                 )
             self._demote(index, victim)
 
-    def _demote(self, index: int, key: BlockKey) -> None:
+    def _demote(self, index: int, key: bytes) -> None:
         lower = index + 1
         if lower < len(self.slots) and key not in self.slots[lower].tier:
             with self.slots[index].tier.open(key) as page:
@@ -46,7 +48,7 @@ class TierMoves:
                 self._copy_into(lower, key, header, page[: header.block_bytes])
         self._remove(index, key)
 
-    def _copy_into(self, index: int, key: BlockKey, header, page: torch.Tensor) -> None:
+    def _copy_into(self, index: int, key: bytes, header, page: torch.Tensor) -> None:
         """Write a victim down to tier `index`; where that fails (no room, a failing disk) the
         victim is only evicted: a miss later, and the save that needed its page goes on."""
         slot = self.slots[index]
@@ -65,7 +67,7 @@ class TierMoves:
             return
         self._announce(index, header)
 
-    def _promoted(self, key: BlockKey) -> bool:
+    def _promoted(self, key: bytes) -> bool:
         """Bring pinned `key` into the top tier if it is below it and room can be made (else it
         stays where it is, readable there); False if its block is corrupt (purged). One
         thread copies a block up; others pinning it meanwhile wait for that copy."""
@@ -92,7 +94,7 @@ class TierMoves:
                     self._promoting.pop(key).set()
         return header is not None
 
-    def _end_promotion(self, index: int, key: BlockKey, header, corrupt: bool) -> None:
+    def _end_promotion(self, index: int, key: bytes, header, corrupt: bool) -> None:
         """Under the lock: commit the promoted copy, or free its page (and purge the block
         below when it was corrupt), in one step: no moment where the key is in no tier but
         still holds a top-tier page."""
@@ -107,7 +109,7 @@ class TierMoves:
             if key in self.slots[index].tier:
                 self._remove(index, key)
 
-    def _reserve_top(self, key: BlockKey) -> torch.Tensor | None:
+    def _reserve_top(self, key: bytes) -> torch.Tensor | None:
         """Under the lock: a top-tier page for promoting `key` (None: no room), marked underway."""
         try:
             self._make_room(0)
@@ -118,14 +120,17 @@ class TierMoves:
         self._promoting[key] = threading.Event()
         return page
 
-    def _copy_up(self, index: int, key: BlockKey, page: torch.Tensor) -> block.BlockHeader | None:
+    def _copy_up(self, index: int, key: bytes, page: torch.Tensor) -> block.BlockHeader | None:
         """Without the lock: copy `key`'s block from tier `index` into the top-tier `page`,
         checksummed as it is copied (one pass); None if it is corrupt (the caller purges)."""
         with self.slots[index].tier.open(key) as source:
             try:
                 if source is None:
-                    raise ChecksumError(f"{self.slots[index].tier.kind} tier lost {key!r}")
-                return copy_block(page, source, key)
+                    raise ChecksumError(f"{self.slots[index].tier.kind} tier lost {key_of(key)!r}")
+                header = copy_block(page, source, key_of(key))
+                if owned_key(header.tenant, header.key) != key:
+                    raise ChecksumError(f"{key_of(key)!r} is stored as {header.tenant!r}'s")
+                return header
             except ChecksumError as exc:
                 logger.warning("purging corrupt block: %s", exc)
                 return None
@@ -171,11 +176,11 @@ class TierMoves:
                     continue  # corrupt: purged
                 self._make_room(1)
                 lower_page = self.slots[1].tier.reserve(key)
-                self._pins[key] += 1
+                self._pin(key)
                 return key, header, lower_page
         return None
 
-    def _finish_demotion(self, key: BlockKey, header: block.BlockHeader, written: bool) -> None:
+    def _finish_demotion(self, key: bytes, header: block.BlockHeader, written: bool) -> None:
         if written:
             self._announce(1, header)
         else:

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 
 from kvstore import block
 from kvstore.errors import ChecksumError, NotFoundError
-from kvstore.keys import BlockKey
+from kvstore.owned import key_of, tenant_of
 
 logger = logging.getLogger(__name__)
 
@@ -29,24 +30,28 @@ class PendingWrite:
     page: torch.Tensor
     header: block.BlockHeader
     arrived: threading.Event | None = None  # a block received from a peer: set once decided
+    writer: object = None  # a worker's save: who may commit it; it expires unless claimed
+    claimed: bool = False  # its writer is committing it: it no longer expires
+    reserved_at: float = field(default_factory=time.monotonic)
 
 
 class ReceivedBlocks:
     """Blocks received from peers (see the module docstring)."""
 
-    def reserve_page(self, key: BlockKey) -> torch.Tensor | None:
+    def reserve_page(self, key: bytes) -> torch.Tensor | None:
         """A whole writable top-tier page for a block arriving from a peer (header included),
-        or None if `key` is already stored or being written. Finish with commit_received."""
+        or None if owned `key` is already stored or being written. Finish with
+        commit_received."""
         with self._lock:
             if self._slot_of(key) is not None or key in self._pending or key in self._promoting:
                 return None
             self._make_room(0)
             page = self.slots[0].tier.reserve(key)
-            header = block.BlockHeader(key, None, 0, 0)
+            header = block.BlockHeader(key_of(key), None, 0, 0, tenant=tenant_of(key))
             self._pending[key] = PendingWrite(0, page, header, threading.Event())
             return page
 
-    def await_arrival(self, key: BlockKey, timeout_s: float) -> bool:
+    def await_arrival(self, key: bytes, timeout_s: float) -> bool:
         """Whether `key` is stored, once the block another thread is receiving for it from a
         peer (if any) arrived or failed, waited for at most `timeout_s`: a load of a block
         already on its way joins that fetch instead of missing it."""
@@ -58,22 +63,25 @@ class ReceivedBlocks:
             return self._slot_of(key) is not None
 
     def commit_received(
-        self, key: BlockKey, received_bytes: int, tenant: str | None = None,
-        payload_checksum: int | None = None,
-    ) -> bool:  # fmt: skip
-        """Verify a received block (header, key, length, checksum and, with `tenant`, that it
-        is the tenant it was fetched for) and make it readable. `payload_checksum`: the xxh3-64
-        of the page's bytes past the header, as the transfer engine hashed them landing (see
-        TransferEngine.fetch); the payload is then not read again. A block that fails is
+        self, key: bytes, received_bytes: int, payload_checksum: int | None = None
+    ) -> bool:
+        """Verify a received block (header, key, length, checksum, and that it is the block of
+        the tenant owned `key` names, the one it was fetched for) and make it readable.
+        `payload_checksum`: the xxh3-64 of the page's bytes past the header, as the transfer
+        engine hashed them landing (see TransferEngine.fetch); the payload is then not read
+        again. A block that fails is
         discarded, counted in checksum_failures, and False returned."""
         with self._lock:
             pending = self._pending.get(key)  # stays pending (not re-reservable) until decided
             if pending is None:
                 raise NotFoundError(f"{key!r} has no page reserved for a received block")
         try:
-            header = block.verify(pending.page[:received_bytes].cpu(), key, payload_checksum)
-            if tenant is not None and header.tenant != tenant:
-                raise ChecksumError(f"holder sent tenant {header.tenant!r}, fetched for {tenant!r}")
+            received = pending.page[:received_bytes].cpu()
+            header = block.verify(received, key_of(key), payload_checksum)
+            if header.tenant != tenant_of(key):
+                raise ChecksumError(
+                    f"holder sent tenant {header.tenant!r}, fetched for {tenant_of(key)!r}"
+                )
         except ChecksumError as exc:
             logger.warning("discarding block received for %r: %s", key, exc)
             header = None

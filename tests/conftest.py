@@ -23,6 +23,15 @@ def answer_polls(monkeypatch) -> list[float]:
     return polled
 
 
+@pytest.fixture
+def cluster_secret_file(tmp_path):
+    """A file of the tests' one cluster secret (tests.node.agents gives it to every agent with
+    a transfer engine): a NodeConfig with tcp or ucx needs one, or insecure_transfer=True."""
+    from tests.node.agents import cluster_secret_file
+
+    return cluster_secret_file(tmp_path)
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if os.environ.get("KVSTORE_NO_SKIPS") != "1":
         return

@@ -58,14 +58,19 @@ def test_the_readme_serve_command_starts_answers_health_and_stops_on_sigterm(tmp
             for view in reservation.payloads:
                 view.fill_(7)
             assert client.commit(reservation) == 2
-        with MetadataClient(address) as metadata:
+        operator = (tmp_path / "data" / "operator.token").read_text().strip()
+        with MetadataClient(address, token=operator) as metadata:
             assert wait_until(lambda: metadata.lookup("t", keys).prefix_length == 2)
-        table = kvstore("stats", "--address", address)
+        data_dir = ("--data-dir", str(tmp_path / "data"))
+        table = kvstore("stats", "--address", address, *data_dir)
         assert table.returncode == 0, table.stderr
         assert "backend lmdb · 1 live nodes · 2 blocks" in table.stdout, table.stdout
         assert "host-1" in table.stdout
-        as_json = json.loads(kvstore("stats", "--address", address, "--json").stdout)
+        as_json = json.loads(kvstore("stats", "--address", address, *data_dir, "--json").stdout)
         assert as_json["blocks"] == "2" and as_json["nodes"][0]["node"]["node_id"] == "host-1"
+        without_token = kvstore("stats", "--address", address)
+        assert without_token.returncode == 2 and "UNAUTHENTICATED" in without_token.stderr
+        assert "the --data-dir of the `kvstore serve` asked" in without_token.stderr
     finally:
         stop_cleanly(process)
     assert "shutting down" in process.stderr.read()

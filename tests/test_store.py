@@ -12,6 +12,7 @@ from kvstore.errors import CapacityError, ConfigError, NotFoundError
 from kvstore.events import EventKind
 from kvstore.eviction import make_policy
 from kvstore.keys import Namespace, chunk_keys
+from kvstore.owned import owned_key, owned_keys
 from kvstore.store import TieredStore, TierSlot
 from kvstore.tiers import DeviceTier, DiskTier, HostTier
 
@@ -164,7 +165,7 @@ def test_remove_drops_unpinned_blocks_from_every_tier(store):
 def test_a_bad_tenant_takes_no_page(store):
     """Regression: reserve() validated the tenant after taking a page, which then leaked."""
     with pytest.raises(ConfigError, match="tenant"):
-        store.reserve(KEYS[0], None, 100, tenant="x" * 65)
+        store.reserve(owned_key("x" * 65, KEYS[0]), None, 100)
     assert store.usage()["host"]["used_pages"] == 0
     assert store.reserve(KEYS[0], None, 100) is not None
 
@@ -193,17 +194,19 @@ def test_a_waiter_for_a_received_block_learns_as_soon_as_it_is_decided(store):
 
 
 def test_lookup_slots_name_each_leading_key_s_fastest_slot_and_stop_at_another_tenant(store):
-    def stored(key, parent, tenant):
-        store.reserve(key, parent, 100, tenant=tenant).fill_(1)
+    a, b = (lambda keys: owned_keys("a", keys)), (lambda keys: owned_keys("b", keys))
+
+    def stored(key, parent):
+        store.reserve(key, parent, 100).fill_(1)
         store.commit(key)
 
     for n in range(6):
-        stored(KEYS[n], KEYS[n - 1] if n else None, "a")
-    stored(KEYS[6], KEYS[5], "b")  # 4 fit on host: KEYS[:3] went down to disk
-    assert store.lookup_slots(KEYS[3:6], "a") == bytes(3)  # all on host: slot 0
-    assert store.lookup_slots(KEYS[:6], "a") == bytes([1, 1, 1, 0, 0, 0])
-    assert store.lookup_slots(KEYS[3:8], "a") == bytes(3)  # KEYS[6] is b's: absent for a
-    assert store.lookup_slots(KEYS[6:7], "b") == bytes(1)
-    assert store.lookup_slots(KEYS[6:7], "a") == b""
-    assert store.lookup_slots(KEYS[:7]) == bytes([1, 1, 1, 0, 0, 0, 0])  # any tenant
-    assert store.lookup_slots([], "a") == b""
+        stored(a(KEYS)[n], a(KEYS)[n - 1] if n else None)
+    stored(b(KEYS)[6], b(KEYS)[5])  # 4 fit on host: a's KEYS[:3] went down to disk
+    assert store.lookup_slots(a(KEYS[3:6])) == bytes(3)  # all on host: slot 0
+    assert store.lookup_slots(a(KEYS[:6])) == bytes([1, 1, 1, 0, 0, 0])
+    assert store.lookup_slots(a(KEYS[3:8])) == bytes(3)  # KEYS[6] is b's: absent for a
+    assert store.lookup_slots(b(KEYS[6:7])) == bytes(1)
+    assert store.lookup_slots(a(KEYS[6:7])) == b""
+    assert store.lookup_slots(KEYS[:7]) == b""  # the default tenant's: none
+    assert store.lookup_slots([]) == b""

@@ -130,6 +130,7 @@ def _agent_lookups(address: str, runs: int, duration_s: float) -> dict:
     page_bytes = 64 << 10
     with tempfile.TemporaryDirectory() as directory, peers.node_agent(
         Path(directory), page_bytes, 128, "--metadata-address", address, "--transfer", "tcp",
+        "--cluster-secret-file", str(peers.secret_file(Path(directory))),
     ) as socket_path, KVStoreClient(socket_path, "bench") as worker, KVStoreClient(
         socket_path, "bench-sleeps", answer_spin_us=0) as sleeper:  # fmt: skip
         prompts = {

@@ -9,6 +9,7 @@ from __future__ import annotations
 import mmap
 import multiprocessing
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -60,6 +61,14 @@ def metadata_service(backend: str = "lmdb") -> Iterator[str]:
         yield line.split("listening on ", 1)[1].split(",", 1)[0]
 
 
+def secret_file(directory: Path) -> Path:
+    """A fresh cluster secret (0600) in `directory`, for the agents a bench starts."""
+    path = directory / "cluster.secret"
+    path.touch(mode=0o600)
+    path.write_text(secrets.token_urlsafe(32))
+    return path
+
+
 @contextmanager
 def node_agent(directory: Path, page_bytes: int, pages: int, *flags: str) -> Iterator[Path]:
     """A node agent with an arena of `pages` pages and no metadata service; yields its socket."""
@@ -87,7 +96,7 @@ def _hold_blocks(engine_name: str, block_bytes: int, count: int, secret, queue) 
     for key in _keys(0, count):
         store.put(key, None, payload.tobytes())
     engine = make_engine(engine_name, cluster_secret=secret)
-    queue.put(engine.serve(store.open_block))
+    queue.put(engine.serve(store.open_tenant_block))
     time.sleep(3600)
 
 

@@ -148,7 +148,7 @@ def _fetch_s(engine, store: TieredStore, address: str, keys: list[BlockKey]) -> 
     started = time.perf_counter()
     received = engine.fetch(address, peers.TENANT, keys, pages, 120, checksums)
     committed = sum(
-        store.commit_received(key, size, peers.TENANT, checksum)
+        store.commit_received(key, size, checksum)
         for key, size, checksum in zip(keys, received, checksums, strict=True)
         if size
     )

@@ -2,8 +2,9 @@
 
 Runs in the metadata service process. A token maps to one tenant, or to "*" (every tenant:
 node agents and operators); a token may also be bound to one node id (`node=ID`), so the node
-agent holding it can register, heartbeat, publish and unpublish as that node only. With no
-tokens configured, authentication is off.
+agent holding it can register, heartbeat, publish and unpublish as that node only. On
+Kubernetes, agents may instead present projected service-account tokens, each bound to its own
+node by a TokenReview (kube_tokens.py). With neither configured, authentication is off.
 """
 
 from __future__ import annotations
@@ -12,10 +13,14 @@ import hmac
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 
 from kvstore.errors import AuthError, ConfigError, PermissionDeniedError
+
+if TYPE_CHECKING:
+    from kvstore.metadata.kube_tokens import KubeAgentTokens
 
 ALL_TENANTS = "*"
 
@@ -46,34 +51,54 @@ class TenantScope:
 
 class TokenAuth:
     """Checks `authorization: Bearer <token>` metadata against a token → scope table (a bare
-    tenant name is that tenant's scope)."""
+    tenant name is that tenant's scope), then, where configured, as an agent's Kubernetes
+    token. Runs on the service's loop: `authorize` may wait for a TokenReview, never blocks."""
 
-    def __init__(self, tokens: dict[str, TenantScope | str]) -> None:
-        self._tokens = [(token.encode(), scope if isinstance(scope, TenantScope) else
-                         TenantScope(scope)) for token, scope in tokens.items()]  # fmt: skip
+    def __init__(
+        self, tokens: dict[str, TenantScope | str], agents: KubeAgentTokens | None = None
+    ) -> None:
+        self._tokens = [
+            (token.encode(), scope if isinstance(scope, TenantScope) else TenantScope(scope))
+            for token, scope in tokens.items()
+        ]
+        self.agents = agents
 
     @property
     def enabled(self) -> bool:
-        return bool(self._tokens)
+        return bool(self._tokens) or self.agents is not None
 
-    def authorize(self, context: grpc.ServicerContext) -> TenantScope:
-        if not self._tokens:
+    async def authorize(self, context: grpc.ServicerContext) -> TenantScope:
+        if not self.enabled:
             return TenantScope(ALL_TENANTS)
         presented = _bearer_token(context)
         if presented is None:
             raise AuthError("missing 'authorization: Bearer <token>' metadata")
-        return self.authorize_token(presented)
+        return await self.authorize_token(presented)
 
-    def authorize_token(self, presented: bytes) -> TenantScope:
+    async def authorize_token(self, presented: bytes) -> TenantScope:
         """The scope of a token presented outside gRPC metadata (the lookup port's hello)."""
-        if not self._tokens:
+        scope = self.scope_now(presented)
+        if scope is None:
+            scope = await self.agents.scope(presented)
+        return scope
+
+    def scope_now(self, presented: bytes) -> TenantScope | None:
+        """The scope of a token known without waiting: a table's token, or an agent token
+        reviewed lately; None: it needs a review (`authorize_token`). AuthError: refused."""
+        if not self.enabled:
             return TenantScope(ALL_TENANTS)
         if not presented:
             raise AuthError("no bearer token presented")
         for token, scope in self._tokens:  # compare all, in constant time each
             if hmac.compare_digest(token, presented):
                 return scope
-        raise AuthError("the bearer token is not valid")
+        if self.agents is None:
+            raise AuthError("the bearer token is not valid")
+        return self.agents.cached(presented)
+
+    def close(self) -> None:
+        if self.agents is not None:
+            self.agents.close()
 
 
 def _bearer_token(context: grpc.ServicerContext) -> bytes | None:

@@ -7,7 +7,7 @@ the kvstore exceptions they were mapped from, so callers handle one error tree.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +19,7 @@ from kvstore.metadata.index import BlockEntry, Holding, NodeRecord
 from kvstore.metadata.lookup_calls import LookupCalls
 from kvstore.metadata.lookup_sockets import LookupSockets
 from kvstore.metadata.status import error_for
+from kvstore.metadata.token_file import TokenFile
 from kvstore.v1 import metadata_pb2 as pb
 from kvstore.v1 import metadata_pb2_grpc as pb_grpc
 
@@ -88,13 +89,22 @@ def lookup_result(response: pb.LookupResponse) -> LookupResult:
     return LookupResult(response.prefix_length, holders, addresses)
 
 
+def call_metadata(token: str | TokenFile | None) -> Callable[[], tuple]:
+    """The metadata of each call: a fixed token's, or a token file's current token's."""
+    if isinstance(token, TokenFile):
+        return lambda: (("authorization", f"Bearer {token.current()}"),)
+    fixed = (("authorization", f"Bearer {token}"),) if token else ()
+    return lambda: fixed
+
+
 class MetadataClient:
     def __init__(
-        self, address: str, token: str | None = None, tls_ca: Path | None = None,
+        self, address: str, token: str | TokenFile | None = None, tls_ca: Path | None = None,
         timeout_s: float = 5.0, max_message_bytes: int = 16 << 20, lookup_streams: bool = True,
         lookup_port: bool = True,
     ) -> None:  # fmt: skip
-        """`lookup_port`: look up on the service's lookup port where it has one;
+        """`token`: fixed, or a TokenFile (read again as it is replaced: new calls present the
+        new token); `lookup_port`: look up on the service's lookup port where it has one;
         `lookup_streams`: else on open LookupStream calls (False for both: unary Lookups)."""
         options = [
             ("grpc.max_receive_message_length", max_message_bytes),
@@ -112,10 +122,10 @@ class MetadataClient:
         else:
             self._channel = grpc.insecure_channel(address, options=options)
         self._stub = pb_grpc.MetadataStub(self._channel)
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._metadata = call_metadata(token)
         self._lookup_calls = LookupCalls(self._stub, self._metadata, enabled=lookup_streams)
         self._lookup_sockets = LookupSockets(
-            self._stub, self._metadata, address, token, tls_ca, max_message_bytes, lookup_port
+            self._stub, self._metadata, address, tls_ca, max_message_bytes, lookup_port
         )
         self.timeout_s = timeout_s
 
@@ -129,7 +139,9 @@ class MetadataClient:
     def _call(self, method: str, request, timeout_s: float | None = None):
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         try:
-            return getattr(self._stub, method)(request, timeout=timeout_s, metadata=self._metadata)
+            return getattr(self._stub, method)(
+                request, timeout=timeout_s, metadata=self._metadata()
+            )
         except grpc.RpcError as exc:
             raise error_from_rpc(exc) from None
 
@@ -204,13 +216,13 @@ class MetadataClient:
     def open_events(self, from_seq: int = 0, tenant: str = "") -> EventStream:
         """As watch_events, as an object another thread can `cancel`."""
         request = pb.WatchEventsRequest(from_seq=from_seq, tenant=tenant)
-        return EventStream(self._stub.WatchEvents(request, metadata=self._metadata))
+        return EventStream(self._stub.WatchEvents(request, metadata=self._metadata()))
 
     def snapshot(self, tenant: str = "", max_keys: int = 0) -> Iterator[SnapshotPage]:
         """The index's keys of `tenant` ("" every tenant) with their live holders, in pages;
         apply the events after `last_seq` to it to follow the index (see node/view.py)."""
         request = pb.SnapshotRequest(tenant=tenant, max_keys=max_keys)
-        stream = self._stub.Snapshot(request, metadata=self._metadata)
+        stream = self._stub.Snapshot(request, metadata=self._metadata())
         try:
             for page in stream:
                 yield SnapshotPage(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -65,7 +66,8 @@ class _Call:
 
 
 class LookupCalls:
-    def __init__(self, stub, metadata: tuple, enabled: bool = True) -> None:
+    def __init__(self, stub, metadata: Callable[[], tuple], enabled: bool = True) -> None:
+        """`metadata`: of each new call (its token may change; client.call_metadata)."""
         self._stub = stub
         self._metadata = metadata
         self._lock = threading.Lock()
@@ -129,7 +131,7 @@ class LookupCalls:
             if self._idle:
                 call = self._idle.pop()
             elif len(self._busy) < MAX_OPEN and time.monotonic() >= self._unary_until:
-                call = _Call(self._stub, self._metadata)
+                call = _Call(self._stub, self._metadata())
             else:
                 return None
             self._busy.add(call)

@@ -162,7 +162,8 @@ class LookupConnection(asyncio.Protocol):
         return (payload,)
 
     def _hello(self, payload: bytes, answers: list[bytes]) -> bool:
-        """Authenticate, take a slot; False: refused (the connection is ending)."""
+        """Authenticate, take a slot; False: refused (the connection is ending), or its token
+        is under review (`_hello_reviewed` goes on from there)."""
         try:
             hello = wire.parse(pb.LookupHello, payload)
             if hello.version != VERSION:
@@ -171,16 +172,43 @@ class LookupConnection(asyncio.Protocol):
             if not hmac.compare_digest(hello.instance, self.port.instance):
                 raise LeaseError("this lookup port is another service instance's than the one "
                                  "described; ask Describe again")  # fmt: skip
-            scope = self.port.auth.authorize_token(hello.token.encode())
-            self.port.slots.acquire(scope.tenant)
+            token = hello.token.encode()
+            scope = self.port.auth.scope_now(token)
+            if scope is None:  # an agent token to review: nothing more is read until it ends
+                self._scheduled = True
+                self._read(False)
+                self.port.loop.create_task(self._hello_reviewed(token))
+                return False
+            self._accept(scope, answers)
         except KVStoreError as exc:
             self.end(answers, status_for(exc), str(exc))
             return False
+        return True
+
+    async def _hello_reviewed(self, token: bytes) -> None:
+        """The rest of a hello whose token needed a review (auth.py): accepted, then the
+        frames that came after it answered; or refused."""
+        answers: list[bytes] = []
+        try:
+            scope = await self.port.auth.authorize_token(token)
+            if self.ended:  # the hello's time ran out, or the client left, meanwhile
+                return
+            self._accept(scope, answers)
+        except KVStoreError as exc:
+            self.end(answers, status_for(exc), str(exc))
+            return
+        finally:
+            self._scheduled = False
+        self.transport.write(b"".join(answers))
+        self._process()
+
+    def _accept(self, scope: TenantScope, answers: list[bytes]) -> None:
+        """Take a slot of the hello's scope (CapacityError at the cap) and say so."""
+        self.port.slots.acquire(scope.tenant)
         self.scope = scope
         self._stop_awaiting_hello()
         self.port.count_connection(grpc.StatusCode.OK)
         answers.append(_HELLO_ACCEPTED)
-        return True
 
     def _hello_late(self) -> None:
         if self._handshaking:  # no TLS yet to send a status over

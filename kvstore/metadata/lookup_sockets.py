@@ -18,6 +18,7 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -74,13 +75,14 @@ class _Connection:
 
 class LookupSockets:
     def __init__(
-        self, stub, metadata: tuple, address: str, token: str | None, tls_ca: Path | None,
+        self, stub, metadata: Callable[[], tuple], address: str, tls_ca: Path | None,
         max_message_bytes: int, enabled: bool = True,
     ) -> None:  # fmt: skip
+        """`metadata`: of each Describe call, its bearer token also each new connection's
+        hello (the token may change; client.call_metadata)."""
         self._stub = stub
         self._metadata = metadata
         self._host = grpc_host(address)
-        self._token = token or ""
         self._tls = ssl.create_default_context(cafile=str(tls_ca)) if tls_ca else None
         self._max_bytes = max_message_bytes
         self._described: pb.DescribeResponse | None = None  # None: to be asked
@@ -166,7 +168,7 @@ class LookupSockets:
             return None
         budget = min(CONNECT_BUDGET_S, deadline - time.monotonic())
         connect_by = time.monotonic() + budget
-        hello = pb.LookupHello(token=self._token, version=VERSION, instance=described.instance)
+        hello = pb.LookupHello(token=self._token(), version=VERSION, instance=described.instance)
         sock = None
         try:
             sock = socket.create_connection((self._host, described.lookup_port), max(1e-3, budget))
@@ -191,6 +193,13 @@ class LookupSockets:
             return None
         return connection
 
+    def _token(self) -> str:
+        """The bearer token of the calls' metadata ("" for none), for a hello."""
+        for name, value in self._metadata():
+            if name == "authorization":
+                return value.removeprefix("Bearer ")
+        return ""
+
     def _describe(self, deadline: float) -> pb.DescribeResponse | None:
         """The service's lookup port and instance, asked once while it answers (None: none,
         or the service did not say; gRPC meanwhile)."""
@@ -199,7 +208,7 @@ class LookupSockets:
             timeout_s = min(DESCRIBE_TIMEOUT_S, max(1e-3, deadline - time.monotonic()))
             try:
                 described = self._stub.Describe(
-                    pb.DescribeRequest(), timeout=timeout_s, metadata=self._metadata
+                    pb.DescribeRequest(), timeout=timeout_s, metadata=self._metadata()
                 )
             except grpc.RpcError as exc:  # UNIMPLEMENTED: a service from before the port
                 unimplemented = exc.code() == grpc.StatusCode.UNIMPLEMENTED

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
@@ -56,9 +57,8 @@ class LookupStreams:
 
     async def serve(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext):
         """The call's handler (an async generator: one answer per request, in order)."""
-        scope, _ = await self.slots.admit(
-            context, lambda: (self.auth.authorize(context), None), self.count_call
-        )
+        opened = functools.partial(self._authorized, context)
+        scope, _ = await self.slots.admit(context, opened, self.count_call)
         self.count_call(grpc.StatusCode.OK)
         loop = asyncio.get_running_loop()
         task = asyncio.current_task()
@@ -75,6 +75,9 @@ class LookupStreams:
         finally:
             self._last_request.pop(task, None)  # the sweep may have taken it
             self.slots.release(scope.tenant)
+
+    async def _authorized(self, context: grpc.aio.ServicerContext) -> tuple[TenantScope, None]:
+        return await self.auth.authorize(context), None
 
     def _sweep(self, loop: asyncio.AbstractEventLoop) -> None:
         """Ends the calls idle for longer than `idle_s` (on the loop, every quarter of it)."""

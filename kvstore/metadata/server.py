@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -19,10 +20,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
+from kvstore.config import is_loopback_host
 from kvstore.errors import ConfigError
 from kvstore.metadata.auth import TokenAuth, load_tokens, server_credentials, server_ssl_context
 from kvstore.metadata.index import MetadataIndex
 from kvstore.metadata.journal import DEFAULT_MAP_SIZE_BYTES, MIN_MAP_SIZE_BYTES
+from kvstore.metadata.kube_api import SERVICE_ACCOUNT_DIR, KubeApi, in_cluster_url
+from kvstore.metadata.kube_tokens import KubeAgentTokens, agent_bindings
 from kvstore.metadata.lookup_port import LookupPort, listen_address, max_request_bytes
 from kvstore.metadata.memory import MemoryIndex
 from kvstore.metadata.metrics import MetadataMetrics
@@ -50,6 +54,16 @@ class MetadataConfig:
     redis_wait_timeout_ms: int = 100
     redis_failover_timeout_s: float = 10.0  # redis-cluster: retry this long for a new master
     token_file: Path | None = None
+    # listen beyond loopback without tokens: anyone who reaches the service may read and
+    # publish every tenant's keys (warned at every start)
+    insecure_no_auth: bool = False
+    # NAMESPACE/NAME: projected tokens (audience kvstore) of this service account act as the
+    # node their pod runs on (DaemonSet agents: node id = node name), verified by TokenReview
+    kube_agent_service_account: str = ""
+    # the same for sidecar agents, whose node id is their pod's name
+    kube_sidecar_service_account: str = ""
+    kube_api_url: str = ""  # the API server for TokenReviews; empty: in-cluster (the pod's env)
+    kube_credentials_dir: Path = SERVICE_ACCOUNT_DIR  # this service's own `token` and `ca.crt`
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_client_ca: Path | None = None
@@ -98,6 +112,36 @@ class MetadataConfig:
         if self.lmdb_map_size_bytes < MIN_MAP_SIZE_BYTES:
             raise ConfigError(f"lmdb_map_size_bytes must be at least {MIN_MAP_SIZE_BYTES}")
         listen_address(self.lookup_listen, self.listen)  # a ConfigError where malformed
+        self.kube_bindings()  # a ConfigError where a service account is malformed
+        if not self.auth_configured() and not self.insecure_no_auth and not self.loopback_only():
+            raise ConfigError(
+                f"the metadata service would listen on {self.listen} (lookup port: "
+                f"{self.lookup_listen}) beyond loopback without tokens, so anyone who reaches "
+                "it could read and publish every tenant's keys: give --token-file, listen on "
+                "127.0.0.1, or --insecure-no-auth to serve it open anyway"
+            )
+
+    def auth_configured(self) -> bool:
+        """Whether callers must present a token (see auth.py)."""
+        return self.token_file is not None or bool(self.kube_bindings())
+
+    def kube_bindings(self) -> dict[str, str]:
+        """The agents' service accounts and what names their node (kube_tokens.py)."""
+        return agent_bindings(self.kube_agent_service_account, self.kube_sidecar_service_account)
+
+    def kube_api(self) -> KubeApi | None:
+        """Where agent tokens are reviewed; None: no Kubernetes agent tokens."""
+        if not self.kube_bindings():
+            return None
+        return KubeApi(self.kube_api_url or in_cluster_url(os.environ), self.kube_credentials_dir)
+
+    def loopback_only(self) -> bool:
+        """Whether the gRPC port and the lookup port both listen on loopback only."""
+        hosts = [self.listen.rpartition(":")[0].strip("[]")]
+        lookup = listen_address(self.lookup_listen, self.listen)
+        if lookup is not None:
+            hosts.append(lookup[0])
+        return all(is_loopback_host(host) for host in hosts)
 
 
 def open_index(config: MetadataConfig) -> MetadataIndex:
@@ -119,6 +163,16 @@ def open_index(config: MetadataConfig) -> MetadataIndex:
     )  # fmt: skip
 
 
+def _agent_tokens(config: MetadataConfig) -> KubeAgentTokens | None:
+    """The reviewer of Kubernetes agent tokens, its credentials checked now (not at the first
+    agent's call); None where no agent service account is configured."""
+    api = config.kube_api()
+    if api is None:
+        return None
+    api.check()
+    return KubeAgentTokens(api, config.kube_bindings())
+
+
 class MetadataServer:
     def __init__(self, config: MetadataConfig, index: MetadataIndex | None = None) -> None:
         self.config = config
@@ -137,8 +191,8 @@ class MetadataServer:
             config.max_lookup_streams_per_tenant, config.max_lookup_streams_all_tenants,
         )  # fmt: skip
         self.servicer = MetadataServicer(
-            self.index, TokenAuth(tokens), self.metrics, self.streams, self._pool, limits,
-            lookup_slots,
+            self.index, TokenAuth(tokens, _agent_tokens(config)), self.metrics, self.streams,
+            self._pool, limits, lookup_slots,
         )  # fmt: skip
         self.lookup_port = LookupPort(
             self.servicer.auth, lookup_slots, self.servicer.answer_lookup,
@@ -168,7 +222,18 @@ class MetadataServer:
             raise
         threading.Thread(target=self._reap_leases, name="lease-reaper", daemon=True).start()
         self._start_metrics()
+        self._warn_if_open()
         return self.port
+
+    def _warn_if_open(self) -> None:
+        if self.servicer.auth.enabled:
+            return
+        logger.warning(
+            "metadata service auth is off (no --token-file): any process that reaches %s, "
+            "other local users included, may read and publish every tenant's keys%s",
+            self.config.listen,
+            "" if self.config.loopback_only() else " (--insecure-no-auth)",
+        )
 
     def _on_loop(self, coroutine, timeout_s: float = START_TIMEOUT_S):
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout_s)
@@ -265,6 +330,7 @@ class MetadataServer:
         self.servicer.lookup_streams.stop()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.servicer.snapshot_pool.shutdown(wait=False, cancel_futures=True)
+        self.servicer.auth.close()
         self._close_loop()
         if self._metrics_http is not None:
             self._metrics_http.shutdown()

@@ -64,7 +64,7 @@ def _wrap_unary(request_cls: type[Message], read: bool, method: Callable) -> Cal
         started = time.perf_counter()
         code = grpc.StatusCode.OK
         try:
-            scope = self.auth.authorize(context)
+            scope = await self.auth.authorize(context)
             request = wire.parse(request_cls, payload)
             if read and self.index.nonblocking_reads:
                 return method(self, request, scope)

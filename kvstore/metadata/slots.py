@@ -9,7 +9,7 @@ authentication is off), which gets a limit of its own: every node agent holds it
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import grpc
 
@@ -48,14 +48,14 @@ class StreamSlots:
     async def admit(
         self,
         context: grpc.aio.ServicerContext,
-        open_call: Callable[[], tuple[TenantScope, object]],
+        open_call: Callable[[], Awaitable[tuple[TenantScope, object]]],
         count: Callable[[grpc.StatusCode], None],
     ) -> tuple[TenantScope, object]:
         """(scope, request) from `open_call` (authorisation, the request's checks), and a slot
         of that scope; a failure is counted and ends the call with its status (a refused slot
         marked in the trailing metadata). The caller releases the slot when the call ends."""
         try:
-            scope, request = open_call()
+            scope, request = await open_call()
             self.acquire(scope.tenant)
         except KVStoreError as exc:
             code = status_for(exc)

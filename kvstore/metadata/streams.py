@@ -26,10 +26,10 @@ class StreamingRpcs:
         """Counts a stream call of `method` by the status it opened (or failed) with."""
         return lambda code: self.metrics.rpcs.labels(method, code.name).inc()
 
-    def _stream_request(self, request_cls, payload: bytes, context, every_tenant: str):
+    async def _stream_request(self, request_cls, payload: bytes, context, every_tenant: str):
         """(scope, request) of a streaming call whose `tenant` ("" for every tenant, which
         needs an all-tenant token: `every_tenant` says what for) the caller may read."""
-        scope = self.auth.authorize(context)
+        scope = await self.auth.authorize(context)
         request = wire.parse(request_cls, payload)
         if request.tenant:
             self._tenant(request.tenant, scope)
@@ -38,7 +38,8 @@ class StreamingRpcs:
         return scope, request
 
     async def WatchEvents(self, payload: bytes, context: grpc.aio.ServicerContext):
-        """Runs on the loop: authorisation and the slot check are cheap and never block."""
+        """Runs on the loop: the slot check is cheap, authorisation never blocks it (an agent
+        token's review, where one is needed, is awaited)."""
         scope, request = await self.streams.slots.admit(
             context,
             functools.partial(

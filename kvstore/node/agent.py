@@ -20,6 +20,7 @@ from kvstore.errors import ConfigError
 from kvstore.eviction import make_policy
 from kvstore.metadata.client import MetadataClient
 from kvstore.metadata.index import NodeRecord
+from kvstore.metadata.token_file import TokenFile
 from kvstore.node.control import ControlLimits, ControlServer
 from kvstore.node.demotion import DemotionThread, free_pages_target
 from kvstore.node.identity import WorkerCredentials, WorkerIdentity
@@ -30,7 +31,7 @@ from kvstore.node.remote import RemoteFetcher
 from kvstore.node.session import RequestCounters, WorkerSession
 from kvstore.node.view import ClusterView
 from kvstore.node.view_feed import ViewFeed
-from kvstore.store import TieredStore, TierSlot
+from kvstore.store import ArenaLimits, TieredStore, TierSlot
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.host import HostTier, remove_stale_arenas
 from kvstore.tiers.throttled import ThrottledDiskTier
@@ -62,8 +63,17 @@ class NodeConfig:
     metadata_tls_ca: Path | None = None
     worker_credentials: Path | None = None  # token/uid/gid → tenants; None: own uid only
     cluster_secret_file: Path | None = None  # shared by every agent; authenticates transfers
+    # serve transfers without a cluster secret (to any process that reaches the port; warned)
+    insecure_transfer: bool = False
     max_workers: int = 256
     max_pins_per_worker: int = 65536
+    # a tenant's reservations and pins hold at most this share of the arena's pages while
+    # other tenants use it (1.0: no bound)
+    tenant_share: float = 0.5
+    reservation_ttl_s: float = 120.0  # a save not committed by then is released
+    # arena pages no save may reserve, so a block on disk can always be promoted to be read;
+    # -1: 1/64 of the arena (none for arenas under 64 pages)
+    promotion_reserve_pages: int = -1
     orphan_pin_ttl_s: float = 600.0
     control_frame_timeout_s: float = 10.0
     private_buffer_bytes: int = 256 << 20  # per private worker (see --worker-credentials)
@@ -87,18 +97,36 @@ class NodeConfig:
                               "(0: full speed)")  # fmt: skip
         if self.host_free_pages < -1:
             raise ConfigError("host_free_pages must be >= 0, or -1 (1/32 of the arena)")
+        if not 0 < self.tenant_share <= 1:
+            raise ConfigError(f"tenant_share must be in (0, 1], got {self.tenant_share}")
+        if self.reservation_ttl_s <= 0 or self.promotion_reserve_pages < -1:
+            raise ConfigError("reservation_ttl_s must be > 0 and promotion_reserve_pages >= -1")
         if self.page_size_bytes <= HEADER_BYTES:
             raise ConfigError(f"page_size_bytes must exceed the {HEADER_BYTES}-byte header")
-        if self.worker_credentials and self.transfer != "none" and not self.cluster_secret_file:
+        self._require_transfer_secret()
+        if self.transfer == "none" and self.metadata_address:
+            logger.warning("no transfer engine: blocks of other nodes cannot be fetched")
+        self.control_limits()  # validates the bounds now, not at start
+
+    def _require_transfer_secret(self) -> None:
+        """A transfer engine without a cluster secret serves every block to any process that
+        reaches its port, the loopback one included: every local user."""
+        if self.transfer == "none" or self.cluster_secret_file:
+            return
+        if self.worker_credentials:
             raise ConfigError(
                 "worker credentials keep tenants apart, but without a cluster secret the "
                 f"{self.transfer} transfer engine serves any tenant's blocks to any process "
                 "that reaches its port (the loopback one too): give --cluster-secret-file, or "
                 "--transfer none on a single node"
             )
-        if self.transfer == "none" and self.metadata_address:
-            logger.warning("no transfer engine: blocks of other nodes cannot be fetched")
-        self.control_limits()  # validates the bounds now, not at start
+        if not self.insecure_transfer:
+            raise ConfigError(
+                f"without a cluster secret the {self.transfer} transfer engine serves every "
+                "block to any process that reaches its port (the loopback one too: every local "
+                "user): give --cluster-secret-file (the same secret on every agent), "
+                "--transfer none on a single node, or --insecure-transfer to serve them anyway"
+            )
 
     def control_limits(self) -> ControlLimits:
         return ControlLimits(
@@ -106,15 +134,20 @@ class NodeConfig:
             orphan_pin_ttl_s=self.orphan_pin_ttl_s, frame_timeout_s=self.control_frame_timeout_s,
         )  # fmt: skip
 
+    def arena_limits(self) -> ArenaLimits:
+        """How tenants share the arena (see ArenaLimits); -1 promotion pages: 1/64 of it."""
+        pages = self.host_capacity_bytes // self.page_size_bytes
+        reserve = self.promotion_reserve_pages
+        return ArenaLimits(
+            tenant_share=self.tenant_share,
+            promotion_reserve_pages=pages // 64 if reserve < 0 else reserve,
+            reservation_ttl_s=self.reservation_ttl_s,
+        )
+
     def worker_table(self) -> WorkerCredentials:
         if self.worker_credentials is None:
             return WorkerCredentials.owner_only()
         return WorkerCredentials.from_file(self.worker_credentials)
-
-    def metadata_token(self) -> str | None:
-        if self.metadata_token_file is None:
-            return None
-        return read_secret_file(self.metadata_token_file, "metadata token")
 
     def cluster_secret(self) -> bytes | None:
         if self.cluster_secret_file is None:
@@ -142,7 +175,7 @@ class NodeAgent:
         config = self.config
         for name in remove_stale_arenas():
             logger.info("removed shared arena %s left by a dead agent", name)
-        self.store = TieredStore(self._slots())
+        self.store = TieredStore(self._slots(), limits=config.arena_limits())
         self._start_demotion()
         if config.transfer != "none":
             secret = config.cluster_secret()
@@ -150,8 +183,15 @@ class NodeAgent:
                 config.transfer, **({"cluster_secret": secret} if secret else {})
             )
             self.transfer_address = self.engine.serve(
-                self.store.open_block, config.transfer_host, config.transfer_port
+                self.store.open_tenant_block, config.transfer_host, config.transfer_port
             )
+            if secret is None:
+                logger.warning(
+                    "insecure transfer: the %s transfer engine on %s serves every block to any "
+                    "process that reaches it, other local users included (no cluster secret)",
+                    config.transfer,
+                    self.transfer_address,
+                )
         if config.metadata_address:
             self._start_link()
         self.control = ControlServer(
@@ -213,10 +253,12 @@ class NodeAgent:
             )
 
     def _metadata_client(self) -> MetadataClient:
+        """Its token is read again as the file is replaced (a projected service-account token
+        is, while the agent runs: deploy/README.md)."""
         config = self.config
-        return MetadataClient(
-            config.metadata_address, token=config.metadata_token(), tls_ca=config.metadata_tls_ca
-        )
+        path = config.metadata_token_file
+        token = TokenFile.read(path) if path is not None else None
+        return MetadataClient(config.metadata_address, token=token, tls_ca=config.metadata_tls_ca)
 
     def _start_view(self) -> None:
         """The cluster view of this agent's tenants, on its own channel (a long stream and a
@@ -293,6 +335,11 @@ class NodeAgent:
             "dropped_blocks": self.link.dropped_blocks if self.link else 0,
             "dropped_by_cause": dict(self.link.dropped_by_cause) if self.link else {},
             "view": self._view_stats(),
+            "tenants": {
+                "pages": self.store.tenant_pages(),
+                "share_refusals": self.store.share_refusals,
+                "expired_reservations": self.store.expired_reservations,
+            },
         }
 
     def _view_stats(self) -> dict:

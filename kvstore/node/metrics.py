@@ -23,6 +23,7 @@ class AgentCollector(Collector):
         yield from self._requests(stats["requests"])
         yield from self._counters(stats)
         yield from self._view(stats.get("view") or {})
+        yield from self._tenants(stats.get("tenants") or {})
 
     def _tiers(self, tiers: dict):
         blocks = GaugeMetricFamily(
@@ -121,6 +122,29 @@ class AgentCollector(Collector):
         for event, count in stats["transfer"].get("engine_events", {}).items():
             engine.add_metric([event], count)
         yield engine
+
+    def _tenants(self, tenants: dict):
+        """Each tenant's pages: reserved by its saves, pinned by its loads, stored per tier;
+        and how often its share of the arena or a reservation's TTL was reached."""
+        pages = GaugeMetricFamily(
+            "kvstore_agent_tenant_pages",
+            "Pages per tenant: reserved (saves), pinned (loads), stored_<tier> (blocks)",
+            labels=["tenant", "state"],
+        )  # fmt: skip
+        for tenant, states in tenants.get("pages", {}).items():
+            for state, count in states.items():
+                pages.add_metric([tenant, state], count)
+        yield pages
+        yield CounterMetricFamily(
+            "kvstore_agent_share_refusals",
+            "Reserves and pins refused: the tenant held its share of the arena",
+            value=tenants.get("share_refusals", 0),
+        )  # fmt: skip
+        yield CounterMetricFamily(
+            "kvstore_agent_expired_reservations",
+            "Saves released because they were not committed within the reservation TTL",
+            value=tenants.get("expired_reservations", 0),
+        )  # fmt: skip
 
     def _view(self, view: dict):
         """The cluster view (node/view.py): its size and how lookups were answered."""

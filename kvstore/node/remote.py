@@ -20,6 +20,7 @@ from kvstore.errors import CapacityError, TransferError
 from kvstore.keys import BlockKey
 from kvstore.node.link import MetadataLink
 from kvstore.node.view import ClusterView
+from kvstore.owned import owned_keys
 from kvstore.store import TieredStore
 from kvstore.transfer.base import TransferEngine
 
@@ -67,9 +68,10 @@ class RemoteFetcher:
         A holder that failed to deliver keys is no longer named for them by the view."""
         deadline = time.monotonic() + timeout_s  # the service's answer counts against it too
         plan = self._holders(tenant, keys, deadline)
+        owned = owned_keys(tenant, keys)  # the store's names of the tenant's blocks
         done, stalled = 0, False
         while done < len(plan):
-            joined = self._arrived_meanwhile(keys[done : len(plan)], deadline)
+            joined = self._arrived_meanwhile(owned[done : len(plan)], deadline)
             done += joined
             if done == len(plan) or (stalled and not joined):  # no room, or a save holds it
                 break
@@ -86,9 +88,10 @@ class RemoteFetcher:
             stalled = tried == 0
         return done
 
-    def _arrived_meanwhile(self, keys: Sequence[BlockKey], deadline: float) -> int:
-        """How many leading `keys` are stored now, waiting (until `deadline`) for those another
-        worker's load is receiving: this load joins that fetch rather than fetch them twice."""
+    def _arrived_meanwhile(self, keys: Sequence[bytes], deadline: float) -> int:
+        """How many leading owned `keys` are stored now, waiting (until `deadline`) for those
+        another worker's load is receiving: this load joins that fetch rather than fetch them
+        twice."""
         count = 0
         for key in keys:
             if not self.store.await_arrival(key, deadline - time.monotonic()):
@@ -153,8 +156,10 @@ class RemoteFetcher:
         self, address: str, tenant: str, keys: Sequence[BlockKey], deadline: float
     ) -> tuple[int, int]:
         """(blocks that arrived and were committed, blocks asked of the holder)."""
-        pages = self._reserve(keys)
+        owned = owned_keys(tenant, keys)
+        pages = self._reserve(owned)
         wanted = keys[: len(pages)]
+        owned = owned[: len(pages)]
         checksums: list[int | None] = [None] * len(wanted)  # hashed as they land, if the engine can
         started = time.monotonic()
         try:
@@ -164,14 +169,14 @@ class RemoteFetcher:
             logger.warning("fetch from %s failed: %s", address, exc)
             received = [0] * len(wanted)
         except BaseException:
-            for key in wanted:
+            for key in owned:
                 self.store.abort(key)
             raise
         self.stats.seconds += time.monotonic() - started
-        return self._commit(tenant, wanted, received, checksums), len(wanted)
+        return self._commit(owned, received, checksums), len(wanted)
 
-    def _reserve(self, keys: Sequence[BlockKey]) -> list[torch.Tensor]:
-        """Arena pages for the leading `keys` that can have one now; on an error (a victim's
+    def _reserve(self, keys: Sequence[bytes]) -> list[torch.Tensor]:
+        """Arena pages for the leading owned `keys` that can have one now; on an error (a victim's
         write to disk failing), those reserved so far are given back, never left pending."""
         pages = []
         try:
@@ -190,13 +195,12 @@ class RemoteFetcher:
         return pages
 
     def _commit(
-        self, tenant: str, keys: Sequence[BlockKey], received: list[int],
-        checksums: list[int | None],
-    ) -> int:  # fmt: skip
-        """Verify (tenant included) and commit in order; at the first failure, free every
-        later page."""
+        self, keys: Sequence[bytes], received: list[int], checksums: list[int | None]
+    ) -> int:
+        """Verify (the owned key's tenant included) and commit in order; at the first failure,
+        free every later page."""
         for index, (key, size) in enumerate(zip(keys, received, strict=True)):
-            if size and self.store.commit_received(key, size, tenant, checksums[index]):
+            if size and self.store.commit_received(key, size, checksums[index]):
                 self.stats.blocks += 1
                 self.stats.bytes += size
                 continue

@@ -16,12 +16,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvstore import block
-from kvstore.errors import CapacityError, ChecksumError, ConfigError, NotFoundError
+from kvstore.errors import (
+    CapacityError,
+    ChecksumError,
+    ConfigError,
+    NotFoundError,
+    QuotaExceededError,
+)
 from kvstore.keys import BlockKey
 from kvstore.kvcopy.verified import copy_and_checksum
 from kvstore.node.identity import WorkerIdentity
 from kvstore.node.private import PrivateBuffer
 from kvstore.node.remote import RemoteFetcher
+from kvstore.owned import owned_key, owned_keys
 from kvstore.store import TieredStore
 from kvstore.tiers.arena import ArenaTier
 
@@ -42,16 +49,19 @@ class LoadedPrefix:
 
 @dataclass
 class _Load:
-    keys: list[BlockKey]  # pinned in the arena (shared workers)
+    keys: list[bytes]  # owned keys pinned in the arena (shared workers)
     slots: list[int] = field(default_factory=list)  # private-buffer offsets (private workers)
 
 
-@dataclass
+@dataclass(eq=False)
 class Reservation:
+    """One save: its pages, by owned key; the store knows it as their writer."""
+
     save_id: int
+    tenant: str
     payload_bytes: int
-    pages: dict[BlockKey, int] = field(default_factory=dict)  # reserved, not yet committed
-    slots: dict[BlockKey, int] = field(default_factory=dict)  # private workers' write slots
+    pages: dict[bytes, int] = field(default_factory=dict)  # reserved, not yet committed
+    slots: dict[bytes, int] = field(default_factory=dict)  # private workers' write slots
 
 
 class RequestCounters:
@@ -117,7 +127,7 @@ class WorkerSession:
         """Where each leading key is, one byte each (TIER_CODES: host, disk, remote); the
         keys after them are absent."""
         self.identity.require(tenant)
-        slots = self.store.lookup_slots(keys, tenant)
+        slots = self.store.lookup_slots(owned_keys(tenant, keys))
         local, remote = len(slots), 0
         if local < len(keys) and not local_only and self.fetcher is not None:
             remote = self.fetcher.remote_prefix(tenant, keys[local:])
@@ -136,7 +146,7 @@ class WorkerSession:
         for a private worker, copy it into the worker's buffer and unpin."""
         self.identity.require(tenant)
         self._require_room(len(keys))
-        pinned, local, remote = self._pin_prefix(tenant, keys, timeout_s)
+        pinned, local, remote = self._pin_prefix(tenant, keys, timeout_s)  # owned keys
         try:
             headers = self._headers(pinned)  # may end the prefix early
         except BaseException:
@@ -157,16 +167,17 @@ class WorkerSession:
         return LoadedPrefix(load_id, offsets, headers, local, remote)
 
     def _pin_prefix(self, tenant: str, keys: Sequence[BlockKey], timeout_s: float):
-        local = self._pin_in_arena(keys, tenant)
+        owned = owned_keys(tenant, keys)
+        local = self._pin_in_arena(owned)
         remote = 0
         if local < len(keys) and self.fetcher is not None:
             try:
                 fetched = self.fetcher.fetch(tenant, keys[local:], timeout_s)
-                remote = self._pin_in_arena(keys[local : local + fetched], tenant)
+                remote = self._pin_in_arena(owned[local : local + fetched])
             except BaseException:
-                self.store.unpin(keys[:local])  # not registered under a load id yet
+                self.store.unpin(owned[:local])  # not registered under a load id yet
                 raise
-        return list(keys[: local + remote]), local, remote
+        return owned[: local + remote], local, remote
 
     def _copy_out(self, load: _Load, pages: list[int], headers: list[block.BlockHeader]):
         """Private worker: copy the pinned payloads into its buffer, verified as copied, then
@@ -183,7 +194,7 @@ class WorkerSession:
                 target = self.private.view(slot, header.payload_bytes)
                 if copy_and_checksum(target, payload) != header.checksum:
                     logger.warning("block %r changed while copied out; the load stops", header.key)
-                    self.store.purge_if_corrupt(header.key)  # if its stored bytes are bad
+                    self.store.purge_if_corrupt(load.keys[index])  # if its stored bytes are bad
                     wanted = index
                     break
             self.private.give_back(load.slots[wanted:])
@@ -193,14 +204,14 @@ class WorkerSession:
             self.store.unpin(load.keys)
             load.keys = []
 
-    def _pin_in_arena(self, keys: Sequence[BlockKey], tenant: str) -> int:
-        """Pin leading keys, keeping only those that are (or were promoted) in the arena."""
-        pinned = self.store.pin(keys, tenant)
+    def _pin_in_arena(self, keys: Sequence[bytes]) -> int:
+        """Pin leading owned keys, keeping only those that are (or were promoted) in the arena."""
+        pinned = self.store.pin(keys)
         in_arena = next((i for i, key in enumerate(keys[:pinned]) if key not in self.arena), pinned)
         self.store.unpin(keys[in_arena:pinned])
         return in_arena
 
-    def _headers(self, pinned: list[BlockKey]) -> list[block.BlockHeader]:
+    def _headers(self, pinned: list[bytes]) -> list[block.BlockHeader]:
         """The pinned blocks' headers, up to the first that is not its key's (corrupt: the
         block is purged, and it and the rest are unpinned: a miss, never an error)."""
         headers = []
@@ -208,7 +219,8 @@ class WorkerSession:
             page = self.arena.pages[self.arena.page_index(key), : block.HEADER_BYTES]
             try:
                 header = block.unpack_header(page)
-                if header.key != key or header.block_bytes > self.arena.page_size_bytes:
+                stored_as = owned_key(header.tenant, header.key)
+                if stored_as != key or header.block_bytes > self.arena.page_size_bytes:
                     raise ChecksumError(f"the arena page of {key!r} holds {header.key!r} "
                                         f"of {header.block_bytes} bytes")  # fmt: skip
             except ChecksumError as exc:
@@ -244,13 +256,12 @@ class WorkerSession:
         if len(set(keys)) != len(keys) or first_parent in keys:
             raise ConfigError("a save's keys are a chain: each key once, none its own ancestor "
                               "(a cycle of parents would make its blocks unevictable)")  # fmt: skip
-        reservation = Reservation(next(_ids), payload_bytes)
+        reservation = Reservation(next(_ids), tenant, payload_bytes)
         offsets: list[int | None] = []
-        parent = first_parent
+        parent = None if first_parent is None else owned_key(tenant, first_parent)
         try:
-            for key in keys:
-                offsets.append(self._reserve(reservation, tenant, key, parent, layout_hash,
-                                             codec_id))  # fmt: skip
+            for key in owned_keys(tenant, keys):
+                offsets.append(self._reserve(reservation, key, parent, layout_hash, codec_id))
                 parent = key
         except BaseException:
             self._drop(reservation)
@@ -258,10 +269,13 @@ class WorkerSession:
         self.saves[reservation.save_id] = reservation
         return reservation.save_id, offsets
 
-    def _reserve(self, reservation, tenant, key, parent, layout_hash, codec_id) -> int | None:
+    def _reserve(self, reservation, key, parent, layout_hash, codec_id) -> int | None:
+        """Reserve owned `key`'s page; its offset, or None (stored, being written, no room).
+        A tenant past its share of the arena gets QuotaExceededError when this save has no
+        page yet, else None for the rest of the chain."""
         try:
             view = self.store.reserve(key, parent, reservation.payload_bytes, layout_hash,
-                                      codec_id, tenant)  # fmt: skip
+                                      codec_id, writer=reservation)  # fmt: skip
             if view is None:
                 return None
             reservation.pages[key] = page = self.arena.page_index(key)
@@ -269,24 +283,33 @@ class WorkerSession:
                 return self._payload_offset(page)
             reservation.slots[key] = slot = self.private.take(1)[0]
             return slot
+        except QuotaExceededError:
+            if not reservation.pages:
+                raise
+            return None
         except CapacityError as exc:
             logger.info("save of %r skipped: %s", key, exc)
             if key in reservation.pages and key not in reservation.slots:
-                self.store.abort(key)
+                self.store.abort(key, reservation)
                 del reservation.pages[key]
             return None
 
     def commit(self, save_id: int, keys: Sequence[BlockKey], checksums: Sequence[int]) -> int:
         reservation = self._reservation(save_id)
         committed = 0
-        for index, key in enumerate(keys):
+        for index, key in enumerate(owned_keys(reservation.tenant, keys)):
             page = reservation.pages.pop(key, None)
             if page is None:
                 continue  # not reserved in this save: nothing to commit
+            if not self.store.claim(key, reservation):
+                logger.info("save %d: %r expired before its commit", save_id, keys[index])
+                if self.private is not None:
+                    self.private.give_back([reservation.slots.pop(key)])
+                continue
             checksum = checksums[index] if checksums else None
             if self.private is not None:
                 checksum = self._copy_in(reservation, key, page)
-            self.store.commit(key, checksum)
+            self.store.commit(key, checksum, reservation)
             committed += 1
         self.counters.add(saved=committed)
         if not reservation.pages:
@@ -294,7 +317,7 @@ class WorkerSession:
             del self.saves[save_id]
         return committed
 
-    def _copy_in(self, reservation: Reservation, key: BlockKey, page: int) -> int | None:
+    def _copy_in(self, reservation: Reservation, key: bytes, page: int) -> int | None:
         """Private worker: its slot into the reserved page, checksummed as copied."""
         slot = reservation.slots.pop(key)
         start = block.HEADER_BYTES
@@ -309,7 +332,7 @@ class WorkerSession:
 
     def _drop(self, reservation: Reservation) -> None:
         for key in reservation.pages:
-            self.store.abort(key)
+            self.store.abort(key, reservation)
         reservation.pages.clear()
         if self.private is not None:
             self.private.give_back(list(reservation.slots.values()))

@@ -79,7 +79,7 @@ class DiskTier(Tier):
             try:
                 env = lmdb.open(str(self.path), **options)
                 with env.begin() as txn:
-                    keys = {BlockKey(bytes(k)) for k in txn.cursor().iternext(values=False)}
+                    keys = {bytes(k) for k in txn.cursor().iternext(values=False)}
                 return env, keys
             except _CORRUPT as exc:
                 if env is not None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import ipaddress
 import logging
 import os
 import struct
@@ -19,6 +18,7 @@ from dataclasses import dataclass, field
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from kvstore.block import MAX_TENANT_BYTES, encode_tenant
+from kvstore.config import is_loopback_host
 from kvstore.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -158,18 +158,9 @@ def decode_tenant(raw: bytes) -> str | None:
 
 def warn_if_open(engine: str, host: str, secret: bytes | None) -> None:
     """Log once per serving engine that a non-loopback listener without a secret is open."""
-    if secret is not None or _is_loopback(host):
+    if secret is not None or is_loopback_host(host):
         return
     logger.warning(
         "%s engine serves %s without a cluster_secret: any host that reaches it can read "
         "every block; set a cluster secret", engine, host,
     )  # fmt: skip
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False

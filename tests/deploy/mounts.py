@@ -1,7 +1,9 @@
 """A rendered container's mounts rebuilt under a temporary root, so `kvstore ... --check` can
 read what the pod would: each mounted Secret key becomes a file of its kind (token table,
-token, worker credentials, TLS material, TOML), each other volume a directory; the container's
-args and env are rewritten to those paths, and downward-API variables expanded."""
+token, worker credentials, TLS material, TOML), each projected service-account token a token
+and the cluster CA its certificate, each other volume a directory; the container's args and env
+are rewritten to those paths, downward-API variables expanded, and the kubelet's own variables
+(the API server's address) set as in every pod."""
 
 from __future__ import annotations
 
@@ -53,6 +55,23 @@ SECRET_CONTENT = {  # by Secret key: what the operator's Secret holds (see value
 }
 
 
+CONFIG_MAP_CONTENT = {("kube-root-ca.crt", "ca.crt"): _CERT}  # by (ConfigMap, key)
+PROJECTED_TOKEN = "eyJhbGciOiJSUzI1NiJ9.eyJhdWQiOlsia3ZzdG9yZSJdfQ.c2lnbmF0dXJl"
+KUBELET_ENV = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"}
+
+
+def _write_projected(volume: dict, local: Path) -> None:
+    """A projected volume's files: service-account tokens and ConfigMap keys."""
+    for source in volume["projected"]["sources"]:
+        if "serviceAccountToken" in source:
+            (local / source["serviceAccountToken"]["path"]).write_text(PROJECTED_TOKEN)
+        for item in source.get("configMap", {}).get("items", []):
+            content = CONFIG_MAP_CONTENT.get((source["configMap"]["name"], item["key"]))
+            if content is None:
+                raise AssertionError(f"no fake content for ConfigMap key {item['key']!r}")
+            (local / item["path"]).write_bytes(content)
+
+
 def build_mounts(pod: dict, container: dict, root: Path) -> dict[str, Path]:
     """Creates the container's mounts under `root`; returns mountPath -> local path."""
     volumes = {v["name"]: v for v in pod.get("volumes", [])}
@@ -67,6 +86,8 @@ def build_mounts(pod: dict, container: dict, root: Path) -> dict[str, Path]:
                 if item["key"] not in SECRET_CONTENT:
                     raise AssertionError(f"no fake content for Secret key {item['key']!r}")
                 (local / item["path"]).write_bytes(SECRET_CONTENT[item["key"]])
+        if "projected" in volume:
+            _write_projected(volume, local)
         mounts[mount["mountPath"]] = local
     return mounts
 
@@ -86,7 +107,7 @@ def _relocate(value: str, mounts: dict[str, Path]) -> str:
 
 def container_env(container: dict, mounts: dict[str, Path]) -> dict[str, str]:
     """Plain values and downward-API fields; a secret in env is refused (files only)."""
-    env = {}
+    env = dict(KUBELET_ENV)
     for var in container.get("env", []):
         source = var.get("valueFrom", {})
         assert "secretKeyRef" not in source, f"{var['name']} takes a secret from env"

@@ -307,3 +307,96 @@ def test_worker_credentials_without_a_cluster_secret_are_refused():
     assert "keeps tenants apart only with clusterSecret.existingSecret set" in result.stderr
     assert helm_template(None, "--set", "node.workerCredentials.existingSecret=creds",
                          "--set", "node.transfer=none", check=False).returncode == 0  # fmt: skip
+
+
+def test_without_secrets_the_services_run_open_only_where_they_say_so():
+    """The agent refuses tcp without a cluster secret and the metadata service refuses 0.0.0.0
+    without tokens unless told to run open: the chart tells them where only the NetworkPolicy
+    guards their ports, and refuses the host network, where every process of the host could
+    reach the transfer port."""
+    flags = {c["name"]: c["args"] for _, c in containers_of(None)}
+    assert "--insecure-transfer" in flags["kvstore-agent"]
+    assert "--insecure-no-auth" in flags["kvstore-metadata"]
+    for values in CI_VALUES:
+        for _, container in containers_of(values):
+            args = set(container["args"])
+            assert not {"--cluster-secret-file", "--insecure-transfer"} <= args
+            assert not {"--token-file", "--insecure-no-auth"} <= args
+    host = helm_template(None, "--set", "node.hostNetwork=true", check=False)
+    assert host.returncode != 0 and "set clusterSecret.existingSecret" in host.stderr
+
+
+AUTH_ON = ("--set", "auth.enabled=true", "--set", "auth.existingSecret=kvstore-tokens")
+
+
+def the(rendered: list[dict], kind: str, name: str | None = None) -> dict:
+    [obj] = [o for o in rendered if o["kind"] == kind and name in (None, o["metadata"]["name"])]
+    return obj
+
+
+def secret_keys(rendered: list[dict]) -> set[str]:
+    specs = [pod_spec(obj) for obj in rendered if pod_spec(obj)]
+    volumes = [volume for spec in specs for volume in spec["volumes"]]
+    return {item["key"] for v in volumes for item in v.get("secret", {}).get("items", [])}
+
+
+def test_agents_present_projected_tokens_bound_to_their_node_by_default():
+    """With auth on, every agent presents its own pod's service-account token (audience
+    kvstore), never a shared `*` token; the metadata service reviews those of the agents' and
+    the sidecars' accounts with its own token, which the ClusterRoleBinding lets it do."""
+    rendered = render(None, *AUTH_ON, "--set", "sidecar.examples.vllm.enabled=true")
+    spec = pod_spec(the(rendered, "DaemonSet"))
+    assert spec["serviceAccountName"] == "kv-kvstore-agent"
+    volumes = {volume["name"]: volume for volume in spec["volumes"]}
+    assert volumes["agent-token"]["projected"]["sources"] == [
+        {"serviceAccountToken": {"audience": "kvstore", "expirationSeconds": 3600, "path": "token"}}
+    ]
+    agent = next(c for c in spec["containers"] if c["name"] == "kvstore-agent")
+    args = agent["args"]
+    assert args[args.index("--metadata-token-file") + 1] == "/etc/kvstore/agent-token/token"
+    assert args[args.index("--node-id") + 1] == "$(NODE_NAME)"  # the node its token names
+    mount = {"name": "agent-token", "mountPath": "/etc/kvstore/agent-token", "readOnly": True}
+    assert mount in agent["volumeMounts"]
+    assert "agent.token" not in secret_keys(rendered)
+    vllm = pod_spec(the(rendered, "Deployment", "kv-kvstore-vllm"))
+    assert vllm["serviceAccountName"] == "kv-kvstore-sidecar"
+    assert "agent-token" in {volume["name"] for volume in vllm["volumes"]}
+    metadata = pod_spec(the(rendered, "StatefulSet"))
+    assert metadata["serviceAccountName"] == "kv-kvstore-metadata"
+    assert metadata["automountServiceAccountToken"] is False  # its one token volume is explicit
+    args = metadata["containers"][0]["args"]
+    assert args[args.index("--kube-agent-service-account") + 1] == "kvstore/kv-kvstore-agent"
+    assert args[args.index("--kube-sidecar-service-account") + 1] == "kvstore/kv-kvstore-sidecar"
+    mounts = {m["name"]: m["mountPath"] for m in metadata["containers"][0]["volumeMounts"]}
+    assert mounts["kube-api-access"] == "/var/run/secrets/kubernetes.io/serviceaccount"
+    binding = the(rendered, "ClusterRoleBinding")
+    assert binding["roleRef"]["kind"] == "ClusterRole"
+    assert binding["roleRef"]["name"] == "system:auth-delegator"
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "kv-kvstore-metadata", "namespace": "kvstore"}
+    ]
+    accounts = [obj for obj in rendered if obj["kind"] == "ServiceAccount"]
+    assert {account["metadata"]["name"] for account in accounts} == {
+        "kv-kvstore-metadata",
+        "kv-kvstore-agent",
+        "kv-kvstore-sidecar",
+    }
+    assert all(account["automountServiceAccountToken"] is False for account in accounts)
+
+
+def test_the_shared_agent_token_is_an_explicit_choice():
+    rendered = render(None, *AUTH_ON, "--set", "auth.agentTokens=shared")
+    spec = pod_spec(the(rendered, "DaemonSet"))
+    args = next(c for c in spec["containers"] if c["name"] == "kvstore-agent")["args"]
+    assert args[args.index("--metadata-token-file") + 1] == "/etc/kvstore/auth/agent.token"
+    assert "agent-token" not in {volume["name"] for volume in spec["volumes"]}
+    metadata = pod_spec(the(rendered, "StatefulSet"))["containers"][0]
+    assert "--kube-agent-service-account" not in metadata["args"]
+    for values in ((*AUTH_ON, "--set", "auth.agentTokens=shared"), ()):
+        assert "ClusterRoleBinding" not in {obj["kind"] for obj in render(None, *values)}
+    for bad, message in [
+        ("auth.agentTokens=bound", "value must be one of 'projected', 'shared'"),
+        ("auth.agentTokenExpirationSeconds=60", "minimum: got 60, want 600"),
+    ]:
+        result = helm_template(None, *AUTH_ON, "--set", bad, check=False)
+        assert result.returncode != 0 and message in result.stderr, result.stderr

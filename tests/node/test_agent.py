@@ -10,6 +10,7 @@ from kvstore.client import KVStoreClient
 from kvstore.errors import CapacityError
 from kvstore.keys import Namespace, chunk_keys
 from kvstore.metadata.client import MetadataClient
+from kvstore.owned import owned_key, owned_keys
 from tests.metadata.servers import client_for, running_server, wait_until
 from tests.node.agents import running_agent
 from tests.node.test_client import PAYLOAD, save_chain
@@ -31,8 +32,8 @@ def test_saved_blocks_are_published_and_evicted_ones_move_to_disk(tmp_path):
                 for start in (0, 4, 8):  # 8 host pages: the first 4 blocks go down to disk
                     save_chain(client, KEYS[start : start + 4], fill=lambda i, s=start: s + i + 1)
                 assert wait_until(lambda: published(metadata, KEYS) == 12)
-                tiers = {agent.store.tier_of(k) for k in KEYS[:4]}
-                assert tiers == {"disk"} and agent.store.tier_of(KEYS[11]) == "host"
+                tiers = {agent.store.tier_of(k) for k in owned_keys("t", KEYS[:4])}
+                assert tiers == {"disk"} and agent.store.tier_of(owned_key("t", KEYS[11])) == "host"
                 holders = metadata.lookup("t", KEYS).holders
                 assert {h.tier for h in holders[0]} == {"disk"}
                 loaded = client.load("t", KEYS)  # disk blocks are promoted into the arena
@@ -54,7 +55,9 @@ def test_a_restarted_agent_finds_its_disk_blocks_and_publishes_them_again(tmp_pa
             assert wait_until(lambda: published(metadata, KEYS) == 10)
         assert published(metadata, KEYS) == 0, "a clean stop deregisters the node"
         with running_agent(tmp_path, **settings) as agent:
-            assert agent.store.lookup(KEYS) == 6, "the 6 blocks demoted to disk survived"
+            assert agent.store.lookup(owned_keys("t", KEYS)) == 6, (
+                "the 6 blocks demoted to disk survived"
+            )
             assert wait_until(lambda: published(metadata, KEYS) == 6)
             with KVStoreClient(agent.config.socket_path) as client:
                 loaded = client.load("t", KEYS)

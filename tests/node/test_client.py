@@ -13,6 +13,7 @@ from kvstore import framing
 from kvstore.client import KVStoreClient, LookupCounts
 from kvstore.errors import ConfigError, NotFoundError, UnavailableError
 from kvstore.keys import Namespace, chunk_keys
+from kvstore.owned import owned_key
 from kvstore.v1 import agent_pb2 as pb
 from tests.metadata.servers import wait_until
 from tests.node.agents import running_agent
@@ -42,7 +43,7 @@ def test_a_worker_saves_in_place_and_another_loads_in_place(tmp_path):
             assert [int(view[0]) for view in loaded.payloads] == [1, 2, 3, 4, 5]
             assert all(view.numel() == PAYLOAD for view in loaded.payloads)
             assert agent.store.pins_held() == 5
-            with agent.store.read(KEYS[2]) as stored:
+            with agent.store.read(owned_key("t", KEYS[2])) as stored:
                 assert stored.data_ptr() != loaded.payloads[2].data_ptr()  # another mapping
                 assert torch.equal(stored, loaded.payloads[2])  # of the same bytes
             reader.release(loaded)
@@ -57,7 +58,7 @@ def test_a_release_naming_a_corrupt_block_purges_it_and_spares_a_good_one(tmp_pa
     keeps a good one named by a mistaken or hostile worker."""
     with running_agent(tmp_path) as agent, KVStoreClient(agent.config.socket_path) as client:
         save_chain(client, KEYS[:3])
-        with agent.store.read(KEYS[1]) as stored:
+        with agent.store.read(owned_key("t", KEYS[1])) as stored:
             stored[PAYLOAD // 2] += 1  # the arena page's bytes no longer match its checksum
         loaded = client.load("t", KEYS[:3], verify=False)
         client.release(loaded, suspect=[0, 1, 1, 7])  # 7: past the load, ignored
@@ -283,7 +284,7 @@ def test_a_corrupt_block_header_is_a_miss_purged_and_leaks_no_pin(tmp_path):
     with running_agent(tmp_path) as agent, KVStoreClient(agent.config.socket_path) as client:
         save_chain(client, KEYS[:3])
         host = agent.store.slots[0].tier
-        host.pages[host.page_index(KEYS[1]), 0] ^= 0xFF  # the header's magic
+        host.pages[host.page_index(owned_key("t", KEYS[1])), 0] ^= 0xFF  # the header's magic
         loaded = client.load("t", KEYS[:3], verify=False)
         assert len(loaded) == 1
         client.release(loaded)

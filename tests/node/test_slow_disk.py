@@ -9,6 +9,7 @@ from kvstore.client import KVStoreClient
 from kvstore.keys import Namespace, chunk_keys
 from kvstore.node import demotion
 from kvstore.node.agent import NodeAgent, NodeConfig
+from kvstore.owned import owned_key, owned_keys
 from tests.metadata.servers import running_server, wait_until
 from tests.node.agents import running_agent
 from tests.node.test_client import PAYLOAD, save_chain
@@ -25,7 +26,7 @@ def test_a_load_from_a_slow_disk_does_not_stall_other_workers(tmp_path):
                 KVStoreClient(agent.config.socket_path, "other") as other:  # fmt: skip
             for start in (0, 4, 8):  # 8 host pages: the first 4 blocks go down to disk
                 save_chain(slow, KEYS[start : start + 4], fill=lambda i, s=start: s + i + 1)
-            assert agent.store.tier_of(KEYS[0]) == "disk"
+            assert agent.store.tier_of(owned_key("t", KEYS[0])) == "disk"
             loads = []
             thread = threading.Thread(target=lambda: loads.append(slow.load("t", KEYS[:1])))
             thread.start()
@@ -41,7 +42,7 @@ def test_a_load_from_a_slow_disk_does_not_stall_other_workers(tmp_path):
             assert others_s < READ_S / 3, f"the other worker waited {others_s:.3f} s for the disk"
             (promoted,) = loads
             assert [int(view[0]) for view in promoted.payloads] == [1]
-            assert agent.store.tier_of(KEYS[0]) == "host"
+            assert agent.store.tier_of(owned_key("t", KEYS[0])) == "host"
             slow.release(promoted)
 
 
@@ -62,7 +63,9 @@ def test_a_save_into_a_full_arena_does_not_wait_for_a_slow_disk_write(tmp_path):
             save_s = time.perf_counter() - started
             assert save_s < READ_S / 3, f"the save waited {save_s:.3f} s for the disk"
             assert wait_until(lambda: host.free_pages >= 2, timeout_s=10)
-            assert agent.demotion.written >= 4 and agent.store.lookup(KEYS[:10]) == 10
+            assert (
+                agent.demotion.written >= 4 and agent.store.lookup(owned_keys("t", KEYS[:10])) == 10
+            )
             loaded = writer.load("t", KEYS[:10])  # the demoted ones come back from disk
             values = [int(view[0]) for view in loaded.payloads]
             assert len(values) >= 6 and values == list(range(1, len(values) + 1))
@@ -88,7 +91,7 @@ def test_a_load_joins_the_fetch_another_worker_has_under_way(tmp_path):
             with KVStoreClient(holder.config.socket_path, "w") as writer:
                 for start in (0, 4, 8):  # the first 4 blocks go down to the holder's disk
                     save_chain(writer, KEYS[start : start + 4], fill=lambda i, s=start: s + i + 1)
-            assert holder.store.tier_of(KEYS[0]) == "disk"
+            assert holder.store.tier_of(owned_key("t", KEYS[0])) == "disk"
             with KVStoreClient(reader.config.socket_path, "first") as first, \
                     KVStoreClient(reader.config.socket_path, "second") as second:  # fmt: skip
                 assert wait_until(lambda: second.lookup("t", KEYS[:2]).remote == 2, timeout_s=10)

@@ -15,6 +15,7 @@ from kvstore.client import KVStoreClient
 from kvstore.errors import AuthError, CapacityError, ConfigError, PermissionDeniedError
 from kvstore.keys import Namespace, chunk_keys
 from kvstore.node.agent import NodeAgent, NodeConfig
+from kvstore.owned import owned_key
 from kvstore.v1 import agent_pb2 as pb
 from tests.metadata.servers import wait_until
 from tests.node.agents import SMALL, running_agent, start_node_process
@@ -307,7 +308,9 @@ def test_a_private_workers_load_is_verified_as_it_is_copied_out(two_tenants):
     assert alice.access == "private"
     save(alice, "alice", KEYS, fill=0x33)
     host = agent.store.slots[0].tier
-    host.pages[host.page_index(KEYS[2]), HEADER_BYTES + 10] ^= 0xFF  # payload bytes rot
+    host.pages[host.page_index(owned_key("alice", KEYS[2])), HEADER_BYTES + 10] ^= (
+        0xFF  # payload bytes rot
+    )
     loaded = alice.load("alice", KEYS)
     assert len(loaded) == 2 and all(bool((p == 0x33).all()) for p in loaded.payloads)
     assert agent.store.pins_held() == 0, "a private worker never holds arena pins"

@@ -51,7 +51,9 @@ class Pair:
     def __init__(self, holder, reader, server, client, wrap=None) -> None:
         self.holder, self.reader = holder, reader
         self.server, self.client = server, client
-        self.address = server.serve(wrap(holder.open_block) if wrap else holder.open_block)
+        self.address = server.serve(
+            wrap(holder.open_tenant_block) if wrap else holder.open_tenant_block
+        )
         self.checksums: dict[tuple[int, BlockKey], int | None] = {}  # (reader id, key): landed
 
     def put(self, numbers: Sequence[int], size_bytes: int | None = None) -> list[BlockKey]:
@@ -86,7 +88,7 @@ def land(
     landed = []
     for key, size, checksum in zip(keys, received, checksums or [None] * len(keys), strict=True):
         if size:
-            landed.append(reader.commit_received(key, size, TENANT, checksum))
+            landed.append(reader.commit_received(key, size, checksum))
         else:
             reader.abort(key)
             landed.append(False)

@@ -123,7 +123,7 @@ def test_a_block_altered_at_the_holder_is_delivered_but_never_readable(make_pair
 
 def test_fetching_where_nothing_listens_raises_within_the_timeout(make_transfer_engine, make_store):
     gone = make_transfer_engine()
-    address = gone.serve(make_store().open_block)
+    address = gone.serve(make_store().open_tenant_block)
     gone.close()
     client, reader = make_transfer_engine(), make_store()
 

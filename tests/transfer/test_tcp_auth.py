@@ -15,6 +15,7 @@ import torch
 
 from kvstore.block import HEADER_BYTES, pack_header, payload_checksum, unpack_header
 from kvstore.errors import TransferError
+from kvstore.owned import owned_key
 from kvstore.transfer import auth
 from kvstore.transfer.tcp import BATCH, FRAME, TcpEngine
 from kvstore.transfer.tcp_wire import VERSION, pack_request
@@ -96,7 +97,7 @@ def test_an_engine_with_no_or_the_wrong_secret_fetches_nothing(secured, stores, 
 
 def test_a_silent_peer_is_dropped_after_the_handshake_timeout(stores):
     server = TcpEngine(cluster_secret=SECRET, handshake_timeout_s=0.3)
-    address = server.serve(stores[0].open_block)
+    address = server.serve(stores[0].open_tenant_block)
     host, port = address.rsplit(":", 1)
     try:
         with socket.create_connection((host, int(port)), timeout=3.0) as sock:
@@ -139,7 +140,7 @@ class FakeHolder:
 
 
 def test_a_fake_holder_without_the_secret_is_refused_before_any_block_lands(secured, stores):
-    with secured.holder.open_block(KEYS[0], TENANT) as whole:
+    with secured.holder.open_tenant_block(KEYS[0], TENANT) as whole:
         genuine = bytes(whole.numpy())
     fake, reader = FakeHolder(genuine), stores[1]
     page = reader.reserve_page(KEYS[0])
@@ -269,10 +270,11 @@ def test_a_relay_that_rewrites_the_requests_tenant_gets_nothing_served(stores):
     sealed with the session key now: the holder serves nothing and drops the connection."""
     holder, _ = stores
     secret_kv = torch.frombuffer(bytearray(b"tenant-B-secret-KV" * 10), dtype=torch.uint8)
-    holder.reserve(KEYS[0], None, secret_kv.numel(), tenant="tenB").copy_(secret_kv)
-    holder.commit(KEYS[0])
+    held = owned_key("tenB", KEYS[0])
+    holder.reserve(held, None, secret_kv.numel()).copy_(secret_kv)
+    holder.commit(held)
     server, client = TcpEngine(cluster_secret=SECRET), TcpEngine(cluster_secret=SECRET)
-    host, port = server.serve(holder.open_block).rsplit(":", 1)
+    host, port = server.serve(holder.open_tenant_block).rsplit(":", 1)
     listener = socket.create_server(("127.0.0.1", 0))
     seen = bytearray()
 

@@ -30,7 +30,7 @@ def holder():
 
 def serving(store, **options) -> tuple[TcpEngine, tuple[str, int]]:
     engine = TcpEngine(**options)
-    host, port = engine.serve(store.open_block).rsplit(":", 1)
+    host, port = engine.serve(store.open_tenant_block).rsplit(":", 1)
     return engine, (host, int(port))
 
 

@@ -50,7 +50,7 @@ numbers = {key: n for n, key in enumerate(KEYS)}
 def slow_open_block(key, tenant):
     print(numbers[key], flush=True)
     time.sleep(0.05)
-    with store.open_block(key, tenant) as view:
+    with store.open_tenant_block(key, tenant) as view:
         yield view
 
 print(TcpEngine().serve(slow_open_block), flush=True)

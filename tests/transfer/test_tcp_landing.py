@@ -44,7 +44,7 @@ def test_the_reader_gets_each_payloads_xxh3_and_commits_without_hashing_again(
     assert checksums == [xxhash.xxh3_64_intdigest(payload(n, payload_bytes)) for n in range(3)]
     monkeypatch.setattr(block, "payload_checksum", pytest.fail)  # the page is not read again
     landed = zip(keys, received, checksums, strict=True)
-    assert all(tcp_pair.reader.commit_received(k, n, TENANT, c) for k, n, c in landed)
+    assert all(tcp_pair.reader.commit_received(k, n, c) for k, n, c in landed)
 
 
 def test_an_absent_block_lands_no_checksum(tcp_pair):
@@ -78,7 +78,7 @@ def test_a_landed_checksum_that_differs_from_the_header_is_a_miss(stores):
     reader = stores[1]
     size, checksum = landed_block(reader, KEYS[0], 1000)
 
-    assert reader.commit_received(KEYS[0], size, TENANT, checksum ^ 1) is False
+    assert reader.commit_received(KEYS[0], size, checksum ^ 1) is False
     assert reader.checksum_failures == 1 and reader.lookup(KEYS[:1]) == 0
     assert reader.usage()["host"]["used_pages"] == 0
 
@@ -89,7 +89,7 @@ def test_bytes_past_the_block_are_a_miss_with_a_landed_checksum(stores):
     reader = stores[1]
     size, checksum = landed_block(reader, KEYS[0], 1000, trailing=b"\x01" * 64)
 
-    assert reader.commit_received(KEYS[0], size, TENANT, checksum) is False
+    assert reader.commit_received(KEYS[0], size, checksum) is False
     assert reader.checksum_failures == 1
 
 

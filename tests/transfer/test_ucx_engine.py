@@ -55,7 +55,7 @@ from tests.transfer.conftest import KEYS, new_store, payload
 store = new_store({KILLED_PAGE_BYTES}, 3)
 for n in range(3):
     store.put(KEYS[n], None, payload(n, {KILLED_PAGE_BYTES} - HEADER_BYTES))
-print(UcxEngine(tls="tcp", net_devices="lo").serve(store.open_block), flush=True)
+print(UcxEngine(tls="tcp", net_devices="lo").serve(store.open_tenant_block), flush=True)
 time.sleep(120)
 """
 
@@ -219,7 +219,7 @@ def test_ucx_settings_are_per_process_and_must_agree(make_ucx_pair, make_store):
     other = UcxEngine(tls="tcp,sm,self", net_devices="lo")
 
     with pytest.raises(ConfigError, match="must agree"):
-        other.serve(make_store(SMALL_PAGE_BYTES, 1).open_block)
+        other.serve(make_store(SMALL_PAGE_BYTES, 1).open_tenant_block)
     other.close()
     other.close()
 
@@ -258,7 +258,7 @@ os.environ.pop("UCX_NET_DEVICES", None)
 from kvstore.transfer.ucx import UcxEngine
 from tests.transfer.conftest import new_store
 engine = UcxEngine(tls="tcp")
-print(engine.serve(new_store(1 << 16, 2).open_block, "127.0.0.1"), flush=True)
+print(engine.serve(new_store(1 << 16, 2).open_tenant_block, "127.0.0.1"), flush=True)
 time.sleep(120)
 """
 
@@ -411,7 +411,7 @@ class SlowData(UcxEngine):
 
 store = new_store(1 << 20, 2)
 store.put(KEYS[0], None, payload(0, (1 << 20) - HEADER_BYTES))
-print(SlowData(tls="tcp", net_devices="lo").serve(store.open_block), flush=True)
+print(SlowData(tls="tcp", net_devices="lo").serve(store.open_tenant_block), flush=True)
 time.sleep(120)
 """
 

@@ -6,15 +6,16 @@ import dataclasses
 import torch
 
 from kvstore import block
-from kvstore.keys import BlockKey
+from kvstore.owned import owned_key
 
 
-def stored_chain(agent) -> list[BlockKey]:
-    """The agent's blocks in prefix order (following each header's parent)."""
+def stored_chain(agent) -> list[bytes]:
+    """The agent's blocks in prefix order (following each header's parent), by owned key."""
     children = {}
-    for key, _, _ in agent.store.inventory():
-        with agent.store.open_block(key) as whole:
-            children[block.unpack_header(whole).parent] = key
+    for key, _, tenant in agent.store.inventory():
+        with agent.store.open_block(owned_key(tenant, key)) as whole:
+            parent = block.unpack_header(whole).parent
+        children[None if parent is None else owned_key(tenant, parent)] = owned_key(tenant, key)
     chain, key = [], children.get(None)
     while key is not None:
         chain.append(key)
@@ -22,7 +23,7 @@ def stored_chain(agent) -> list[BlockKey]:
     return chain
 
 
-def alter(agent, key: BlockKey, reseal: bool) -> None:
+def alter(agent, key: bytes, reseal: bool) -> None:
     """Overwrite a stored payload in the arena with other floats, with or without a new checksum."""
     host = agent.store.slots[0].tier
     page = host.pages[host.page_index(key)]

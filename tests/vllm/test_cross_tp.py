@@ -98,10 +98,11 @@ def load_prompt(side: WorkerSide, blocks: list[int]) -> None:
 
 def stored(agent) -> dict[bytes, bytes]:
     from kvstore.block import HEADER_BYTES
+    from kvstore.owned import owned_key
 
     out = {}
-    for key, _, _ in agent.store.inventory():
-        with agent.store.open_block(key) as whole:
+    for key, _, tenant in agent.store.inventory():
+        with agent.store.open_block(owned_key(tenant, key)) as whole:
             out[bytes(key)] = whole[HEADER_BYTES:].numpy().tobytes()
     return out
 

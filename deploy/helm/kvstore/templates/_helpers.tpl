@@ -35,12 +35,14 @@ app.kubernetes.io/part-of: kvstore
 {{- end }}
 {{- end }}
 
+{{/* A component's service account: (dict "root" . "component" "metadata|agent|sidecar"). */}}
 {{- define "kvstore.serviceAccountName" -}}
-{{- if .Values.serviceAccount.create }}
-{{- default (include "kvstore.fullname" .) .Values.serviceAccount.name }}
-{{- else }}
-{{- default "default" .Values.serviceAccount.name }}
+{{- printf "%s-%s" (default (include "kvstore.fullname" .root) .root.Values.serviceAccount.name) .component }}
 {{- end }}
+
+{{/* "true" where agents present projected service-account tokens bound to their node. */}}
+{{- define "kvstore.projectedAgentTokens" -}}
+{{- if and .Values.auth.enabled (eq .Values.auth.agentTokens "projected") }}true{{ end }}
 {{- end }}
 
 {{- define "kvstore.metadataAddress" -}}
@@ -141,13 +143,21 @@ Secrets are mounted files; the node id and the advertised address come from the 
     - --metadata-address
     - {{ include "kvstore.metadataAddress" $root }}
     {{- end }}
-    {{- if $v.auth.enabled }}
+    {{- if include "kvstore.projectedAgentTokens" $root }}
+    - --metadata-token-file
+    - /etc/kvstore/agent-token/token
+    {{- else if $v.auth.enabled }}
     - --metadata-token-file
     - /etc/kvstore/auth/{{ $v.auth.agentTokenKey }}
     {{- end }}
     {{- if $v.clusterSecret.existingSecret }}
     - --cluster-secret-file
     - /etc/kvstore/cluster/{{ $v.clusterSecret.key }}
+    {{- else if ne $v.node.transfer "none" }}
+    {{- if and (not $sidecar) $v.node.hostNetwork }}
+    {{- fail "node.hostNetwork puts the agents' transfer port on the host, where every process (and no NetworkPolicy) reaches it: set clusterSecret.existingSecret" }}
+    {{- end }}
+    - --insecure-transfer
     {{- end }}
     {{- if $v.node.workerCredentials.existingSecret }}
     {{- if and (ne $v.node.transfer "none") (not $v.clusterSecret.existingSecret) }}
@@ -248,7 +258,9 @@ Secrets are mounted files; the node id and the advertised address come from the 
     {{- if and (not $sidecar) $v.node.disk.enabled }}
     - {name: disk, mountPath: /var/lib/kvstore/disk}
     {{- end }}
-    {{- if $v.auth.enabled }}
+    {{- if include "kvstore.projectedAgentTokens" $root }}
+    - {name: agent-token, mountPath: /etc/kvstore/agent-token, readOnly: true}
+    {{- else if $v.auth.enabled }}
     - {name: auth, mountPath: /etc/kvstore/auth, readOnly: true}
     {{- end }}
     {{- if $v.tls.enabled }}
@@ -272,7 +284,18 @@ Secrets are mounted files; the node id and the advertised address come from the 
     sizeLimit: {{ printf "%dMi" (int64 (add (include "kvstore.mebibytes" $conf.hostCapacity) (include "kvstore.mebibytes" $conf.shmHeadroom))) }}
 - name: tmp
   emptyDir: {sizeLimit: 1Gi}
-{{- if $v.auth.enabled }}
+{{- if include "kvstore.projectedAgentTokens" .root }}
+# The pod's own token for the metadata service: bound to this pod (and so to its node), replaced
+# by the kubelet before it expires; the agent reads the file again as it changes.
+- name: agent-token
+  projected:
+    defaultMode: 0440
+    sources:
+      - serviceAccountToken:
+          audience: kvstore
+          expirationSeconds: {{ $v.auth.agentTokenExpirationSeconds | int64 }}
+          path: token
+{{- else if $v.auth.enabled }}
 {{ include "kvstore.secretVolume" (dict "name" "auth" "secret" $v.auth.existingSecret "keys" (list $v.auth.agentTokenKey)) }}
 {{- end }}
 {{- if $v.tls.enabled }}
