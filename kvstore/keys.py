@@ -19,6 +19,7 @@ KEY_BYTES = 16
 DEFAULT_CHUNK_TOKENS = 256
 _NAMESPACE_PERSON = b"kvstore-ns-v1"
 _CHUNK_PERSON = b"kvstore-chunk1"
+_TAIL_PERSON = b"kvstore-tail1"
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
 
@@ -78,6 +79,17 @@ def chunk_key(parent: bytes, chunk_token_ids: np.ndarray) -> BlockKey:
     """The key of one chunk given its parent's key and its token ids (int32 little-endian)."""
     digest = hashlib.blake2b(parent, digest_size=KEY_BYTES, person=_CHUNK_PERSON)
     digest.update(memoryview(chunk_token_ids))
+    return BlockKey(digest.digest())
+
+
+def tail_key(parent: bytes, tail_token_ids: Sequence[int] | np.ndarray) -> BlockKey:
+    """The key of a prompt's tail: the tokens after its last full chunk (fewer than a chunk),
+    given the parent's key (the last full chunk's, or the root). Hashed with its own person,
+    so a tail never names a full chunk's block, and with its tokens, so tails of different
+    lengths never share a key: a longer prompt finds a shorter one's tail only by asking for
+    exactly those tokens."""
+    digest = hashlib.blake2b(parent, digest_size=KEY_BYTES, person=_TAIL_PERSON)
+    digest.update(memoryview(token_array(tail_token_ids)))
     return BlockKey(digest.digest())
 
 

@@ -7,7 +7,7 @@ slice [i * layer_bytes, (i+1) * layer_bytes), so a worker can load layer by laye
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -41,6 +41,10 @@ class KVLayout:
             raise ConfigError(f"KVLayout.dtype {self.dtype!r} unsupported; use {list(DTYPES)}")
         if self.codec not in CODEC_NAMES:
             raise ConfigError(f"KVLayout.codec {self.codec!r} unknown; use one of {CODEC_NAMES}")
+
+    def with_tokens(self, tokens: int) -> KVLayout:
+        """This layout for a block of `tokens` tokens (a prompt's tail: fewer than a chunk)."""
+        return self if tokens == self.chunk_tokens else replace(self, chunk_tokens=tokens)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -124,6 +124,12 @@ class EngineKV:
     def root(self) -> bytes:
         return self.namespace.root_key()
 
+    def block_layout(self, tail_blocks: int = 0) -> KVLayout:
+        """The layout of one stored block: a whole chunk's, or a tail's of `tail_blocks`."""
+        return (
+            self.layout.with_tokens(tail_blocks * self.block_size) if tail_blocks else self.layout
+        )
+
     def chain_keys(self, token_ids: Sequence[int], prior_hash: str | None = None) -> list[bytes]:
         """One key per full chunk of a prompt: kvstore's chunk keys, or SGLang's page hashes
         (as ASCII hex, as SGLang passes them; `prior_hash`: keys_sglang.sglang_chain_seed of a

@@ -153,8 +153,8 @@ class KVEventTracker:
         """Snapshot the chunks of this step's saves while their requests are alive."""
         for spec in saves:
             request, state = self._requests.get(spec.req_id), states.get(spec.req_id)
-            if request is None or state is None:
-                continue
+            if request is None or state is None or spec.tail_blocks:
+                continue  # gone, or a tail: fewer blocks than a chunk, no event (saves.py)
             first = state.keys.index(spec.keys[0])
             for offset, chain in enumerate(spec.keys):
                 if chain not in self._pending and chain not in self._chunks:

@@ -16,6 +16,13 @@ class LoadSpec:
     block_ids: list[list[int]]  # the request's block table per KV cache group
     skip_blocks: int  # leading engine blocks already computed locally: not overwritten
     asynchronous: bool = False  # vLLM's async mode: finished (or failed) per request
+    tail_key: bytes = b""  # the prompt's tail after keys (kvstore.keys.tail_key), if loaded
+    tail_blocks: int = 0  # engine blocks the tail fills (fewer than a chunk's)
+
+    @property
+    def chunks(self) -> int:
+        """Stored blocks per head group: the whole chunks, and the tail if any."""
+        return len(self.keys) + bool(self.tail_blocks)
 
 
 @dataclass
@@ -24,6 +31,7 @@ class SaveSpec:
     keys: list[bytes]  # consecutive chunk keys, fully computed by the end of this step
     first_parent: bytes  # key of the chunk before keys[0] (b"" for the first chunk)
     block_ids: list[list[int]]  # per KV cache group: those chunks' blocks, blocks_per_chunk each
+    tail_blocks: int = 0  # > 0: keys is the prompt's tail, of this many engine blocks
 
 
 @dataclass

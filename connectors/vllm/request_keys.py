@@ -63,17 +63,29 @@ class RequestKeys:
 
     def keys(self, request) -> list[bytes]:
         """Chain keys of the prompt's chunks (call only for a request with no bypass reason)."""
-        lora = getattr(request, "lora_request", None)
-        adapter = None
-        if lora is not None:
-            adapter = (lora.lora_name, self._adapter_fingerprint(lora))
-        salt = getattr(request, "cache_salt", None) or ""
+        salt, adapter = self._extras(request)
         if self.kv.key_scheme == "sglang":
             extra = None if adapter is None else ":".join(adapter)
             seed = sglang_chain_seed(extra, salt or None)
             return self.kv.chain_keys(request.prompt_token_ids, seed)
         root = request_root(self.kv.root, salt, adapter)
         return chained_keys(root, request.prompt_token_ids, self.kv.layout.chunk_tokens)
+
+    def root(self, request) -> bytes | None:
+        """The root `keys` chains from, which a tail with no whole chunk before it chains on;
+        None under the "sglang" scheme (its chain starts from SGLang's seed: there a tail
+        needs a whole chunk before it)."""
+        if self.kv.key_scheme == "sglang":
+            return None
+        return request_root(self.kv.root, *self._extras(request))
+
+    def _extras(self, request) -> tuple[str, tuple[str, str] | None]:
+        """(cache salt, (adapter name, adapter fingerprint) or None) of a request."""
+        lora = getattr(request, "lora_request", None)
+        adapter = None
+        if lora is not None:
+            adapter = (lora.lora_name, self._adapter_fingerprint(lora))
+        return getattr(request, "cache_salt", None) or "", adapter
 
     def _adapter_fingerprint(self, lora) -> str | None:
         """A hash of every byte of the adapter's files; None when its path is not a local

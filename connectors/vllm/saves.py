@@ -82,35 +82,40 @@ class SavePipeline:
         step = self._step
         step.in_order &= layer == step.layers
         step.layers += 1
-        start, stop = self.kv.layout.layer_range(layer)
         self.copier.after_compute()  # CUDA: the layer's attention wrote it on the compute stream
         for spec, reservation in step.reserved:
+            layout = self.kv.block_layout(spec.tail_blocks)
+            start, stop = layout.layer_range(layer)
             digests = step.digests[reservation.save_id]
             for index, payload in enumerate(reservation.payloads):  # chunk-major, group-minor
                 if payload is not None:
                     chunk, group = divmod(index, self.kv.groups.count)
                     digest = digests[index] if step.in_order else None
-                    self.copier.save_layer(self.kv.group_view(paged, group),
-                                           self._blocks(spec, chunk, layer), payload[start:stop],
-                                           digest)  # fmt: skip
+                    self.copier.save_layer(
+                        self.kv.group_view(paged, group),
+                        self._blocks(spec, chunk, layer),
+                        payload[start:stop],
+                        digest,
+                        layout,
+                    )
 
     def _blocks(self, spec: SaveSpec, chunk: int, layer: int) -> list[int]:
-        per_chunk = self.kv.blocks_per_chunk
+        """The engine blocks of stored block `chunk`: a whole chunk's, or the tail's."""
+        per_chunk = spec.tail_blocks or self.kv.blocks_per_chunk
         ids = spec.block_ids[self.layer_groups[layer]]
         return ids[chunk * per_chunk : (chunk + 1) * per_chunk]
 
     def _reserve(self, saves: list[SaveSpec]) -> _StepSaves:
         step = _StepSaves([])
         for spec in saves:
+            layout = self.kv.block_layout(spec.tail_blocks)
             try:
                 if self.agent.client is None:
                     break
                 reservation = self.agent.client.save(
-                    self.settings.tenant, self.kv.block_keys(spec.keys),
-                    self.kv.layout.payload_bytes,
+                    self.settings.tenant, self.kv.block_keys(spec.keys), layout.payload_bytes,
                     first_parent=self.kv.parent_key(spec.first_parent) or None,
-                    layout_hash=self.kv.layout.layout_hash,
-                    codec_id=CODEC_IDS[self.kv.layout.codec],
+                    layout_hash=layout.layout_hash, codec_id=CODEC_IDS[layout.codec],
                 )  # fmt: skip
             except KVStoreError as exc:
                 logger.warning("kvstore save skipped (%s)", exc)
@@ -164,10 +169,17 @@ class SavePipeline:
                 self.stats["save_failures"] += len(reservation.reserved_keys())
                 continue
             self.stats["saved_blocks"] += committed
-            if self.committed is not None and committed == len(reservation.reserved_keys()):
+            whole = not spec.tail_blocks  # a tail is no block of vLLM's: no KV event
+            if (
+                self.committed is not None
+                and whole
+                and committed == len(reservation.reserved_keys())
+            ):
                 groups = self.kv.groups.count
                 self.committed += stored_chunks(spec.keys, reservation.payloads, groups)
-            self.stats["saved_bytes"] += committed * self.kv.layout.payload_bytes
+            self.stats["saved_bytes"] += (
+                committed * self.kv.block_layout(spec.tail_blocks).payload_bytes
+            )
 
     def _drop(self, reservation: SaveReservation) -> None:
         self.stats["saves_dropped_after_load_errors"] += len(reservation.reserved_keys())

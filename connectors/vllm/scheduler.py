@@ -20,6 +20,7 @@ from connectors.vllm.lookups import LookupQueue, chunk_tiers, tokens_by_tier
 from connectors.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
 from connectors.vllm.request_keys import RequestKeys
 from connectors.vllm.stats import LatencySamples
+from connectors.vllm.tails import loadable_tokens, prompt_tail, tail_candidates
 from kvstore.client import TIER_OF_CODE, TIERS, LookupCounts
 from kvstore.costmodel import OnlineLoadPlanner
 
@@ -38,6 +39,28 @@ class RequestState:
     hit_tiers: list[str] = field(default_factory=list)  # of the last lookup: tier per chunk
     saves_scheduled: bool = False  # some worker may still be saving: delay the blocks' free
     load_failed: bool = False  # an asynchronous load failed: vLLM recomputes it, unloaded
+    token_ids: list[int] = field(default_factory=list)  # the prompt's (for its tail, tails.py)
+    root: bytes | None = None  # what its first chunk chains on (RequestKeys.root)
+    found_tail: tuple[bytes, int] = (b"", 0)  # the last lookup's tail: (key, engine blocks)
+    load_tail: tuple[bytes, int] = (b"", 0)  # the tail to load after load_chunks
+    tail_saved: bool = False  # the prompt's tail is stored (loaded, saved, or none to save)
+
+
+@dataclass
+class PrefixFound:
+    """A lookup's answer: the leading whole chunks by tier, then the tail found after them."""
+
+    chunks: LookupCounts
+    tail_key: bytes = b""
+    tail_blocks: int = 0
+    tail_tier: str = ""
+
+    def tier_names(self) -> list[str]:
+        """Where each whole chunk, then the tail, was found."""
+        return [*self.chunks.tier_names(), *([self.tail_tier] if self.tail_blocks else [])]
+
+
+NOTHING_FOUND = PrefixFound(LookupCounts(0, 0))
 
 
 class SchedulerSide:
@@ -61,9 +84,19 @@ class SchedulerSide:
         self._bypassing: set[str] = set()  # ids of live requests the store bypasses
         self.delay_frees = compat.saves_outlive_steps()
         self.request_keys = RequestKeys(kv)
-        self.stats = {"lookups": 0, "hit_tokens": 0, "lookup_failures": 0, "lookups_deferred": 0,
-                      "prefetched_blocks": 0, "promoted_blocks": 0, "recomputed_chunks": 0,
-                      "saves_out_of_window": 0}  # fmt: skip
+        self.stats = {
+            "lookups": 0,
+            "hit_tokens": 0,
+            "lookup_failures": 0,
+            "lookups_deferred": 0,
+            "prefetched_blocks": 0,
+            "promoted_blocks": 0,
+            "recomputed_chunks": 0,
+            "saves_out_of_window": 0,
+            "saved_tails": 0,
+            "loaded_tails": 0,
+            "hit_prompt_tokens": 0,
+        }
         self.stats.update({f"hit_tokens_{tier}": 0 for tier in TIERS})
         self.lookups = LookupQueue(self._lookup, settings.stage_threads)
         # load only what beats compute; the arena is read in place, always worth loading
@@ -83,14 +116,20 @@ class SchedulerSide:
                 self.bypassed[reason] = self.bypassed.get(reason, 0) + 1
                 return None
             keys = self.request_keys.keys(request)
-            state = RequestState(keys=keys, block_ids=[[] for _ in self.groups.windows])
+            state = RequestState(
+                keys=keys,
+                block_ids=[[] for _ in self.groups.windows],
+                token_ids=list(request.prompt_token_ids),
+                root=self.request_keys.root(request),
+            )
             self.requests[request.request_id] = state
         return state
 
     def matched_tokens(self, request, num_computed_tokens: int) -> int | None:
-        """Tokens beyond `num_computed_tokens` loadable from the store (whole chunks, always
-        leaving at least one prompt token to compute); None while the lookup is in flight (vLLM
-        asks again on a later step). No side effects on the store."""
+        """Tokens beyond `num_computed_tokens` loadable from the store (whole chunks, then the
+        tail's blocks: all but the last prompt token at most, in whole engine blocks); None
+        while the lookup is in flight (vLLM asks again on a later step). No side effects on
+        the store."""
         state = self._state(request)
         if state is None or state.load_failed:
             return 0
@@ -98,7 +137,7 @@ class SchedulerSide:
         chunk = self.kv.layout.chunk_tokens
         prompt_tokens = state.prompt_tokens = len(request.prompt_token_ids or [])
         usable = min(len(state.keys), (prompt_tokens - 1) // chunk)
-        if usable * chunk <= num_computed_tokens:
+        if loadable_tokens(prompt_tokens, self.kv.block_size) <= num_computed_tokens:
             return 0
         answer = self.lookups.answer(request.request_id, state.keys[:usable])
         if answer is None:
@@ -107,10 +146,13 @@ class SchedulerSide:
         if not answer.counted:
             answer.counted = True
             self._count(answer)
-        if answer.counts is None:
+        found = answer.counts
+        if found is None:
             return 0
-        state.hit_tiers = list(answer.counts.tier_names())
-        return max(0, answer.counts.total * chunk - num_computed_tokens)
+        state.hit_tiers = found.tier_names()
+        state.found_tail = (found.tail_key, found.tail_blocks)
+        tokens = found.chunks.total * chunk + found.tail_blocks * self.kv.block_size
+        return max(0, tokens - num_computed_tokens)
 
     def note_match_s(self, seconds: float) -> None:
         """How long vLLM's scheduler waited in one get_num_new_matched_tokens call."""
@@ -122,21 +164,61 @@ class SchedulerSide:
         was found) when all are in this host's arena; otherwise the staging that brings them
         there (a callable, run on a staging thread, returning those LookupCounts)."""
         plan = functools.partial(self._plan_loads, req_id, chain_keys)
-        return self.agent.call(plan, otherwise=LookupCounts(0, 0))  # no agent: nothing to load
+        return self.agent.call(plan, otherwise=NOTHING_FOUND)  # no agent: nothing to load
 
     def _plan_loads(self, req_id: str, chain_keys: list[bytes], client):
         groups = self.kv.lookup_blocks_per_chunk  # every rank's groups of every PP stage
         block_keys = self.kv.lookup_keys(chain_keys)  # chunk-major
-        tiers = chunk_tiers(client.lookup(self.settings.tenant, block_keys), groups)
-        tiers = tiers[: self._chunks_worth_loading(req_id, tiers)]
+        found = chunk_tiers(client.lookup(self.settings.tenant, block_keys), groups)
+        tiers = found[: self._chunks_worth_loading(req_id, found)]
+        block_keys = block_keys[: len(tiers) * groups]
+        whole = len(tiers)
+        tail = self._tail(req_id, client, whole) if tiers == found else None
+        if tail is not None:  # staged as one more chunk: its blocks after the whole chunks'
+            block_keys += self.kv.lookup_keys([tail[0]])
+            tiers = [*tiers, tail[2]]
         if set(tiers) <= {"host"}:
-            return self._stage(client, block_keys, tiers, groups)  # nothing to bring
-        return functools.partial(self._stage_apart, block_keys, tiers, groups)
+            return self._found(self._stage(client, block_keys, tiers, groups), whole, tail)
+        return functools.partial(self._stage_apart, block_keys, tiers, groups, whole, tail)
 
-    def _stage_apart(self, block_keys: list[bytes], tiers: list[str], groups: int):
+    def _tail(self, req_id: str, client, chunks: int) -> tuple[bytes, int, str] | None:
+        """On the lookup thread: (key, engine blocks, tier) of the longest stored tail after
+        the first `chunks` whole chunks (tails.py), or None."""
+        state = self.requests.get(req_id)
+        if state is None:
+            return None
+        groups = self.kv.lookup_blocks_per_chunk
+        candidates = tail_candidates(
+            state.token_ids,
+            state.keys,
+            state.root,
+            chunks,
+            self.kv.layout.chunk_tokens,
+            self.kv.block_size,
+        )
+        for key, blocks in candidates:
+            answer = client.lookup(self.settings.tenant, self.kv.lookup_keys([key]))
+            tiers = chunk_tiers(answer, groups)
+            if tiers:
+                return key, blocks, tiers[0]
+        return None
+
+    @staticmethod
+    def _found(staged: LookupCounts, whole: int, tail) -> PrefixFound:
+        """What staging brought into the arena, of `whole` chunks then `tail` (key, engine
+        blocks, tier; or None): the chunks that came, and the tail if it came too."""
+        chunks = min(staged.total, whole)
+        local = min(staged.local, chunks)
+        counts = LookupCounts(local, chunks - local, staged.codes[:chunks])
+        if tail is None or staged.total <= whole:
+            return PrefixFound(counts)
+        return PrefixFound(counts, *tail)
+
+    def _stage_apart(self, block_keys, tiers: list[str], groups: int, whole: int, tail):
         """On a staging thread, over that thread's own connection (see _stage)."""
         stage = functools.partial(self._stage, block_keys=block_keys, tiers=tiers, groups=groups)
-        return self.stage_agents.connection.call(stage, otherwise=LookupCounts(0, 0))
+        staged = self.stage_agents.connection.call(stage, otherwise=LookupCounts(0, 0))
+        return self._found(staged, whole, tail)
 
     def _chunks_worth_loading(self, req_id: str, tiers: list[str]) -> int:
         """On the lookup thread: the leading cached chunks (`tiers[i]`: where chunk i is)
@@ -204,7 +286,15 @@ class SchedulerSide:
         self.stats["hit_tokens"] += num_external_tokens
         for tier, tokens in self.hit_sources(request, num_external_tokens).items():
             self.stats[f"hit_tokens_{tier}"] += tokens
-        state.load_chunks = (computed + num_external_tokens) // self.kv.layout.chunk_tokens
+        state.load_chunks, rest = divmod(
+            computed + num_external_tokens, self.kv.layout.chunk_tokens
+        )
+        # vLLM takes what it was offered, or (rarely) less: a tail only if all of it fits
+        whole_tail = rest == state.found_tail[1] * self.kv.block_size
+        state.load_tail = state.found_tail if whole_tail else (b"", 0)
+        state.tail_saved |= bool(state.load_tail[1])  # loaded: stored already
+        self.stats["loaded_tails"] += bool(state.load_tail[1])
+        self.stats["hit_prompt_tokens"] += state.prompt_tokens
         state.saved_chunks = state.load_chunks
         self._pending_loads[request.request_id] = state
 
@@ -235,6 +325,11 @@ class SchedulerSide:
             save = self._save_spec(scheduled.req_id, state, done, scheduled.num_computed_tokens)
             if save is not None:
                 meta.saves.append(save)
+            tail = self._tail_save_spec(
+                scheduled.req_id, state, done, scheduled.num_computed_tokens
+            )
+            if tail is not None:
+                meta.saves.append(tail)
         # synchronous loads are of requests scheduled now; asynchronous ones wait for theirs
         meta.loads = [self._load_spec(req_id, state)
                       for req_id, state in self._pending_loads.items()]  # fmt: skip
@@ -257,6 +352,7 @@ class SchedulerSide:
         return LoadSpec(
             req_id, state.keys[: state.load_chunks], [list(ids) for ids in state.block_ids],
             state.computed_at_load // self.kv.block_size, self.groups.loads_asynchronously,
+            *state.load_tail,
         )  # fmt: skip
 
     def loads_failed(self, req_ids) -> None:
@@ -266,6 +362,7 @@ class SchedulerSide:
             state = self.requests.get(req_id)
             if state is not None:
                 state.load_failed, state.load_chunks, state.saved_chunks = True, 0, 0
+                state.load_tail, state.tail_saved = (b"", 0), False
 
     def _save_spec(
         self, req_id: str, state: RequestState, done_tokens: int, step_start_tokens: int
@@ -277,6 +374,7 @@ class SchedulerSide:
         blocks = [ids[first * per_chunk : complete * per_chunk] for ids in state.block_ids]
         if not self._in_window(first, step_start_tokens, blocks):
             state.saved_chunks = len(state.keys)  # later chunks would have no stored parent
+            state.tail_saved = True  # nor would the tail
             self.stats["saves_out_of_window"] += 1
             return None
         state.saved_chunks = complete
@@ -285,6 +383,31 @@ class SchedulerSide:
             req_id, state.keys[first:complete], state.keys[first - 1] if first else b"",
             blocks,
         )  # fmt: skip
+
+    def _tail_save_spec(
+        self, req_id: str, state: RequestState, done_tokens: int, step_start_tokens: int
+    ) -> SaveSpec | None:
+        """The prompt's tail (tails.py), once the prompt is computed and every whole chunk
+        before it saved (or loaded); at most once per request."""
+        if state.tail_saved or done_tokens < state.prompt_tokens or not state.prompt_tokens:
+            return None
+        tail = prompt_tail(
+            state.token_ids, state.keys, state.root, self.kv.layout.chunk_tokens, self.kv.block_size
+        )
+        state.tail_saved = True
+        if tail is None:
+            return None
+        key, chunks, blocks = tail
+        first = chunks * self.kv.blocks_per_chunk
+        ids = [ids[first : first + blocks] for ids in state.block_ids]
+        if state.saved_chunks < chunks or any(len(group) < blocks for group in ids):
+            return None  # its parent chain is not stored, or its blocks are gone
+        if not self._in_window(chunks, step_start_tokens, ids):
+            return None
+        state.saves_scheduled = True
+        self.stats["saved_tails"] += 1
+        parent = state.keys[chunks - 1] if chunks else b""
+        return SaveSpec(req_id, [key], parent, ids, tail_blocks=blocks)
 
     def _in_window(self, first_chunk: int, step_start_tokens: int, blocks) -> bool:
         """Whether every sliding-window group still holds the chunks' blocks in this step's

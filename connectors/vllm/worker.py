@@ -162,19 +162,31 @@ class WorkerSide:
         loaded = None
         try:
             if self.agent.client is not None:
+                tail = [spec.tail_key] if spec.tail_blocks else []
                 loaded = self.agent.client.load(  # verified as copied, not here
-                    self.settings.tenant, self.kv.block_keys(spec.keys),
+                    self.settings.tenant, self.kv.block_keys([*spec.keys, *tail]),
                     timeout_s=self.settings.load_timeout_s, verify=False,
                 )  # fmt: skip
         except KVStoreError as exc:
             # Not dropped here: earlier loads of this step are pinned through this connection.
             logger.warning("kvstore load failed (%s); recomputing", exc)
         got = len(loaded) // self.kv.groups.count if loaded is not None else 0
-        if got < len(spec.keys):
+        if got < spec.chunks:
             first = max(got * self.kv.blocks_per_chunk, spec.skip_blocks)
-            self._fail_blocks(spec, first, len(spec.keys) * self.kv.blocks_per_chunk)
-            self.stats["load_failures"] += len(spec.keys) - got
+            self._fail_blocks(spec, first, self._end_block(spec))
+            self.stats["load_failures"] += spec.chunks - got
         return loaded
+
+    def _end_block(self, spec: LoadSpec) -> int:
+        """The engine block after the last one the load fills (its tail's included)."""
+        return len(spec.keys) * self.kv.blocks_per_chunk + spec.tail_blocks
+
+    def _chunk_blocks(self, spec: LoadSpec, cache_group: int, chunk: int) -> list[int]:
+        """The engine blocks stored block `chunk` of the load fills: a whole chunk's, or after
+        the whole chunks the tail's."""
+        per_chunk = self.kv.blocks_per_chunk
+        count = per_chunk if chunk < len(spec.keys) else spec.tail_blocks
+        return spec.block_ids[cache_group][chunk * per_chunk : chunk * per_chunk + count]
 
     def _new_digests(self, spec: LoadSpec, loaded: LoadedBlocks | None) -> list:
         """A running xxh3 per loaded block of a whole chunk that has engine blocks to fill
@@ -183,8 +195,9 @@ class WorkerSide:
             return []
         per_chunk, groups = self.kv.blocks_per_chunk, self.kv.groups.count
         chunks = len(loaded) // groups
+        ends = [(c + 1) * per_chunk for c in range(len(spec.keys))] + [self._end_block(spec)]
         return [
-            Hasher() if (j // groups + 1) * per_chunk > spec.skip_blocks else None
+            Hasher() if ends[j // groups] > spec.skip_blocks else None
             for j in range(chunks * groups)
         ]
 
@@ -200,21 +213,23 @@ class WorkerSide:
         self.saves.load_failed(spec.req_id)
 
     def _copy_layer_in(self, layer: int, paged: PagedLayer) -> None:
-        start, stop = self.kv.layout.layer_range(layer)
         cache_group = self._layer_groups[layer]
         for (spec, loaded), digests in zip(self._loaded, self._digests, strict=True):
             for index, digest in enumerate(digests):
                 if digest is None:
                     continue
                 chunk, group = divmod(index, self.kv.groups.count)
-                blocks = self._chunk_blocks(spec.block_ids[cache_group], chunk)
-                first = chunk * len(blocks)
+                blocks = self._chunk_blocks(spec, cache_group, chunk)
+                first = chunk * self.kv.blocks_per_chunk
                 # A sliding-window group's blocks before its window are vLLM's null block.
                 keep = [i for i in range(len(blocks)) if first + i >= spec.skip_blocks
                         and blocks[i] != compat.NULL_BLOCK_ID]  # fmt: skip
+                layout = self.kv.block_layout(0 if chunk < len(spec.keys) else spec.tail_blocks)
+                start, stop = layout.layer_range(layer)
                 payload = loaded.payloads[index][start:stop]
-                self._loader.load_layer(payload, digest, self.kv.group_view(paged, group),
-                                        blocks, keep)  # fmt: skip
+                self._loader.load_layer(
+                    payload, digest, self.kv.group_view(paged, group), blocks, keep, layout
+                )
         self._loader.record(layer)
 
     def _mismatched(self, loaded: LoadedBlocks, digests: list) -> list[int]:
@@ -240,10 +255,6 @@ class WorkerSide:
         self.stats["load_failures"] += blocks // groups - chunk
         logger.warning("chunk %d failed its checksum as copied; recomputing", chunk)
         return chunk * groups
-
-    def _chunk_blocks(self, block_ids: list[int], chunk: int) -> list[int]:
-        per_chunk = self.kv.blocks_per_chunk
-        return block_ids[chunk * per_chunk : (chunk + 1) * per_chunk]
 
     def wait_for_layer(self, layer_name: str) -> None:
         if self._load is not None:

@@ -121,3 +121,31 @@ def test_the_load_path_allocates_no_per_layer_tensors():
             copier.load_layer(payload[start:stop], hasher, view, [2, 3], [0, 1])
     allocated = sum(max(0, event.cpu_memory_usage) for event in profiled.events())
     assert allocated == 0, f"the load path allocated {allocated} bytes"
+
+
+@pytest.mark.parametrize("codec", ["raw", "fp8"])
+def test_a_tail_of_one_block_goes_through_the_chunks_copier(codec):
+    """A prompt's tail (a block of fewer tokens than a chunk) is saved and loaded by the copier
+    of whole chunks, with the tail's layout: its payload is the chunk's first block, alone."""
+    layout = KVLayout(LAYERS, HEADS, DIM, "bfloat16", chunk_tokens=2 * BLOCK, codec=codec)
+    tail = layout.with_tokens(BLOCK)
+    copier = ChunkCopier(layout, BLOCK, "cpu")
+    source, target = vllm_views(KVCacheLayout.LBNHC, seed=4), vllm_views(KVCacheLayout.LBNHC, None)
+    payload = torch.zeros(tail.payload_bytes, dtype=torch.uint8)
+    for layer, view in enumerate(source):
+        start, stop = tail.layer_range(layer)
+        copier.save_layer(view, [5], payload[start:stop], None, tail)
+    hasher = Hasher()
+    for layer, view in enumerate(target):
+        start, stop = tail.layer_range(layer)
+        copier.load_layer(payload[start:stop], hasher, view, [2], [0], tail)
+    assert hasher.intdigest() == xxhash.xxh3_64_intdigest(payload.numpy())
+    for before, after in zip(source, target, strict=True):
+        if codec == "raw":
+            assert torch.equal(after[2], before[5])
+        else:  # fp8: within the codec's rounding
+            assert torch.allclose(after[2].float(), before[5].float(), rtol=0.1, atol=0.1)
+        assert not after[[0, 1, 3, 4, 5]].any()
+    other_heads = KVLayout(LAYERS, HEADS + 1, DIM, "bfloat16", BLOCK, codec)
+    with pytest.raises(ConfigError, match="not a tail"):
+        copier.load_layer(payload[:16], Hasher(), target[0], [2], [0], other_heads)

@@ -23,5 +23,9 @@ def test_vllm_benchmark_reports_ttft_and_speedups():
     assert math.isfinite(result["save_overhead"])
     assert result["cached_tokens_cold"] == 0
     assert result["cached_tokens_cached50"] == 512
-    assert result["cached_tokens_cached90"] == 768  # 921 shared tokens: 3 whole 256-token chunks
-    assert result["cached_tokens_cached90_engine"] == 768  # the same tokens, from vLLM's own cache
+    # 921 shared tokens: 3 whole 256-token chunks and a tail of one 128-token block
+    assert result["cached_tokens_cached90"] == 896
+    assert result["cached_tokens_cached90_engine"] == 896  # the same tokens, from vLLM's own cache
+    # a full hit computes one block: all but the last token, in whole blocks
+    assert result["cached_tokens_repeat"] == 896 and result["computed_tokens_repeat"] == 128
+    assert result["loaded_fraction_repeat"] == 896 / 1024

@@ -24,7 +24,7 @@ def test_a_salted_prefix_is_shared_only_under_the_same_salt(tmp_path, tiny_llama
     with running_agent(tmp_path, **AGENT) as agent:
         socket = agent.config.socket_path
         first, saved = run_engine(tmp_path, tiny_llama_fp32, [salted(PROMPT_A, "tenant-a")], socket)
-        assert saved["saved_blocks"] == len(PROMPT_A) // CHUNK_TOKENS
+        assert saved["saved_blocks"] == len(PROMPT_A) // CHUNK_TOKENS + 1  # and its tail
         prompts = [salted(PROMPT_B, "tenant-a"), salted(PROMPT_B, "tenant-b"), PROMPT_B]
         results, _ = run_engine(tmp_path, tiny_llama_fp32, prompts, socket)
     assert [r["num_cached_tokens"] for r in results] == [SHARED_TOKENS, 0, 0]
@@ -42,7 +42,7 @@ def test_a_lora_prefix_is_shared_only_with_the_same_adapter(tmp_path, tiny_llama
         socket = agent.config.socket_path
         saver = [{"prompt_token_ids": PROMPT_A, "lora": adapters[0]}]
         _, saved = run_engine(tmp_path, tiny_llama_fp32, saver, socket, "--lora")
-        assert saved["saved_blocks"] == len(PROMPT_A) // CHUNK_TOKENS
+        assert saved["saved_blocks"] == len(PROMPT_A) // CHUNK_TOKENS + 1  # and its tail
         results, _ = run_engine(tmp_path, tiny_llama_fp32, with_lora, socket, "--lora")
     assert [r["num_cached_tokens"] for r in results] == [SHARED_TOKENS, 0, 0]
     assert [r["tokens"] for r in results] == [r["tokens"] for r in expected]

@@ -23,8 +23,11 @@ from tests.vllm.engines import CHUNK_TOKENS, ENV, PROMPT_A, engine_command, next
 
 BLOCK = 32  # the runner's vLLM block size
 PER_CHUNK = CHUNK_TOKENS // BLOCK
-PROMPT_C = [(i * 11) % 500 + 5 for i in range(600)]  # nothing in common with PROMPT_A
-PROMPT_D = list(range(5, 45))  # shorter than a chunk: neither saved nor loaded
+# The engine's prompts: 4 whole chunks and one token, so that their loadable tokens end on a
+# chunk boundary and no tail (connectors/vllm/tails.py, never announced) takes arena pages.
+SERVED_A = PROMPT_A[: 4 * CHUNK_TOKENS + 1]
+PROMPT_C = [(i * 11) % 500 + 5 for i in range(4 * CHUNK_TOKENS + 1)]  # nothing in common with A
+PROMPT_D = list(range(5, 5 + BLOCK))  # one block: neither saved nor loaded
 PAGE = 256 << 10
 
 
@@ -65,7 +68,7 @@ class Subscriber:
 
 def start(tmp_path, model, socket, events_port: int, metadata: str) -> subprocess.Popen:
     prompts = tmp_path / "prompts.json"
-    prompts.write_text(json.dumps([PROMPT_A, PROMPT_C, PROMPT_D]))
+    prompts.write_text(json.dumps([SERVED_A, PROMPT_C, PROMPT_D]))
     extra = json.dumps({"events_metadata_address": metadata})
     command = engine_command(model, prompts, socket, "--pause", "--kv-events",
                              f"tcp://*:{events_port}", "--extra-config", extra)  # fmt: skip
@@ -195,7 +198,7 @@ def test_stored_and_evicted_chunks_reach_vllms_publisher(
     engine = start(tmp_path, tiny_llama_fp32, agent.config.socket_path, port,
                    f"127.0.0.1:{server.port}")  # fmt: skip
     try:
-        next_result(engine)  # PROMPT_A: its 4 chunks saved
+        next_result(engine)  # SERVED_A: its 4 chunks saved
         assert next_result(engine) == {"paused": 1}
         assert subscriber.receive(lambda: len(subscriber.of(BlockStored, MEDIUM_CPU)) >= 4)
         ours = subscriber.of(BlockStored, MEDIUM_CPU)
