@@ -302,7 +302,8 @@ def _add_node_flags(parser: argparse.ArgumentParser, standalone: bool) -> None:
     parser.add_argument(
         "--promotion-reserve-pages",
         type=int,
-        help="arena pages no save may reserve, kept for promotions from disk (-1: 1/64)",
+        help="arena pages no save may reserve, kept for promotions from disk (-1: 1/64 with "
+        "a disk tier)",
     )
     parser.add_argument("--private-buffer-bytes", help="buffer of each private worker (256MiB)")
     parser.add_argument(

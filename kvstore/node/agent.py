@@ -72,7 +72,7 @@ class NodeConfig:
     tenant_share: float = 0.5
     reservation_ttl_s: float = 120.0  # a save not committed by then is released
     # arena pages no save may reserve, so a block on disk can always be promoted to be read;
-    # -1: 1/64 of the arena (none for arenas under 64 pages)
+    # -1: 1/64 of the arena with a disk tier (none without one, or under 64 pages)
     promotion_reserve_pages: int = -1
     orphan_pin_ttl_s: float = 600.0
     control_frame_timeout_s: float = 10.0
@@ -135,12 +135,15 @@ class NodeConfig:
         )  # fmt: skip
 
     def arena_limits(self) -> ArenaLimits:
-        """How tenants share the arena (see ArenaLimits); -1 promotion pages: 1/64 of it."""
+        """How tenants share the arena (see ArenaLimits); -1 promotion pages: 1/64 of it when
+        there is a disk tier to promote from, else none."""
         pages = self.host_capacity_bytes // self.page_size_bytes
         reserve = self.promotion_reserve_pages
+        if reserve < 0:
+            reserve = pages // 64 if self.disk_dir is not None else 0
         return ArenaLimits(
             tenant_share=self.tenant_share,
-            promotion_reserve_pages=pages // 64 if reserve < 0 else reserve,
+            promotion_reserve_pages=reserve,
             reservation_ttl_s=self.reservation_ttl_s,
         )
 

@@ -139,3 +139,12 @@ def test_the_node_command_takes_the_arena_settings():
                                  reservation_ttl_s=30.0)  # fmt: skip
     with pytest.raises(ConfigError, match="tenant_share"):
         _node_config(build_parser().parse_args([*flags[:3], "--tenant-share", "1.5"]))
+
+
+def test_pages_are_kept_for_promotions_only_where_there_is_a_disk_to_promote_from(tmp_path):
+    from kvstore.node.agent import NodeConfig
+
+    arena = {"host_capacity_bytes": 128 << 20, "page_size_bytes": 1 << 20, "transfer": "none"}
+    assert NodeConfig(**arena).arena_limits().promotion_reserve_pages == 0
+    with_disk = NodeConfig(**arena, disk_dir=tmp_path / "disk").arena_limits()
+    assert with_disk.promotion_reserve_pages == 2  # 1/64 of 128 pages
