@@ -12,22 +12,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvstore.errors import ConfigError
+from kvstore.block import encode_tenant
 from kvstore.keys import KEY_BYTES, BlockKey
 
 DEFAULT_TENANT = "default"
-MAX_TENANT_BYTES = 64  # what a block header holds (kvstore/block.py)
 
 
 def tenant_tag(tenant: str) -> bytes:
-    """What follows the key in `tenant`'s owned keys; ConfigError for a name no block can
-    carry (empty, over MAX_TENANT_BYTES, or with a NUL: see block.encode_tenant)."""
-    if tenant == DEFAULT_TENANT:
-        return b""
-    raw = tenant.encode()
-    if not raw or len(raw) > MAX_TENANT_BYTES or b"\0" in raw:
-        raise ConfigError(f"tenant {tenant!r} must be 1-{MAX_TENANT_BYTES} bytes without NUL")
-    return raw
+    """What follows the key in `tenant`'s owned keys; ConfigError for a name no block header
+    can carry (block.encode_tenant)."""
+    return b"" if tenant == DEFAULT_TENANT else encode_tenant(tenant)
 
 
 def owned_key(tenant: str, key: bytes) -> bytes:

@@ -119,7 +119,7 @@ class SchedulerSide:
             state = RequestState(
                 keys=keys,
                 block_ids=[[] for _ in self.groups.windows],
-                token_ids=list(request.prompt_token_ids),
+                token_ids=request.prompt_token_ids,
                 root=self.request_keys.root(request),
             )
             self.requests[request.request_id] = state

@@ -130,7 +130,7 @@ class AgentCollector(Collector):
             "kvstore_agent_tenant_pages",
             "Pages per tenant: reserved (saves), pinned (loads), stored_<tier> (blocks)",
             labels=["tenant", "state"],
-        )  # fmt: skip
+        )
         for tenant, states in tenants.get("pages", {}).items():
             for state, count in states.items():
                 pages.add_metric([tenant, state], count)
@@ -139,12 +139,12 @@ class AgentCollector(Collector):
             "kvstore_agent_share_refusals",
             "Reserves and pins refused: the tenant held its share of the arena",
             value=tenants.get("share_refusals", 0),
-        )  # fmt: skip
+        )
         yield CounterMetricFamily(
             "kvstore_agent_expired_reservations",
             "Saves released because they were not committed within the reservation TTL",
             value=tenants.get("expired_reservations", 0),
-        )  # fmt: skip
+        )
 
     def _view(self, view: dict):
         """The cluster view (node/view.py): its size and how lookups were answered."""

@@ -274,8 +274,9 @@ class WorkerSession:
         A tenant past its share of the arena gets QuotaExceededError when this save has no
         page yet, else None for the rest of the chain."""
         try:
-            view = self.store.reserve(key, parent, reservation.payload_bytes, layout_hash,
-                                      codec_id, writer=reservation)  # fmt: skip
+            view = self.store.reserve(
+                key, parent, reservation.payload_bytes, layout_hash, codec_id, writer=reservation
+            )
             if view is None:
                 return None
             reservation.pages[key] = page = self.arena.page_index(key)

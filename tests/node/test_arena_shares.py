@@ -33,13 +33,21 @@ def crowded(tmp_path):
     """An agent with a disk tier, tenant_share 0.5 and one page kept for promotions; alice
     and three connections of bob's."""
     table = credentials(tmp_path, f"token:{ALICE_TOKEN} alice", f"token:{BOB_TOKEN} bob")
-    settings = {"worker_credentials": table, "disk_dir": tmp_path / "disk",
-                "host_policy": "lru", "tenant_share": 0.5, "promotion_reserve_pages": 1,
-                "reservation_ttl_s": TTL_S, "metrics_listen": "127.0.0.1:0"}  # fmt: skip
+    settings = {
+        "worker_credentials": table,
+        "disk_dir": tmp_path / "disk",
+        "host_policy": "lru",
+        "tenant_share": 0.5,
+        "promotion_reserve_pages": 1,
+        "reservation_ttl_s": TTL_S,
+        "metrics_listen": "127.0.0.1:0",
+    }
     with running_agent(tmp_path, **settings) as agent:
         path = agent.config.socket_path
-        alice_token, bob_token = (token_file(tmp_path, "alice", ALICE_TOKEN),
-                                  token_file(tmp_path, "bob", BOB_TOKEN))  # fmt: skip
+        alice_token, bob_token = (
+            token_file(tmp_path, "alice", ALICE_TOKEN),
+            token_file(tmp_path, "bob", BOB_TOKEN),
+        )
         alice = KVStoreClient(path, "alice", credential_file=alice_token)
         bobs = [KVStoreClient(path, f"bob-{n}", credential_file=bob_token) for n in range(3)]
         yield agent, alice, bobs
@@ -86,8 +94,11 @@ def test_bob_flooding_reservations_stops_at_his_share_and_alice_keeps_working(cr
 
 
 def chunk_keys_after(count: int, more: int = 3):
-    return chunk_keys(Namespace("sha256:model", "layout", tenant="alice", salt="s"),
-                      range(256 * (count + more)), 256)[count:]  # fmt: skip
+    return chunk_keys(
+        Namespace("sha256:model", "layout", tenant="alice", salt="s"),
+        range(256 * (count + more)),
+        256,
+    )[count:]
 
 
 def test_alices_blocks_on_disk_can_be_promoted_while_bob_holds_his_share(crowded):
@@ -132,11 +143,21 @@ def test_per_tenant_gauges_are_exported(crowded):
 def test_the_node_command_takes_the_arena_settings():
     from kvstore.cli import _node_config, build_parser
 
-    flags = ["node", "--transfer", "none", "--tenant-share", "0.25", "--reservation-ttl-s", "30",
-             "--promotion-reserve-pages", "2"]  # fmt: skip
+    flags = [
+        "node",
+        "--transfer",
+        "none",
+        "--tenant-share",
+        "0.25",
+        "--reservation-ttl-s",
+        "30",
+        "--promotion-reserve-pages",
+        "2",
+    ]
     limits = _node_config(build_parser().parse_args(flags)).arena_limits()
-    assert limits == ArenaLimits(tenant_share=0.25, promotion_reserve_pages=2,
-                                 reservation_ttl_s=30.0)  # fmt: skip
+    assert limits == ArenaLimits(
+        tenant_share=0.25, promotion_reserve_pages=2, reservation_ttl_s=30.0
+    )
     with pytest.raises(ConfigError, match="tenant_share"):
         _node_config(build_parser().parse_args([*flags[:3], "--tenant-share", "1.5"]))
 

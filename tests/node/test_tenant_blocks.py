@@ -82,9 +82,17 @@ def two_nodes(tmp_path):
         sockets = []
         for name in ("node-1", "node-2"):
             node, path = start_node_process(
-                tmp_path, name, "--metadata-address", address, "--transfer", "tcp",
-                "--cluster-secret-file", str(secret), "--worker-credentials", str(table),
-            )  # fmt: skip
+                tmp_path,
+                name,
+                "--metadata-address",
+                address,
+                "--transfer",
+                "tcp",
+                "--cluster-secret-file",
+                str(secret),
+                "--worker-credentials",
+                str(table),
+            )
             processes.append(node)
             sockets.append(path)
         clients = {}
