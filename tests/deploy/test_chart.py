@@ -68,7 +68,7 @@ def test_every_render_validates_on_kubernetes_1_30_to_1_35(values):
 
 
 def test_service_monitor_only_where_the_api_exists():
-    assert "ServiceMonitor" not in {obj["kind"] for obj in render()}
+    assert not {"ServiceMonitor", "PodMonitor"} & {obj["kind"] for obj in render()}
     monitors = [obj for obj in render(None, *MONITORING) if obj["kind"] == "ServiceMonitor"]
     assert [m["spec"]["endpoints"][0]["port"] for m in monitors] == ["metrics"]
 
@@ -205,7 +205,7 @@ def test_sidecar_examples_share_only_the_socket_directory():
             assert config == {
                 "backend_name": "kvstore", "module_path": "connectors.sglang.backend",
                 "class_name": "KVStoreHiCacheStorage", "interface_v1": 1,
-                "socket_path": socket_path,
+                "socket_path": socket_path, "tenant": "default",
             }  # fmt: skip
             assert (
                 worker["args"][worker["args"].index("--hicache-storage-backend") + 1] == "dynamic"

@@ -12,12 +12,13 @@ import types
 import pytest
 import torch
 
-from kvstore.bench.sglang import _allow_sglang_imports, backend_for, host_pool
+from connectors.sglang.cpu_imports import allow_host_pool_imports
+from kvstore.bench.sglang import backend_for, host_pool
 from kvstore.client import KVStoreClient
 from kvstore.errors import ConfigError
 from tests.node.agents import running_agent
 
-_allow_sglang_imports()
+allow_host_pool_imports()
 
 from sglang.srt.mem_cache.hicache_storage import PoolName  # noqa: E402
 from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import (  # noqa: E402

@@ -143,25 +143,46 @@ def test_paged_kv_blocks_hold_the_models_k_and_v(llm, prompt_ids, tiny_llama_fp3
         torch.testing.assert_close(v, v_ref, atol=1e-4, rtol=1e-4)
 
 
-@needs_vllm
-def test_bf16_blocks_are_amx_tiled(vllm_inprocess_env):
-    """With AMX, bf16 K is [tokens/16][dim/2][16 tokens][2 dims], V [dim/16][tokens/2][16][2].
-    vLLM's "amx" reshape is a plain layout kernel, checked on any CPU (it skipped on CPUs
-    without AMX tiles, which failed CI there: CI allows no skip)."""
-    from vllm import _custom_ops as ops
+def amx_kernels_loaded() -> bool:
+    """Whether vLLM loaded the kernels of isa "amx": on x86 it loads vllm._C, its AVX-512-BF16
+    build and the only one with them, where the CPU has AVX-512 and AVX-512 BF16 (AMX tiles or
+    not); elsewhere _C_AVX512 or _C_AVX2, which refuse "amx" (CpuPlatform.import_kernels)."""
+    return torch.cpu._is_avx512_supported() and torch.cpu._is_avx512_bf16_supported()
 
+
+def written_index(isa: str, t: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where token t, dim d of one head lands in its K and V halves of a block, per ISA."""
+    tokens, dim = BLOCK_TOKENS, HEAD_DIM
+    if isa == "amx":  # K [tokens/16][dim/2][16 tokens][2 dims], V [dim/16][tokens/2][16][2]
+        k = (t // 16) * 16 * dim + (d // 2) * 32 + (t % 16) * 2 + d % 2
+        v = (d // 16) * 16 * tokens + (t // 2) * 32 + (d % 16) * 2 + t % 2
+        return k, v
+    assert isa in ("vec", "vec16"), isa  # K dim-major [dim][tokens], V [tokens][dim]
+    return d * tokens + t, t * dim + d
+
+
+@needs_vllm
+def test_bf16_blocks_are_laid_out_as_vllms_isa_writes_them(vllm_inprocess_env):
+    """bf16 blocks through vLLM's own cache kernel, in the layout of the ISA vLLM picks on this
+    CPU (vec on AVX2, amx with AMX tiles), and in the AMX tiling wherever its kernels are
+    loaded (AVX-512 BF16 CPUs, tiles or not): the tiling is a plain layout kernel."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    picked = _get_attn_isa(torch.bfloat16, BLOCK_TOKENS, HEAD_DIM)
+    assert picked != "amx" or amx_kernels_loaded()  # vLLM never picks a kernel it lacks
     heads, tokens, dim = NUM_KV_HEADS, BLOCK_TOKENS, HEAD_DIM
-    cache = torch.zeros(2, heads, tokens, 2 * dim, dtype=torch.bfloat16)
-    k_cache, v_cache = cache.view(2, heads, 2 * tokens, dim).chunk(2, dim=2)  # as the backend
     t, d = torch.arange(tokens)[:, None], torch.arange(dim)[None, :]
-    for coordinate in (t, d):  # bf16 holds integers to 256 exactly: write t, then d
-        values = (coordinate + torch.zeros(tokens, dim)).to(torch.bfloat16)
-        values = values[:, None, :].expand(tokens, heads, dim).contiguous()
-        ops.cpu_attn_reshape_and_cache(values, values, k_cache, v_cache,
-                                       torch.arange(tokens) + tokens, "amx")  # fmt: skip
-        k_flat, v_flat = cache[1].view(heads, 2, tokens * dim)[0]
-        k_expected = (t // 16) * 16 * dim + (d // 2) * 32 + (t % 16) * 2 + d % 2
-        v_expected = (d // 16) * 16 * tokens + (t // 2) * 32 + (d % 16) * 2 + t % 2
-        full = coordinate.expand(tokens, dim).to(torch.bfloat16)
-        assert torch.equal(k_flat[k_expected], full)
-        assert torch.equal(v_flat[v_expected], full)
+    for isa in sorted({picked, "amx"} if amx_kernels_loaded() else {picked}):
+        cache = torch.zeros(2, heads, tokens, 2 * dim, dtype=torch.bfloat16)
+        k_cache, v_cache = cache.view(2, heads, 2 * tokens, dim).chunk(2, dim=2)  # as vLLM
+        k_index, v_index = written_index(isa, t, d)
+        for coordinate in (t, d):  # bf16 holds integers to 256 exactly: write t, then d
+            values = (coordinate + torch.zeros(tokens, dim)).to(torch.bfloat16)
+            values = values[:, None, :].expand(tokens, heads, dim).contiguous()
+            slots = torch.arange(tokens) + tokens  # block 1
+            ops.cpu_attn_reshape_and_cache(values, values, k_cache, v_cache, slots, isa)
+            k_flat, v_flat = cache[1].view(heads, 2, tokens * dim)[0]
+            full = coordinate.expand(tokens, dim).to(torch.bfloat16)
+            assert torch.equal(k_flat[k_index], full), isa
+            assert torch.equal(v_flat[v_index], full), isa

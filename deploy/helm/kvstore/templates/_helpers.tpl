@@ -59,6 +59,50 @@ app.kubernetes.io/part-of: kvstore
 {{- end }}
 {{- end }}
 
+{{/*
+A Kubernetes memory quantity in bytes: a number, or digits (a decimal point allowed) with one
+of k M G T P Ki Mi Gi Ti Pi or none (values.schema.json allows no other form).
+*/}}
+{{- define "kvstore.bytes" -}}
+{{- if kindIs "string" . }}
+{{- $number := regexFind "^([0-9]+(\\.[0-9]*)?|\\.[0-9]+)" . }}
+{{- $factors := dict "" 1 "k" 1000 "Ki" 1024 "M" 1000000 "Mi" 1048576 "G" 1000000000 "Gi" 1073741824 "T" 1000000000000 "Ti" 1099511627776 "P" 1000000000000000 "Pi" 1125899906842624 }}
+{{- $unit := trimPrefix $number . }}
+{{- if or (not $number) (not (hasKey $factors $unit)) }}
+{{- fail (printf "memory %q: use bytes or k, M, G, T, P, Ki, Mi, Gi, Ti, Pi" .) }}
+{{- end }}
+{{- mulf (float64 $number) (index $factors $unit) | int64 }}
+{{- else }}
+{{- int64 . }}
+{{- end }}
+{{- end }}
+
+{{/*
+The agent's memory limit holds its arena: the arena is shared memory, charged to the pod's
+memory cgroup as it fills. (dict "conf" node-or-sidecar "section" "node|sidecar")
+*/}}
+{{- define "kvstore.checkAgentMemoryLimit" -}}
+{{- $conf := .conf }}
+{{- if hasKey ($conf.resources.limits | default dict) "memory" }}
+{{- $shown := $conf.resources.limits.memory }}
+{{- $limit := include "kvstore.bytes" $shown | int64 }}
+{{- if not (kindIs "string" $shown) }}{{ $shown = $limit }}{{ end }}
+{{- $needed := add (include "kvstore.mebibytes" $conf.hostCapacity) (include "kvstore.mebibytes" $conf.memoryOverhead) }}
+{{- if lt $limit (mul $needed 1048576) }}
+{{- fail (printf "%s.resources.limits.memory %v is below the host arena (%s.hostCapacity %s) plus the agent's own memory (%s.memoryOverhead %s): the arena is shared memory, counted against the limit, so the agent would be OOM-killed as it fills; set the limit to %dMi or more, or leave it out (it is then computed)" .section $shown .section $conf.hostCapacity .section $conf.memoryOverhead (int64 $needed)) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Where agents run: node.nodeSelector, plus the GPU operator's label with gpuNodesOnly. */}}
+{{- define "kvstore.nodeSelector" -}}
+{{- $selector := deepCopy (.Values.node.nodeSelector | default dict) }}
+{{- if .Values.node.gpuNodesOnly }}
+{{- $selector = merge $selector (dict "nvidia.com/gpu.present" "true") }}
+{{- end }}
+{{- with $selector }}{{ toYaml (dict "nodeSelector" .) }}{{ end }}
+{{- end }}
+
 {{/* Pod-level security: non-root, the kvstore gid owns mounted secrets, default seccomp. */}}
 {{- define "kvstore.podSecurityContext" -}}
 runAsNonRoot: true
@@ -113,6 +157,7 @@ Secrets are mounted files; the node id and the advertised address come from the 
 {{- $conf := ternary $v.sidecar $v.node $sidecar }}
 {{- $rdma := and (not $sidecar) $v.node.rdma.enabled }}
 {{- $memory := add (include "kvstore.mebibytes" $conf.hostCapacity) (include "kvstore.mebibytes" $conf.memoryOverhead) }}
+{{- include "kvstore.checkAgentMemoryLimit" (dict "conf" $conf "section" .mode) }}
 - name: kvstore-agent
   image: {{ include "kvstore.image" $root }}
   imagePullPolicy: {{ $v.image.pullPolicy }}
