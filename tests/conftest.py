@@ -1,5 +1,7 @@
 """Run-wide test settings. Under .ci/run (KVSTORE_NO_SKIPS=1) a skipped test fails the run:
-CI installs every dependency, so a skip there would hide a missing install step."""
+CI installs every dependency, so a skip there would hide a missing install step. Tests marked
+`cuda` (tests/cuda) need a CUDA device: where torch sees none they are deselected, and the run's
+summary says how many ("N deselected"), never skipped and never faked on the CPU."""
 
 from __future__ import annotations
 
@@ -30,6 +32,21 @@ def cluster_secret_file(tmp_path):
     from tests.node.agents import cluster_secret_file
 
     return cluster_secret_file(tmp_path)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _cuda_device_present():
+        return
+    deselected = [item for item in items if item.get_closest_marker("cuda")]
+    if deselected:
+        items[:] = [item for item in items if not item.get_closest_marker("cuda")]
+        config.hook.pytest_deselected(items=deselected)
+
+
+def _cuda_device_present() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -1,17 +1,18 @@
 """The worker half's saves: each layer's newly completed chunks are copied into reserved arena
 pages right after its attention runs (on CUDA, on the copy engine's stream after an event on
-the compute stream), hashed as they are written on the CPU, and committed once their copies
-are done: at the end of the step on the CPU; on CUDA when the step's event completes, off
-the forward's critical path, while vLLM's delayed free (request_finished → True, released
-through get_finished) keeps the source blocks alive. Runs in each vLLM worker process.
+the compute stream), hashed once (as they are written on the CPU; on CUDA by the copy engine's
+verifier thread once each DMA completes, kvcopy/streams.py), and committed with those
+checksums once the copies and hashes are done: at the end of the step on the CPU; on CUDA
+when the step's StepDone completes, off the forward's critical path (the forward only asks,
+never waits, and the agent has nothing to hash), while vLLM's delayed free (request_finished
+→ True, released through get_finished) keeps the source blocks alive. Runs in each vLLM
+worker process.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-
-import torch
 
 from connectors.vllm import compat
 from connectors.vllm.agent import AgentConnection
@@ -21,8 +22,9 @@ from connectors.vllm.metadata import SaveSpec
 from kvstore.client import SaveReservation
 from kvstore.codec import CODEC_IDS
 from kvstore.errors import KVStoreError
-from kvstore.kvcopy.engine import ChunkCopier
+from kvstore.kvcopy.engine import BlockIndex, ChunkCopier
 from kvstore.kvcopy.paged import PagedLayer
+from kvstore.kvcopy.streams import StepDone
 from kvstore.kvcopy.verified import Hasher
 
 logger = logging.getLogger(__name__)
@@ -34,16 +36,22 @@ class _StepSaves:
 
     reserved: list[tuple[SaveSpec, SaveReservation]]
     digests: dict[int, list[Hasher]] = field(default_factory=dict)  # per save id
+    # per (save id, stored block, KV cache group): its engine blocks, built once per step
+    indexes: dict[tuple[int, int, int], BlockIndex] = field(default_factory=dict)
     layers: int = 0  # layers saved so far
     in_order: bool = True  # layers arrived in payload order: the running digests are valid
-    done: torch.cuda.Event | None = None  # CUDA: recorded after the step's last copy
+    done: StepDone | None = None  # CUDA: the step's copies and hashes (None: done)
 
 
 class SavePipeline:
     def __init__(
-        self, settings: ConnectorSettings, kv: EngineKV, agent: AgentConnection, stats: dict,
+        self,
+        settings: ConnectorSettings,
+        kv: EngineKV,
+        agent: AgentConnection,
+        stats: dict,
         groups: compat.CacheGroups = compat.ONE_GROUP,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.settings = settings
         self.kv = kv
         self.agent = agent
@@ -83,6 +91,7 @@ class SavePipeline:
         step.in_order &= layer == step.layers
         step.layers += 1
         self.copier.after_compute()  # CUDA: the layer's attention wrote it on the compute stream
+        cache_group = self.layer_groups[layer]
         for spec, reservation in step.reserved:
             layout = self.kv.block_layout(spec.tail_blocks)
             start, stop = layout.layer_range(layer)
@@ -90,20 +99,30 @@ class SavePipeline:
             for index, payload in enumerate(reservation.payloads):  # chunk-major, group-minor
                 if payload is not None:
                     chunk, group = divmod(index, self.kv.groups.count)
-                    digest = digests[index] if step.in_order else None
                     self.copier.save_layer(
                         self.kv.group_view(paged, group),
-                        self._blocks(spec, chunk, layer),
+                        step.indexes[reservation.save_id, chunk, cache_group],
                         payload[start:stop],
-                        digest,
+                        digests[index] if step.in_order else None,
                         layout,
                     )
 
-    def _blocks(self, spec: SaveSpec, chunk: int, layer: int) -> list[int]:
+    def _blocks(self, spec: SaveSpec, chunk: int, cache_group: int) -> list[int]:
         """The engine blocks of stored block `chunk`: a whole chunk's, or the tail's."""
         per_chunk = spec.tail_blocks or self.kv.blocks_per_chunk
-        ids = spec.block_ids[self.layer_groups[layer]]
+        ids = spec.block_ids[cache_group]
         return ids[chunk * per_chunk : (chunk + 1) * per_chunk]
+
+    def _index(self, step: _StepSaves, spec: SaveSpec, reservation: SaveReservation) -> None:
+        """Build the engine blocks' index of each reserved block, once for every layer (and
+        before the copy stream is ordered after the compute stream, which builds them)."""
+        for index, payload in enumerate(reservation.payloads):
+            chunk = index // self.kv.groups.count
+            for cache_group in set(self.layer_groups):
+                key = (reservation.save_id, chunk, cache_group)
+                if payload is not None and key not in step.indexes:
+                    blocks = self._blocks(spec, chunk, cache_group)
+                    step.indexes[key] = self.copier.block_index(blocks)
 
     def _reserve(self, saves: list[SaveSpec]) -> _StepSaves:
         step = _StepSaves([])
@@ -113,16 +132,20 @@ class SavePipeline:
                 if self.agent.client is None:
                     break
                 reservation = self.agent.client.save(
-                    self.settings.tenant, self.kv.block_keys(spec.keys), layout.payload_bytes,
+                    self.settings.tenant,
+                    self.kv.block_keys(spec.keys),
+                    layout.payload_bytes,
                     first_parent=self.kv.parent_key(spec.first_parent) or None,
-                    layout_hash=layout.layout_hash, codec_id=CODEC_IDS[layout.codec],
-                )  # fmt: skip
+                    layout_hash=layout.layout_hash,
+                    codec_id=CODEC_IDS[layout.codec],
+                )
             except KVStoreError as exc:
                 logger.warning("kvstore save skipped (%s)", exc)
                 self.stats["save_failures"] += len(spec.keys)
                 continue
             step.reserved.append((spec, reservation))
             step.digests[reservation.save_id] = [Hasher() for _ in reservation.payloads]
+            self._index(step, spec, reservation)
         return step
 
     # ---- commits ---------------------------------------------------------------------------
@@ -130,9 +153,8 @@ class SavePipeline:
         """The step's copies are all submitted: commit what is done (everything, on the CPU)."""
         step, self._step = self._step, None
         if step is not None:
-            if self.copier is not None and self.copier.on_cuda:
-                step.done = torch.cuda.Event()
-                step.done.record(self.copier.stream)
+            if self.copier is not None:
+                step.done = self.copier.streams.step_done()
             for spec, _ in step.reserved:
                 self._uncommitted[spec.req_id] = self._uncommitted.get(spec.req_id, 0) + 1
             self._submitted.append(step)
@@ -153,7 +175,6 @@ class SavePipeline:
 
     def _commit(self, step: _StepSaves) -> None:
         complete = step.in_order and step.layers == self.kv.layout.num_layers
-        complete &= step.done is None  # CUDA: the hashers were not fed; the agent hashes
         for spec, reservation in step.reserved:
             self._uncommitted[spec.req_id] -= 1
             if not self._uncommitted[spec.req_id]:
@@ -217,5 +238,8 @@ def _checksums(reservation: SaveReservation, digests, complete: bool) -> list[in
     and the agent hashes them at commit."""
     if not complete:
         return []
-    return [d.intdigest() for d, view in zip(digests, reservation.payloads, strict=True)
-            if view is not None]  # fmt: skip
+    return [
+        d.intdigest()
+        for d, view in zip(digests, reservation.payloads, strict=True)
+        if view is not None
+    ]

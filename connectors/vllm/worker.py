@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -22,11 +23,25 @@ from connectors.vllm.metadata import KVStoreConnectorMetadata, LoadSpec
 from connectors.vllm.saves import SavePipeline
 from kvstore.client import LoadedBlocks
 from kvstore.errors import ConfigError, KVStoreError
-from kvstore.kvcopy.engine import ChunkCopier
+from kvstore.kvcopy.engine import BlockIndex, ChunkCopier
 from kvstore.kvcopy.paged import PagedLayer, check_paged_layer
 from kvstore.kvcopy.verified import Hasher
+from kvstore.layout import KVLayout
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _CopyIn:
+    """One loaded block to copy into the engine this step: its payload, the running digest of
+    the bytes copied, the head group it fills, its layout (a chunk's or a tail's), and its
+    engine blocks' index per KV cache group."""
+
+    payload: torch.Tensor
+    digest: Hasher
+    group: int
+    layout: KVLayout
+    indexes: dict[int, BlockIndex]
 
 
 class LayerwiseLoad:
@@ -94,14 +109,23 @@ class WorkerSide:
         self._load: LayerwiseLoad | None = None
         self._loaded: list[tuple[LoadSpec, LoadedBlocks]] = []
         self._digests: list[list[Hasher | None]] = []  # per load, per block (None: unused)
+        self._plan: list[_CopyIn] = []  # the step's copies, for every layer
         self._loader: ChunkCopier | None = None  # on the load thread
         self._load_thread = False
         self.failed_block_ids: set[int] = set()
         self._finished_loads: set[str] = set()  # asynchronous loads done (or failed), by request
         self._failed_loads: set[str] = set()
-        self.stats = {"loaded_blocks": 0, "loaded_bytes": 0, "load_s": 0.0, "saved_blocks": 0,
-                      "saved_bytes": 0, "load_failures": 0, "save_failures": 0,
-                      "verify_failures": 0, "saves_dropped_after_load_errors": 0}  # fmt: skip
+        self.stats = {
+            "loaded_blocks": 0,
+            "loaded_bytes": 0,
+            "load_s": 0.0,
+            "saved_blocks": 0,
+            "saved_bytes": 0,
+            "load_failures": 0,
+            "save_failures": 0,
+            "verify_failures": 0,
+            "saves_dropped_after_load_errors": 0,
+        }
         self.saves = SavePipeline(settings, kv, self.agent, self.stats, groups)
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -109,8 +133,11 @@ class WorkerSide:
         (a shape, dtype or layout), never a silent wrong copy later."""
         self.kv_caches = {name: kv_caches[name] for name in compat.layer_order(kv_caches)}
         self._layer_indexes = {name: index for index, name in enumerate(self.kv_caches)}
-        unknown = [name for name in self.kv_caches if self.groups.of_layer
-                   and name not in self.groups.of_layer]  # fmt: skip
+        unknown = [
+            name
+            for name in self.kv_caches
+            if self.groups.of_layer and name not in self.groups.of_layer
+        ]
         if unknown:
             raise ConfigError(f"KV caches {unknown[:3]} belong to no KV cache group vLLM named")
         self._layer_groups = [self.groups.of_layer.get(name, 0) for name in self.kv_caches]
@@ -123,16 +150,24 @@ class WorkerSide:
         rank_heads = self.kv.groups.count * self.kv.layout.num_kv_heads
         for name, cache in self.kv_caches.items():
             if cache.dim() == 4 and cache.shape[1] != rank_heads:
-                raise ConfigError(f"KV cache {name!r} holds {cache.shape[1]} kv heads; this "
-                                  f"rank's head groups cover {rank_heads}")  # fmt: skip
+                raise ConfigError(
+                    f"KV cache {name!r} holds {cache.shape[1]} kv heads; this "
+                    f"rank's head groups cover {rank_heads}"
+                )
             paged = compat.paged_layer_view(cache, self.kv.isa)
             for group in range(self.kv.groups.count):
-                check_paged_layer(name, self.kv.group_view(paged, group), self.kv.layout,
-                                  self.kv.block_size)  # fmt: skip
+                check_paged_layer(
+                    name, self.kv.group_view(paged, group), self.kv.layout, self.kv.block_size
+                )
         first = next(iter(self.kv_caches.values()))
         if self.kv.isa in compat.CPU_CANONICAL_ISAS:
-            compat.check_cpu_views(self.kv.isa, first.dtype, self.kv.block_size,
-                                   first.shape[1], self.kv.layout.head_dim)  # fmt: skip
+            compat.check_cpu_views(
+                self.kv.isa,
+                first.dtype,
+                self.kv.block_size,
+                first.shape[1],
+                self.kv.layout.head_dim,
+            )
         device = first.device
         self._loader = ChunkCopier(self.kv.layout, self.kv.block_size, device)
         self._load_thread = _load_thread(self.settings.load_thread, self._loader.on_cuda)
@@ -148,13 +183,15 @@ class WorkerSide:
         started = time.perf_counter()
         self._loaded = [(spec, self._fetch(spec)) for spec in meta.loads]
         self._digests = [self._new_digests(spec, loaded) for spec, loaded in self._loaded]
+        self._plan = self._copy_plan()
         names = list(self.kv_caches)
         tensors = [compat.paged_layer_view(self.kv_caches[name], self.kv.isa) for name in names]
         # CUDA, on the forward's thread: loads go after the compute stream's work so far
         # (vLLM may zero new blocks there), as vLLM's own offloader orders them
         self._loader.after_compute()
-        self._load = LayerwiseLoad(names, lambda i: self._copy_layer_in(i, tensors[i]),
-                                   background=self._load_thread)  # fmt: skip
+        self._load = LayerwiseLoad(
+            names, lambda i: self._copy_layer_in(i, tensors[i]), background=self._load_thread
+        )
         self.stats["load_s"] += time.perf_counter() - started
 
     def _fetch(self, spec: LoadSpec) -> LoadedBlocks | None:
@@ -164,9 +201,11 @@ class WorkerSide:
             if self.agent.client is not None:
                 tail = [spec.tail_key] if spec.tail_blocks else []
                 loaded = self.agent.client.load(  # verified as copied, not here
-                    self.settings.tenant, self.kv.block_keys([*spec.keys, *tail]),
-                    timeout_s=self.settings.load_timeout_s, verify=False,
-                )  # fmt: skip
+                    self.settings.tenant,
+                    self.kv.block_keys([*spec.keys, *tail]),
+                    timeout_s=self.settings.load_timeout_s,
+                    verify=False,
+                )
         except KVStoreError as exc:
             # Not dropped here: earlier loads of this step are pinned through this connection.
             logger.warning("kvstore load failed (%s); recomputing", exc)
@@ -212,24 +251,43 @@ class WorkerSide:
             self.failed_block_ids.update(compat.live_blocks(ids[first:stop]))
         self.saves.load_failed(spec.req_id)
 
-    def _copy_layer_in(self, layer: int, paged: PagedLayer) -> None:
-        cache_group = self._layer_groups[layer]
+    def _copy_plan(self) -> list[_CopyIn]:
+        """Each loaded block to copy this step, with its engine blocks' index per KV cache
+        group, built once for every layer."""
+        plan = []
         for (spec, loaded), digests in zip(self._loaded, self._digests, strict=True):
-            for index, digest in enumerate(digests):
+            for payload, digest in enumerate(digests):
                 if digest is None:
                     continue
-                chunk, group = divmod(index, self.kv.groups.count)
-                blocks = self._chunk_blocks(spec, cache_group, chunk)
-                first = chunk * self.kv.blocks_per_chunk
-                # A sliding-window group's blocks before its window are vLLM's null block.
-                keep = [i for i in range(len(blocks)) if first + i >= spec.skip_blocks
-                        and blocks[i] != compat.NULL_BLOCK_ID]  # fmt: skip
+                chunk, group = divmod(payload, self.kv.groups.count)
+                indexes = {
+                    cache_group: self._block_index(spec, cache_group, chunk)
+                    for cache_group in set(self._layer_groups)
+                }
                 layout = self.kv.block_layout(0 if chunk < len(spec.keys) else spec.tail_blocks)
-                start, stop = layout.layer_range(layer)
-                payload = loaded.payloads[index][start:stop]
-                self._loader.load_layer(
-                    payload, digest, self.kv.group_view(paged, group), blocks, keep, layout
-                )
+                plan.append(_CopyIn(loaded.payloads[payload], digest, group, layout, indexes))
+        return plan
+
+    def _block_index(self, spec: LoadSpec, cache_group: int, chunk: int) -> BlockIndex:
+        """The engine blocks stored block `chunk` fills: past the prefix the engine has, and
+        past a sliding-window group's null blocks (vLLM's, before its window)."""
+        blocks = self._chunk_blocks(spec, cache_group, chunk)
+        first = max(0, spec.skip_blocks - chunk * self.kv.blocks_per_chunk)
+        while first < len(blocks) and blocks[first] == compat.NULL_BLOCK_ID:
+            first += 1
+        return self._loader.block_index(blocks, range(min(first, len(blocks)), len(blocks)))
+
+    def _copy_layer_in(self, layer: int, paged: PagedLayer) -> None:
+        cache_group = self._layer_groups[layer]
+        for copy in self._plan:
+            start, stop = copy.layout.layer_range(layer)
+            self._loader.load_layer(
+                copy.payload[start:stop],
+                copy.digest,
+                self.kv.group_view(paged, copy.group),
+                copy.indexes[cache_group],
+                copy.layout,
+            )
         self._loader.record(layer)
 
     def _mismatched(self, loaded: LoadedBlocks, digests: list) -> list[int]:
@@ -237,8 +295,11 @@ class WorkerSide:
         if not self.settings.verify_checksums:
             return []
         checksums = loaded.checksums
-        return [index for index, digest in enumerate(digests)
-                if digest is not None and digest.intdigest() != checksums[index]]  # fmt: skip
+        return [
+            index
+            for index, digest in enumerate(digests)
+            if digest is not None and digest.intdigest() != checksums[index]
+        ]
 
     def _verified_blocks(self, spec: LoadSpec, loaded: LoadedBlocks, mismatched: list) -> int:
         """After every layer was copied: how many leading whole chunks' private copies are
@@ -284,7 +345,7 @@ class WorkerSide:
                 self.stats["loaded_blocks"] += good
                 self.stats["loaded_bytes"] += sum(p.numel() for p in loaded.payloads[:good])
             self._release(loaded, mismatched)
-        self._loaded, self._digests, self._load = [], [], None
+        self._loaded, self._digests, self._plan, self._load = [], [], [], None
         self.agent.drop_if_broken()
 
     def _release(self, loaded: LoadedBlocks, suspect: list[int]) -> None:

@@ -24,6 +24,7 @@ from kvstore.bench import peers
 from kvstore.bench.timing import check_runs, gbps
 from kvstore.block import HEADER_BYTES
 from kvstore.client import KVStoreClient
+from kvstore.errors import ConfigError
 from kvstore.keys import BlockKey
 from kvstore.kvcopy.engine import ChunkCopier
 from kvstore.kvcopy.verified import Hasher
@@ -33,17 +34,22 @@ logger = logging.getLogger(__name__)
 
 # vLLM's KVCacheLayout members: the physical order of the logical axes [L, B, H, N, C].
 LAYOUTS = {
-    "LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4), "LHBNC": (0, 2, 1, 3, 4),
-    "BLHNC": (1, 0, 2, 3, 4), "BLNHC": (1, 0, 3, 2, 4), "BHLNC": (1, 2, 0, 3, 4),
-}  # fmt: skip
+    "LBHNC": (0, 1, 2, 3, 4),
+    "LBNHC": (0, 1, 3, 2, 4),
+    "LHBNC": (0, 2, 1, 3, 4),
+    "BLHNC": (1, 0, 2, 3, 4),
+    "BLNHC": (1, 0, 3, 2, 4),
+    "BHLNC": (1, 2, 0, 3, 4),
+}
 LLAMA_8B = {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128, "block": 16}
 
 
 def paged_layers(layout: KVLayout, block: int, num_blocks: int, order, device) -> list:
     """Per-layer [num_blocks, H, block, 2D] views of one allocation in physical `order`."""
     logical = (layout.num_layers, num_blocks, layout.num_kv_heads, block, 2 * layout.head_dim)
-    physical = torch.empty([logical[axis] for axis in order], dtype=layout.torch_dtype,
-                           device=device)  # fmt: skip
+    physical = torch.empty(
+        [logical[axis] for axis in order], dtype=layout.torch_dtype, device=device
+    )
     five = physical.permute([order.index(axis) for axis in range(5)])
     return [five[layer] for layer in range(layout.num_layers)]
 
@@ -71,29 +77,35 @@ class _Run:
     def blocks(self, chunk: int) -> list[int]:
         return list(range(chunk * self.per_chunk, (chunk + 1) * self.per_chunk))
 
+    def indexes(self) -> list:
+        """Each chunk's engine blocks, indexed once (as the connector does once per step)."""
+        return [self.copier.block_index(self.blocks(chunk)) for chunk in range(self.chunks)]
+
     def save(self, keys: list[BlockKey]) -> float:
         _sync(self.device)
         started = time.perf_counter()
         reservation = self.client.save("bench", keys, self.layout.payload_bytes)
+        indexes = self.indexes()
+        digests = [Hasher() for _ in keys]
         for layer, paged in enumerate(self.source):
             start, stop = self.layout.layer_range(layer)
             self.copier.after_compute()
             for chunk, payload in enumerate(reservation.payloads):
-                self.copier.save_layer(paged, self.blocks(chunk), payload[start:stop], None)
+                self.copier.save_layer(paged, indexes[chunk], payload[start:stop], digests[chunk])
         self.copier.synchronize()
-        self.client.commit(reservation)  # the agent hashes the payloads
+        self.client.commit(reservation, checksums=[d.intdigest() for d in digests])
         return time.perf_counter() - started
 
     def load(self, keys: list[BlockKey], layer_done=None) -> tuple[float, bool]:
         started = time.perf_counter()
         loaded = self.client.load("bench", keys, verify=False)
+        indexes = self.indexes()
         digests = [Hasher() for _ in keys]
+        self.copier.after_compute()
         for layer, paged in enumerate(self.target):
             start, stop = self.layout.layer_range(layer)
             for chunk, payload in enumerate(loaded.payloads):
-                blocks = self.blocks(chunk)
-                self.copier.load_layer(payload[start:stop], digests[chunk], paged, blocks,
-                                       range(len(blocks)))  # fmt: skip
+                self.copier.load_layer(payload[start:stop], digests[chunk], paged, indexes[chunk])
             self.copier.record(layer)
             if layer_done is not None:
                 layer_done(layer)
@@ -151,9 +163,22 @@ def _overlap(run: _Run, keys, matmul_size: int, layers: int) -> tuple[float, flo
     return alone, beside
 
 
+def _device(name: str) -> torch.device:
+    """The device to measure; ConfigError where it is CUDA and there is none (a figure
+    measured on the CPU must never pass for the GPU's)."""
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        build = f"torch {torch.__version__}, CUDA build {torch.version.cuda or 'none'}"
+        raise ConfigError(
+            f"--device {name}: no CUDA device is visible ({build}); "
+            "run with --device cpu to measure the CPU path"
+        )
+    return device
+
+
 def run_gpu(device: str = "cuda", chunks: int = 64, runs: int = 3, quick: bool = False) -> dict:
     check_runs(runs)
-    dev = torch.device(device if device != "cuda" or torch.cuda.is_available() else "cpu")
+    dev = _device(device)
     shape = dict(LLAMA_8B)
     layouts = list(LAYOUTS)
     if quick:  # CI: the same code on a small model
@@ -161,9 +186,13 @@ def run_gpu(device: str = "cuda", chunks: int = 64, runs: int = 3, quick: bool =
         chunks, layouts = min(chunks, 4), ["LBHNC", "BLNHC"]
     block = shape.pop("block")
     layout = KVLayout(**shape, dtype="bfloat16", chunk_tokens=256)
-    with tempfile.TemporaryDirectory() as directory, peers.node_agent(
-        Path(directory), layout.payload_bytes + HEADER_BYTES, 2 * chunks
-    ) as socket_path, KVStoreClient(socket_path, "bench-gpu") as client:  # fmt: skip
+    with (
+        tempfile.TemporaryDirectory() as directory,
+        peers.node_agent(
+            Path(directory), layout.payload_bytes + HEADER_BYTES, 2 * chunks
+        ) as socket_path,
+        KVStoreClient(socket_path, "bench-gpu") as client,
+    ):
         return _measure(client, layout, block, chunks, layouts, dev, runs, quick)
 
 
@@ -184,10 +213,19 @@ def _measure(client, layout, block, chunks, layouts, device, runs, quick) -> dic
     save, load = gbps(total, statistics.median(save_s)), gbps(total, statistics.median(load_s))
     copy_out, copy_in = gbps(total, out_s), gbps(total, back_s)
     return {
-        "device": str(device), "layouts": layouts, "chunks": chunks,
-        "payload_bytes": layout.payload_bytes, "save_GBps": save, "load_GBps": load,
-        "copy_d2h_GBps": copy_out, "copy_h2d_GBps": copy_in,
-        "save_vs_copy": save / copy_out, "load_vs_copy": load / copy_in,
-        "matmuls_alone_s": alone, "matmuls_with_loads_s": beside,
-        "compute_slowdown": beside / alone - 1, "bytes_equal": equal, "checksums_ok": verified,
-    }  # fmt: skip
+        "device": str(device),
+        "layouts": layouts,
+        "chunks": chunks,
+        "payload_bytes": layout.payload_bytes,
+        "save_GBps": save,
+        "load_GBps": load,
+        "copy_d2h_GBps": copy_out,
+        "copy_h2d_GBps": copy_in,
+        "save_vs_copy": save / copy_out,
+        "load_vs_copy": load / copy_in,
+        "matmuls_alone_s": alone,
+        "matmuls_with_loads_s": beside,
+        "compute_slowdown": beside / alone - 1,
+        "bytes_equal": equal,
+        "checksums_ok": verified,
+    }

@@ -3,28 +3,44 @@ canonical [2, tokens, kv_heads, head_dim] order, encoded by the layout's codec) 
 paged layer (any device, any strides; see paged.py). A prompt's tail (a block of fewer tokens
 than a chunk) goes through the same buffers, with its own layout (KVLayout.with_tokens).
 
-Runs in the worker (the connectors' worker halves) and in `kvstore bench gpu`. Buffers are
-allocated once per engine and reused, so the load path allocates nothing per layer.
-- On the CPU, a load copies the shared slice into a private staging buffer hashing it in the
-  same pass (kvcopy.verified), then scatters block by block from the staging buffer (still in
-  cache) through strided views; a save copies block by block straight into the reserved
-  payload slice and hashes it while it is hot. One pass over the bytes each way.
-- On CUDA, copies run on the engine's own stream: loads DMA the (pinned) slice into a device
-  staging buffer, decode there (fp8 too) and scatter; saves gather and encode on the device and
-  DMA into the pinned slice. `record(layer)` / `wait(layer)` give one event per layer, so the
-  compute stream waits on the device, never the host.
+Runs in the worker (the connectors' worker halves) and in `kvstore bench gpu`. One code path
+for every device; only its `Streams` (streams.py) differ: on the CPU each step runs at once,
+on CUDA it is queued on the copier's stream. A layer moves in a constant number of device
+operations, whatever the number of blocks per chunk: one indexed gather (`index_select`) or
+scatter (`index_copy_`) per K and V, over a `BlockIndex` built once per chunk and step, on
+views that read the head-dim axis as 8-byte words (a bitwise copy with 4-8x fewer elements).
+- A load stages the page's bytes privately (hashed as copied on the CPU; hashed beside the DMA
+  on CUDA), decodes them in place (raw) or into the canonical buffer (fp8), and scatters.
+- A save gathers into the canonical buffer, encodes it into staging (raw: the same bytes),
+  and writes staging into the reserved page (hashed as written on the CPU).
+Buffers are allocated once per copier and reused: a step allocates nothing per layer.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from kvstore.block import as_buffer
 from kvstore.codec import decode_layer, encode_layer
 from kvstore.errors import ConfigError
 from kvstore.kvcopy.paged import PagedLayer, kv_views
-from kvstore.kvcopy.verified import Hasher, copy_hashed
+from kvstore.kvcopy.streams import streams_for
+from kvstore.kvcopy.verified import Hasher
 from kvstore.layout import KVLayout
+
+
+@dataclass(frozen=True)
+class BlockIndex:
+    """Which engine blocks a stored block's positions fill: `blocks` (on the device) holds the
+    engine block of each position in [first, stop) of the stored block."""
+
+    blocks: torch.Tensor
+    first: int
+    stop: int
+
+    def __len__(self) -> int:
+        return self.stop - self.first
 
 
 class ChunkCopier:
@@ -34,34 +50,96 @@ class ChunkCopier:
         self.layout = layout
         self.block_size = block_size
         self.device = torch.device(device)
-        self.on_cuda = self.device.type == "cuda"
+        self.streams = streams_for(self.device)
         self._staging = torch.empty(layout.layer_bytes, dtype=torch.uint8, device=self.device)
-        self._canonical_flat = torch.empty(
+        self._decoded_flat = torch.empty(
             layout.layer_elements, dtype=layout.torch_dtype, device=self.device
         )
-        self.stream = torch.cuda.Stream(self.device) if self.on_cuda else None
-        self._events: dict[int, torch.cuda.Event] = {}
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def block_index(self, blocks: list[int], keep: range | None = None) -> BlockIndex:
+        """The index of one stored block's engine `blocks`, filling only positions `keep` (a
+        range: the ones past a prefix the engine has, or all). Build it once per step, before
+        `after_compute` (on CUDA it is copied to the device on the compute stream)."""
+        keep = range(len(blocks)) if keep is None else keep
+        if keep.step != 1 or keep.start < 0 or keep.stop > len(blocks):
+            raise ValueError(f"positions {keep} are not a run within {len(blocks)} blocks")
+        ids = torch.tensor([blocks[i] for i in keep], dtype=torch.int64)
+        return BlockIndex(self.streams.index(ids), keep.start, keep.stop)
 
     # ---- loads -----------------------------------------------------------------------------
     def load_layer(
-        self, payload_slice: torch.Tensor, hasher: Hasher, paged: PagedLayer,
-        blocks: list[int], keep: list[int], layout: KVLayout | None = None,
-    ) -> None:  # fmt: skip
-        """Copy one chunk layer into `paged[blocks[i]]` for i in `keep`, feeding `hasher` with
-        the payload bytes the copy used (compare its digest with the block's checksum once
-        every layer of the chunk was copied: a mismatch means the KV written is not the
-        block's and must be recomputed). `layout`: a tail's (fewer tokens), else the chunk's."""
+        self,
+        page: torch.Tensor,
+        hasher: Hasher,
+        paged: PagedLayer,
+        index: BlockIndex,
+        layout: KVLayout | None = None,
+    ) -> None:
+        """Copy one chunk layer (`page`: its slice of a loaded payload) into the engine blocks
+        of `index`, feeding `hasher` with the payload bytes the copy used (compare its digest
+        with the block's checksum once every layer of the chunk was copied, and `streams`
+        synchronized: a mismatch means the KV written is not the block's and must be
+        recomputed). `layout`: a tail's (fewer tokens), else the chunk's."""
         layout = self._checked(layout)
         staging = self._staging[: layout.layer_bytes]
-        if self.on_cuda:
-            hasher.update(as_buffer(payload_slice))  # host side, the page stays pinned
-            with torch.cuda.stream(self.stream):
-                staging.copy_(payload_slice, non_blocking=True)
-                self._scatter(self._decoded(layout, staging), paged, blocks, keep)
-            return
-        copy_hashed(staging, payload_slice, hasher)
-        self._scatter(self._decoded(layout, staging), paged, blocks, keep)
+        with self.streams.submitting():
+            self.streams.upload(staging, page, hasher)
+            if len(index):
+                self._scatter(self._decode(layout, staging), paged, index)
 
+    def _decode(self, layout: KVLayout, staging: torch.Tensor) -> torch.Tensor:
+        if layout.codec == "raw":
+            return staging.view(layout.torch_dtype).view(layout.layer_shape)
+        decoded = self._decoded(layout)
+        decode_layer(layout, staging, decoded)
+        return decoded
+
+    def _scatter(self, canonical: torch.Tensor, paged: PagedLayer, index: BlockIndex) -> None:
+        for part, view in enumerate(kv_views(paged)):
+            source = self._by_block(canonical[part])[index.first : index.stop]
+            target, source = _as_words(view, source)
+            target.index_copy_(0, index.blocks, source)
+
+    # ---- saves -----------------------------------------------------------------------------
+    def save_layer(
+        self,
+        paged: PagedLayer,
+        index: BlockIndex,
+        page: torch.Tensor,
+        hasher: Hasher | None,
+        layout: KVLayout | None = None,
+    ) -> None:
+        """Copy the engine blocks of `index` (every position of a stored block) into one chunk
+        layer's slice `page` of a reserved payload, encoded, feeding `hasher` with the bytes
+        written where the streams hash saves (on CUDA the agent hashes them at commit).
+        `layout`: a tail's, else the chunk's."""
+        layout = self._checked(layout)
+        if index.first != 0 or len(index) * self.block_size != layout.chunk_tokens:
+            raise ValueError(f"a save fills every position of its block, not {index.first}..")
+        staging = self._staging[: layout.layer_bytes]
+        with self.streams.submitting():
+            canonical = self._canonical_for(layout, staging)
+            self._gather(paged, index, canonical)
+            if layout.codec != "raw":
+                encode_layer(layout, canonical, staging)
+            self.streams.download(page, staging, hasher)
+
+    def _canonical_for(self, layout: KVLayout, staging: torch.Tensor) -> torch.Tensor:
+        """Where a save gathers: staging itself for raw payloads, else the decoded buffer."""
+        if layout.codec == "raw":
+            return staging.view(layout.torch_dtype).view(layout.layer_shape)
+        return self._decoded(layout)
+
+    def _gather(self, paged: PagedLayer, index: BlockIndex, canonical: torch.Tensor) -> None:
+        for part, view in enumerate(kv_views(paged)):
+            source, target = _as_words(view, self._by_block(canonical[part]))
+            torch.index_select(source, 0, index.blocks, out=target)
+
+    # ---- shared ----------------------------------------------------------------------------
     def _checked(self, layout: KVLayout | None) -> KVLayout:
         if layout is None:
             return self.layout
@@ -69,76 +147,50 @@ class ChunkCopier:
             raise ConfigError(f"layout {layout.layout_id} is not a tail of {self.layout.layout_id}")
         return layout
 
-    def _canonical(self, layout: KVLayout) -> torch.Tensor:
-        return self._canonical_flat[: layout.layer_elements].view(layout.layer_shape)
+    def _decoded(self, layout: KVLayout) -> torch.Tensor:
+        return self._decoded_flat[: layout.layer_elements].view(layout.layer_shape)
 
-    def _decoded(self, layout: KVLayout, staging: torch.Tensor) -> torch.Tensor:
-        if layout.codec == "raw":
-            return staging.view(layout.torch_dtype).view(layout.layer_shape)
-        canonical = self._canonical(layout)
-        decode_layer(layout, staging, canonical)
-        return canonical
+    def _by_block(self, part: torch.Tensor) -> torch.Tensor:
+        """One of K or V, [tokens, kv_heads, head_dim], as [blocks, block_size, ...] (a view)."""
+        return part.unflatten(0, (-1, self.block_size))
 
-    def _scatter(self, canonical, paged: PagedLayer, blocks: list[int], keep: list[int]) -> None:
-        size = self.block_size
-        for part, view in enumerate(kv_views(paged)):
-            for i in keep:
-                view[blocks[i]].copy_(canonical[part, i * size : (i + 1) * size])
-
-    # ---- saves -----------------------------------------------------------------------------
-    def save_layer(
-        self, paged: PagedLayer, blocks: list[int], payload_slice: torch.Tensor,
-        hasher: Hasher | None, layout: KVLayout | None = None,
-    ) -> None:  # fmt: skip
-        """Copy `paged[blocks]` into one chunk layer's payload slice (encoded), feeding
-        `hasher` with the written bytes (on CUDA they are not written yet: the hasher is not
-        fed, and the agent hashes the payload at commit). `layout`: a tail's, else the
-        chunk's."""
-        layout = self._checked(layout)
-        canonical = self._canonical(layout)
-        if self.on_cuda:
-            staging = self._staging[: layout.layer_bytes]
-            with torch.cuda.stream(self.stream):
-                self._gather(paged, blocks, canonical)
-                encode_layer(layout, canonical, staging)
-                payload_slice.copy_(staging, non_blocking=True)
-            return
-        if layout.codec == "raw":
-            shape = layout.layer_shape
-            self._gather(paged, blocks, payload_slice.view(layout.torch_dtype).view(shape))
-        else:
-            self._gather(paged, blocks, canonical)
-            encode_layer(layout, canonical, payload_slice)
-        if hasher is not None:
-            hasher.update(as_buffer(payload_slice))  # just written: still in cache
-
-    def _gather(self, paged: PagedLayer, blocks: list[int], canonical: torch.Tensor) -> None:
-        size = self.block_size
-        for part, view in enumerate(kv_views(paged)):
-            for i, block in enumerate(blocks):
-                canonical[part, i * size : (i + 1) * size].copy_(view[block])
-
-    # ---- ordering with the compute stream (CUDA; no-ops on the CPU) ----------------------
+    # ---- ordering with the compute stream (streams.py) -----------------------------------
     def record(self, layer: int) -> None:
         """Mark the end of the work submitted so far for `layer`."""
-        if self.on_cuda:
-            event = self._events.get(layer) or torch.cuda.Event()
-            event.record(self.stream)
-            self._events[layer] = event
+        self.streams.record(layer)
 
     def wait(self, layer: int) -> None:
         """Make the current (compute) stream wait for `layer`'s copies, without a host sync."""
-        event = self._events.get(layer)
-        if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
+        self.streams.wait(layer)
 
     def after_compute(self) -> None:
-        """Make the copy stream wait for the compute stream's work so far (before a save
-        reads a layer the forward just wrote)."""
-        if self.on_cuda:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        """Order later copies after the compute stream's work so far (before a save reads a
+        layer the forward just wrote, or a load writes blocks the forward may have zeroed)."""
+        self.streams.after_compute()
 
     def synchronize(self) -> None:
-        """Block until every submitted copy is done (before committing saves)."""
-        if self.on_cuda:
-            self.stream.synchronize()
+        """Block until every submitted copy and hash is done (before verifying or committing)."""
+        self.streams.synchronize()
+
+
+_WORDS = (torch.int64, torch.int32, torch.int16)
+
+
+def _as_words(*views: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`views` (of one dtype) with their contiguous last axis read as the widest integers
+    that every view's sizes, strides and offset allow: the same bytes, fewer elements for an
+    indexed copy to move. Unchanged where a last axis is strided (vLLM's CPU kernels keep K
+    transposed)."""
+    item = views[0].element_size()
+    for word in _WORDS:
+        wider = word.itemsize > item
+        if wider and all(_fits(view, word.itemsize // item) for view in views):
+            return tuple(view.view(word) for view in views)
+    return views
+
+
+def _fits(view: torch.Tensor, ratio: int) -> bool:
+    """Whether `view` can be read in words of `ratio` of its elements."""
+    if view.stride(-1) != 1 or view.shape[-1] % ratio or view.storage_offset() % ratio:
+        return False
+    return all(stride % ratio == 0 for stride in view.stride()[:-1])

@@ -2,12 +2,13 @@
 is [num_blocks, kv_heads, block_size, 2 * head_dim] (K then V along the last axis, vLLM's
 convention) in any physical order, i.e. any strides, as long as the last axis is contiguous.
 
-Pure description, used in the worker (the connectors) and by the GPU check. `block_view`
-gives each block as a strided [2, block_size, kv_heads, head_dim] view, the canonical order of
-a stored payload, so every physical layout (vLLM's LBHNC, LBNHC, LHBNC, BLHNC, BLNHC, BHLNC)
-is copied by the same code: strides do the work, not a code path per layout. An engine whose
-K and V have different orders (vLLM's CPU kernels keep K transposed) gives a (K, V) pair of
-[num_blocks, block_size, kv_heads, head_dim] views instead (`PagedLayer`).
+Pure description, used in the worker (the connectors) and by the GPU check. `kv_views` gives
+K and V of every block as strided [num_blocks, block_size, kv_heads, head_dim] views, the
+canonical order of a stored payload's blocks, so every physical layout (vLLM's LBHNC, LBNHC,
+LHBNC, BLHNC, BLNHC, BHLNC) is copied by the same code: strides do the work, not a code path
+per layout. An engine whose K and V have different orders (vLLM's CPU kernels keep K
+transposed) gives a (K, V) pair of [num_blocks, block_size, kv_heads, head_dim] views instead
+(`PagedLayer`).
 """
 
 from __future__ import annotations
@@ -63,18 +64,6 @@ def _check_pair(name: str, pair, layout: KVLayout, block_size: int) -> None:
             )
         if view.dtype != layout.torch_dtype:
             raise ConfigError(f"KV cache {name!r} is {view.dtype}; the layout says {layout.dtype}")
-
-
-def block_view(layer: torch.Tensor, block: int) -> torch.Tensor:
-    """Block `block` of a paged layer as a [2, block_size, kv_heads, head_dim] view."""
-    two_dim = layer.shape[-1]
-    return layer[block].unflatten(-1, (2, two_dim // 2)).permute(2, 1, 0, 3)
-
-
-def blocks_view(layer: torch.Tensor) -> torch.Tensor:
-    """Every block as [num_blocks, 2, block_size, kv_heads, head_dim] (a view)."""
-    two_dim = layer.shape[-1]
-    return layer.unflatten(-1, (2, two_dim // 2)).permute(0, 3, 2, 1, 4)
 
 
 def head_slice(layer: PagedLayer, heads: slice) -> PagedLayer:

@@ -31,8 +31,12 @@ def vllm_views(layout: KVCacheLayout, seed: int | None) -> list[torch.Tensor]:
     """Per-layer caches exactly as vLLM's model runner builds them for `layout`."""
     layer_stride, block_stride, *_ = compute_layout_strides(SPEC, NUM_BLOCKS, LAYERS, layout)
     raw = torch.zeros(LAYERS * NUM_BLOCKS * SPEC.page_size_bytes, dtype=torch.int8)
-    tensor = KVCacheTensor(size=raw.numel(), layers=[f"layer{i}" for i in range(LAYERS)],
-                           layer_stride=layer_stride, block_stride=block_stride)  # fmt: skip
+    tensor = KVCacheTensor(
+        size=raw.numel(),
+        layers=[f"layer{i}" for i in range(LAYERS)],
+        layer_stride=layer_stride,
+        block_stride=block_stride,
+    )
     views = create_kv_cache_views(raw, SPEC, NUM_BLOCKS, layout, tensor)
     if seed is not None:
         generator = torch.Generator().manual_seed(seed)
@@ -47,29 +51,31 @@ def save_chunk(views, blocks) -> torch.Tensor:
     hasher = Hasher()
     for layer, view in enumerate(views):
         start, stop = LAYOUT.layer_range(layer)
-        copier.save_layer(view, blocks, payload[start:stop], hasher)
+        copier.save_layer(view, copier.block_index(blocks), payload[start:stop], hasher)
     assert hasher.intdigest() == xxhash.xxh3_64_intdigest(payload.numpy())
     return payload
 
 
-def load_chunk(payload, views, blocks, keep) -> int:
+def load_chunk(payload, views, blocks, keep: range) -> int:
     copier = ChunkCopier(LAYOUT, BLOCK, "cpu")
+    index = copier.block_index(blocks, keep)
     hasher = Hasher()
     for layer, view in enumerate(views):
         start, stop = LAYOUT.layer_range(layer)
-        copier.load_layer(payload[start:stop], hasher, view, blocks, keep)
+        copier.load_layer(payload[start:stop], hasher, view, index)
     return hasher.intdigest()
 
 
 @pytest.mark.parametrize(
-    ("source", "target"), list(itertools.product(KVCacheLayout, KVCacheLayout)),
+    ("source", "target"),
+    list(itertools.product(KVCacheLayout, KVCacheLayout)),
     ids=lambda layout: layout.name,
-)  # fmt: skip
+)
 def test_a_chunk_saved_from_one_layout_loads_into_another_unchanged(source, target):
     saved_from = vllm_views(source, seed=1)
     payload = save_chunk(saved_from, blocks=[4, 1])
     loaded_into = vllm_views(target, seed=None)
-    digest = load_chunk(payload, loaded_into, blocks=[0, 3], keep=[0, 1])
+    digest = load_chunk(payload, loaded_into, blocks=[0, 3], keep=range(2))
     assert digest == xxhash.xxh3_64_intdigest(payload.numpy())
     for before, after in zip(saved_from, loaded_into, strict=True):
         assert torch.equal(after[0], before[4]) and torch.equal(after[3], before[1])
@@ -85,7 +91,7 @@ def test_the_payload_is_the_same_whatever_layout_it_came_from():
 def test_skipped_blocks_are_left_alone():
     payload = save_chunk(vllm_views(KVCacheLayout.LBNHC, seed=3), [0, 1])
     target = vllm_views(KVCacheLayout.LBNHC, seed=None)
-    load_chunk(payload, target, blocks=[2, 3], keep=[1])  # block 2 was computed locally
+    load_chunk(payload, target, blocks=[2, 3], keep=range(1, 2))  # block 2 was computed locally
     assert not target[0][2].any() and target[0][3].any()
 
 
@@ -95,11 +101,13 @@ def test_skipped_blocks_are_left_alone():
         (torch.zeros(4, HEADS + 1, BLOCK, 2 * DIM, dtype=torch.bfloat16), "has shape"),
         (torch.zeros(4, HEADS, BLOCK, 2 * DIM, dtype=torch.float16), "is torch.float16"),
         (torch.zeros(2, 4, HEADS, BLOCK, DIM, dtype=torch.bfloat16), "has shape"),
-        (torch.zeros(4, HEADS, 2 * DIM, BLOCK, dtype=torch.bfloat16).transpose(2, 3),
-         "not contiguous"),
+        (
+            torch.zeros(4, HEADS, 2 * DIM, BLOCK, dtype=torch.bfloat16).transpose(2, 3),
+            "not contiguous",
+        ),
     ],
     ids=["heads", "dtype", "split-kv", "strided-dim"],
-)  # fmt: skip
+)
 def test_caches_the_engine_cannot_copy_are_refused_by_name(cache, message):
     with pytest.raises(ConfigError, match=message):
         check_paged_layer("model.layers.0.attn", cache, LAYOUT, BLOCK)
@@ -114,11 +122,12 @@ def test_the_load_path_allocates_no_per_layer_tensors():
     payload = save_chunk(views, [0, 1])
     target = vllm_views(KVCacheLayout.LBHNC, seed=None)
     copier = ChunkCopier(LAYOUT, BLOCK, "cpu")
+    index = copier.block_index([2, 3])  # once per step
     hasher = Hasher()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiled:
         for layer, view in enumerate(target):
             start, stop = LAYOUT.layer_range(layer)
-            copier.load_layer(payload[start:stop], hasher, view, [2, 3], [0, 1])
+            copier.load_layer(payload[start:stop], hasher, view, index)
     allocated = sum(max(0, event.cpu_memory_usage) for event in profiled.events())
     assert allocated == 0, f"the load path allocated {allocated} bytes"
 
@@ -134,11 +143,11 @@ def test_a_tail_of_one_block_goes_through_the_chunks_copier(codec):
     payload = torch.zeros(tail.payload_bytes, dtype=torch.uint8)
     for layer, view in enumerate(source):
         start, stop = tail.layer_range(layer)
-        copier.save_layer(view, [5], payload[start:stop], None, tail)
+        copier.save_layer(view, copier.block_index([5]), payload[start:stop], None, tail)
     hasher = Hasher()
     for layer, view in enumerate(target):
         start, stop = tail.layer_range(layer)
-        copier.load_layer(payload[start:stop], hasher, view, [2], [0], tail)
+        copier.load_layer(payload[start:stop], hasher, view, copier.block_index([2]), tail)
     assert hasher.intdigest() == xxhash.xxh3_64_intdigest(payload.numpy())
     for before, after in zip(source, target, strict=True):
         if codec == "raw":
@@ -148,4 +157,4 @@ def test_a_tail_of_one_block_goes_through_the_chunks_copier(codec):
         assert not after[[0, 1, 3, 4, 5]].any()
     other_heads = KVLayout(LAYERS, HEADS + 1, DIM, "bfloat16", BLOCK, codec)
     with pytest.raises(ConfigError, match="not a tail"):
-        copier.load_layer(payload[:16], Hasher(), target[0], [2], [0], other_heads)
+        copier.load_layer(payload[:16], Hasher(), target[0], copier.block_index([2]), other_heads)
