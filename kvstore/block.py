@@ -100,7 +100,7 @@ def unpack_header(data: torch.Tensor | memoryview | bytes) -> BlockHeader:
 
 def verify(
     block: torch.Tensor | memoryview | bytes, key: BlockKey, checksum: int | None = None
-) -> BlockHeader:  # fmt: skip
+) -> BlockHeader:
     """Check that `block` is a whole, uncorrupted block stored under `key`. `checksum`, if
     given, is the xxh3-64 of all of `block` past its header, taken as those bytes were written
     (nothing writes them since): it is compared instead of hashing the payload again, and

@@ -123,8 +123,10 @@ def _node_problems(
     _check_transfer(config, problems)
     if config.metrics_listen:
         problems.attempt(check_address, config.metrics_listen, "metrics_listen", True)
-    for name, what in (("metadata_token_file", "metadata token"),
-                       ("cluster_secret_file", "cluster secret")):  # fmt: skip
+    for name, what in (
+        ("metadata_token_file", "metadata token"),
+        ("cluster_secret_file", "cluster secret"),
+    ):
         path = getattr(config, name)
         if path is not None and path not in own_secrets:
             problems.attempt(read_secret_file, path, what)

@@ -53,23 +53,57 @@ def _metadata_config(args: argparse.Namespace, **overrides):
 
 
 _METADATA_FLAGS = (
-    "listen", "backend", "data_dir", "redis_url", "token_file", "tls_cert", "tls_key",
-    "tls_client_ca", "key_quota_per_tenant", "metrics_listen", "max_watch_streams_per_tenant",
-    "lmdb_map_size_bytes", "redis_wait_replicas", "redis_wait_timeout_ms",
-    "max_watch_streams_all_tenants", "max_lookup_streams_per_tenant",
-    "max_lookup_streams_all_tenants", "lookup_listen", "insecure_no_auth",
-    "kube_agent_service_account", "kube_sidecar_service_account",
-)  # fmt: skip
+    "listen",
+    "backend",
+    "data_dir",
+    "redis_url",
+    "token_file",
+    "tls_cert",
+    "tls_key",
+    "tls_client_ca",
+    "key_quota_per_tenant",
+    "metrics_listen",
+    "max_watch_streams_per_tenant",
+    "lmdb_map_size_bytes",
+    "redis_wait_replicas",
+    "redis_wait_timeout_ms",
+    "max_watch_streams_all_tenants",
+    "max_lookup_streams_per_tenant",
+    "max_lookup_streams_all_tenants",
+    "lookup_listen",
+    "insecure_no_auth",
+    "kube_agent_service_account",
+    "kube_sidecar_service_account",
+)
 
 
 _NODE_FLAGS = (
-    "node_id", "socket_path", "host_capacity_bytes", "page_size_bytes", "disk_dir",
-    "disk_capacity_bytes", "host_policy", "disk_policy", "metadata_address",
-    "metadata_token_file", "worker_credentials", "cluster_secret_file", "max_workers",
-    "max_pins_per_worker", "private_buffer_bytes", "transfer", "transfer_host", "transfer_port",
-    "advertise_host", "node_metrics_listen", "view_max_keys", "insecure_transfer",
-    "tenant_share", "reservation_ttl_s", "promotion_reserve_pages",
-)  # fmt: skip
+    "node_id",
+    "socket_path",
+    "host_capacity_bytes",
+    "page_size_bytes",
+    "disk_dir",
+    "disk_capacity_bytes",
+    "host_policy",
+    "disk_policy",
+    "metadata_address",
+    "metadata_token_file",
+    "worker_credentials",
+    "cluster_secret_file",
+    "max_workers",
+    "max_pins_per_worker",
+    "private_buffer_bytes",
+    "transfer",
+    "transfer_host",
+    "transfer_port",
+    "advertise_host",
+    "node_metrics_listen",
+    "view_max_keys",
+    "insecure_transfer",
+    "tenant_share",
+    "reservation_ttl_s",
+    "promotion_reserve_pages",
+)
 
 
 def _node_config(args: argparse.Namespace, **overrides):
@@ -165,10 +199,16 @@ def _events(args: argparse.Namespace) -> dict:
 
     token = _metadata_token(args)
     config = EventsConfig(
-        metadata_address=args.metadata_address, zmq_endpoint=args.zmq, model=args.model,
-        replay_endpoint=args.replay, tenant=args.tenant, token=token, tls_ca=args.tls_ca,
-        block_tokens=args.block_tokens, int_hashes=not args.bytes_hashes,
-    )  # fmt: skip
+        metadata_address=args.metadata_address,
+        zmq_endpoint=args.zmq,
+        model=args.model,
+        replay_endpoint=args.replay,
+        tenant=args.tenant,
+        token=token,
+        tls_ca=args.tls_ca,
+        block_tokens=args.block_tokens,
+        int_hashes=not args.bytes_hashes,
+    )
     with StopSignals() as stop:
         return run_events(config, stop)
 
@@ -215,21 +255,24 @@ def _add_metadata_flags(parser: argparse.ArgumentParser, with_backend: bool) -> 
         "--max-watch-streams-per-tenant", type=int, help="WatchEvents streams per tenant (16)"
     )
     parser.add_argument(
-        "--max-watch-streams-all-tenants", type=int,
+        "--max-watch-streams-all-tenants",
+        type=int,
         help="WatchEvents streams of all-tenant tokens: node agents hold one each (4096)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--max-lookup-streams-per-tenant", type=int,
+        "--max-lookup-streams-per-tenant",
+        type=int,
         help="LookupStream calls per tenant token: a client holds one per concurrent lookup (64)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--max-lookup-streams-all-tenants", type=int,
+        "--max-lookup-streams-all-tenants",
+        type=int,
         help="LookupStream calls of all-tenant tokens (node agents, routers) (4096)",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--lookup-listen",
         help="the lookup port, HOST:PORT; 'auto': the gRPC port + 1 on its host (default); 'off'",
-    )  # fmt: skip
+    )
     parser.add_argument("--lmdb-map-size-bytes", help="LMDB map of the index, e.g. 8GiB")
     parser.add_argument("--metrics-listen", help="host:port of the Prometheus endpoint")
 
@@ -247,9 +290,10 @@ def _add_token_flags(parser: argparse.ArgumentParser) -> None:
 
 def _add_check_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--check", action="store_true",
+        "--check",
+        action="store_true",
         help="validate every setting and file as a start would, start nothing; print ok or exit 2",
-    )  # fmt: skip
+    )
 
 
 def _add_node_flags(parser: argparse.ArgumentParser, standalone: bool) -> None:
@@ -280,9 +324,10 @@ def _add_node_flags(parser: argparse.ArgumentParser, standalone: bool) -> None:
     parser.add_argument("--advertise-host", help="address other nodes dial (default: bind)")
     parser.add_argument("--node-metrics-listen", help="host:port of the agent's metrics")
     parser.add_argument(
-        "--worker-credentials", type=Path,
+        "--worker-credentials",
+        type=Path,
         help="lines 'token:T|uid:N|gid:N TENANTS' (default: this user, every tenant)",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--cluster-secret-file",
         type=Path,
@@ -356,9 +401,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_token_flags(events)
     events.add_argument("--tls-ca", type=Path, help="CA certificate to verify the service")
     events.add_argument("--block-tokens", type=int, default=0, help="tokens per kvstore block")
-    events.add_argument("--bytes-hashes", action="store_true",
-                        help="block hashes as the keys' bytes (vLLM: VLLM_KV_EVENTS_USE_INT_"
-                             "BLOCK_HASHES=0); default: their last 8 bytes as an int")  # fmt: skip
+    events.add_argument(
+        "--bytes-hashes",
+        action="store_true",
+        help="block hashes as the keys' bytes (vLLM: VLLM_KV_EVENTS_USE_INT_"
+        "BLOCK_HASHES=0); default: their last 8 bytes as an int",
+    )
     events.add_argument("--json", action="store_true", help="counters as JSON at exit")
     events.set_defaults(handler=_events)
 

@@ -36,8 +36,10 @@ def check_answer_spin_us(value: int) -> None:
     """`answer_spin_us`, refused outside [0, MAX_ANSWER_SPIN_US] (the connectors check it when
     their settings are read, before any connection)."""
     if not 0 <= value <= MAX_ANSWER_SPIN_US:
-        raise errors.ConfigError(f"answer_spin_us must be in [0, {MAX_ANSWER_SPIN_US}] "
-                                 f"(0: sleep for each answer at once), got {value}")  # fmt: skip
+        raise errors.ConfigError(
+            f"answer_spin_us must be in [0, {MAX_ANSWER_SPIN_US}] "
+            f"(0: sleep for each answer at once), got {value}"
+        )
 
 
 _ERROR_FOR_CODE = {
@@ -125,13 +127,20 @@ class KVStoreClient:
     at once, for hosts whose cores are too few to burn any)."""
 
     def __init__(
-        self, socket_path: str | Path, worker: str = "", timeout_s: float = 30.0,
-        credential_file: str | Path | None = None, pin_mapping: bool = True,
+        self,
+        socket_path: str | Path,
+        worker: str = "",
+        timeout_s: float = 30.0,
+        credential_file: str | Path | None = None,
+        pin_mapping: bool = True,
         answer_spin_us: int = DEFAULT_ANSWER_SPIN_US,
-    ) -> None:  # fmt: skip
+    ) -> None:
         check_answer_spin_us(answer_spin_us)
-        credential = read_secret_file(Path(credential_file), "worker credential") if (
-            credential_file) else ""  # fmt: skip
+        credential = (
+            read_secret_file(Path(credential_file), "worker credential")
+            if (credential_file)
+            else ""
+        )
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout_s)
         try:
@@ -256,10 +265,13 @@ class KVStoreClient:
         )
         if verify:
             good = next(
-                (i for i, (view, expected) in enumerate(zip(payloads, checksums, strict=True))
-                 if payload_checksum(view) != expected),
+                (
+                    i
+                    for i, (view, expected) in enumerate(zip(payloads, checksums, strict=True))
+                    if payload_checksum(view) != expected
+                ),
                 len(payloads),
-            )  # fmt: skip
+            )
             del loaded.payloads[good:], loaded.checksums[good:]
         return loaded
 
@@ -273,14 +285,24 @@ class KVStoreClient:
 
     # ---- writes ----------------------------------------------------------------------------
     def save(
-        self, tenant: str, keys: Sequence[bytes], payload_bytes: int,
-        first_parent: bytes | None = None, layout_hash: int = 0, codec_id: int = 0,
-    ) -> SaveReservation:  # fmt: skip
+        self,
+        tenant: str,
+        keys: Sequence[bytes],
+        payload_bytes: int,
+        first_parent: bytes | None = None,
+        layout_hash: int = 0,
+        codec_id: int = 0,
+    ) -> SaveReservation:
         """Reserve arena pages for a chain of chunk keys; write payloads in place, then commit."""
         result = self._call(
-            "save", tenant=tenant, keys=keys, first_parent=first_parent or b"",
-            payload_bytes=payload_bytes, layout_hash=layout_hash, codec_id=codec_id,
-        ).save  # fmt: skip
+            "save",
+            tenant=tenant,
+            keys=keys,
+            first_parent=first_parent or b"",
+            payload_bytes=payload_bytes,
+            layout_hash=layout_hash,
+            codec_id=codec_id,
+        ).save
         views = [
             self._payload_view(offset, payload_bytes) if reserved else None
             for reserved, offset in zip(result.reserved, result.offsets, strict=True)
@@ -288,9 +310,11 @@ class KVStoreClient:
         return SaveReservation(result.save_id, [BlockKey(k) for k in keys], views)
 
     def commit(
-        self, reservation: SaveReservation, keys: Sequence[bytes] | None = None,
+        self,
+        reservation: SaveReservation,
+        keys: Sequence[bytes] | None = None,
         checksums: Sequence[int] = (),
-    ) -> int:  # fmt: skip
+    ) -> int:
         """Make written payloads readable (all reserved keys by default); returns how many."""
         keys = reservation.reserved_keys() if keys is None else list(keys)
         return self._call(

@@ -35,9 +35,12 @@ def read_toml_section(path: Path | None, section: str) -> dict[str, Any]:
 
 
 def build_config(
-    cls: type[T], file_values: Mapping[str, Any], env: Mapping[str, str], flags: Mapping[str, Any],
+    cls: type[T],
+    file_values: Mapping[str, Any],
+    env: Mapping[str, str],
+    flags: Mapping[str, Any],
     env_prefix: str,
-) -> T:  # fmt: skip
+) -> T:
     """Merge the three sources (later wins) into `cls`, coercing each value to its field type."""
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls) if f.init}
@@ -47,8 +50,11 @@ def build_config(
     values: dict[str, Any] = {}
     for name in names:
         env_name = f"{env_prefix}{name.upper()}"
-        for source, raw in (("file", file_values.get(name)), (env_name, env.get(env_name)),
-                            ("--" + name.replace("_", "-"), flags.get(name))):  # fmt: skip
+        for source, raw in (
+            ("file", file_values.get(name)),
+            (env_name, env.get(env_name)),
+            ("--" + name.replace("_", "-"), flags.get(name)),
+        ):
             if raw is not None:
                 values[name] = _coerce(raw, hints[name], f"{source} {name}")
     return cls(**values)
@@ -73,8 +79,9 @@ def _coerce(raw: Any, hint: Any, where: str) -> Any:
         raise ConfigError(f"{where}: cannot be set here")
     try:
         if target is bool and isinstance(raw, str):
-            return {"1": True, "true": True, "yes": True, "0": False, "false": False,
-                    "no": False}[raw.lower()]  # fmt: skip
+            return {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}[
+                raw.lower()
+            ]
         if target is Path:
             return Path(raw)
         if target is int and isinstance(raw, str):

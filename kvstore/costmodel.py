@@ -61,9 +61,14 @@ def predicted_ttft_s(load_s: float, compute_s: float, overlap: bool) -> float:
 
 
 def best_load_prefix(
-    chunk_tiers: Sequence[str], chunk_tokens: Sequence[int], chunk_bytes: int,
-    prompt_tokens: int, rate: PrefillRate, links: dict[str, TierLink], overlap: bool = False,
-) -> tuple[int, float]:  # fmt: skip
+    chunk_tiers: Sequence[str],
+    chunk_tokens: Sequence[int],
+    chunk_bytes: int,
+    prompt_tokens: int,
+    rate: PrefillRate,
+    links: dict[str, TierLink],
+    overlap: bool = False,
+) -> tuple[int, float]:
     """How many leading cached chunks to load so the predicted TTFT is least, and that TTFT.
 
     Chunk i lives in tier `chunk_tiers[i]`; the rest of the prompt is computed after it. A chunk
@@ -128,9 +133,15 @@ class OnlineLoadPlanner:
     is mostly compute noise on a busy machine (it made hits into recomputes).
     Thread-safe: the scheduler observes steps while its lookup thread decides."""
 
-    def __init__(self, chunk_tokens: int, window: int = 256, min_compute_steps: int = 3,
-                 probe_every: int = 32, margin: float = LOAD_MARGIN,
-                 free_tiers: frozenset[str] = frozenset()) -> None:  # fmt: skip
+    def __init__(
+        self,
+        chunk_tokens: int,
+        window: int = 256,
+        min_compute_steps: int = 3,
+        probe_every: int = 32,
+        margin: float = LOAD_MARGIN,
+        free_tiers: frozenset[str] = frozenset(),
+    ) -> None:
         self.chunk_tokens = chunk_tokens
         self.free_tiers = free_tiers  # always loaded: read in place at copy speed (see below)
         self.margin = margin  # recompute only chunks predicted `margin` times slower: noise
@@ -192,10 +203,14 @@ class OnlineLoadPlanner:
         plain = [s for s in self.steps if not s.chunks]
         if len(plain) < self.min_compute_steps:
             return None, {}
-        fitted = fit_nonnegative({
-            "fixed_s": np.ones(len(plain)), "per_token_s": np.array([s.tokens for s in plain]),
-            "per_token_pair_s": np.array([s.pairs for s in plain]),
-        }, np.array([s.seconds for s in plain]))  # fmt: skip
+        fitted = fit_nonnegative(
+            {
+                "fixed_s": np.ones(len(plain)),
+                "per_token_s": np.array([s.tokens for s in plain]),
+                "per_token_pair_s": np.array([s.pairs for s in plain]),
+            },
+            np.array([s.seconds for s in plain]),
+        )
         rate = PrefillRate(**fitted)
         residuals: dict[str, list[float]] = {}
         for step in self.steps:

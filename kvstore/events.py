@@ -41,9 +41,13 @@ class EventFeed:
         self.dropped = 0
 
     def emit(
-        self, kind: EventKind, key: BlockKey, tier: str, size_bytes: int = 0,
+        self,
+        kind: EventKind,
+        key: BlockKey,
+        tier: str,
+        size_bytes: int = 0,
         tenant: str = "default",
-    ) -> None:  # fmt: skip
+    ) -> None:
         with self._lock:
             event = BlockEvent(self._next_seq, kind, key, tier, size_bytes, tenant)
             self._events.append(event)

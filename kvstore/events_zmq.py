@@ -236,9 +236,15 @@ class Republisher:
         hashes = [block_hash(key, self.config.int_hashes)]
         medium = MEDIUM_OF_TIER.get(tier)
         if kind == "stored":
-            event = BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=[],
-                                block_size=self.config.block_tokens, lora_id=None,
-                                medium=medium, lora_name=None)  # fmt: skip
+            event = BlockStored(
+                block_hashes=hashes,
+                parent_block_hash=None,
+                token_ids=[],
+                block_size=self.config.block_tokens,
+                lora_id=None,
+                medium=medium,
+                lora_name=None,
+            )
         else:
             event = BlockRemoved(block_hashes=hashes, medium=medium)
         self.counters[kind] += 1
@@ -294,12 +300,16 @@ def run_events(config: EventsConfig, stop) -> dict:
     context = zmq.Context()
     publisher = TopicPublisher(config, context)
     follower = EventFollower(client, republisher, tenant=config.tenant)
-    thread = threading.Thread(target=republisher.publish_loop, args=(publisher,),
-                              name="zmq-publisher", daemon=True)  # fmt: skip
+    thread = threading.Thread(
+        target=republisher.publish_loop, args=(publisher,), name="zmq-publisher", daemon=True
+    )
     thread.start()
     follower.start()
-    print(f"kvstore events from {config.metadata_address} publishing on {config.zmq_endpoint}"
-          f" (topics kv@<node>@{config.model})", flush=True)  # fmt: skip
+    print(
+        f"kvstore events from {config.metadata_address} publishing on {config.zmq_endpoint}"
+        f" (topics kv@<node>@{config.model})",
+        flush=True,
+    )
     try:
         stop.wait()
     finally:
@@ -308,5 +318,8 @@ def run_events(config: EventsConfig, stop) -> dict:
         thread.join(timeout=5)
         publisher.close()
         context.term()
-    return {**republisher.counters, **follower.counters,
-            "published_batches": publisher.published_batches}  # fmt: skip
+    return {
+        **republisher.counters,
+        **follower.counters,
+        "published_batches": publisher.published_batches,
+    }

@@ -79,8 +79,11 @@ def hub_commit(name: str, revision: str = "") -> str:
         cached = None
     if isinstance(cached, str):
         return Path(cached).parent.name  # .../snapshots/<commit>/config.json
-    logger.warning("model %r is neither a directory nor in the Hugging Face cache: its "
-                   "fingerprint covers its name and revision only", name)  # fmt: skip
+    logger.warning(
+        "model %r is neither a directory nor in the Hugging Face cache: its "
+        "fingerprint covers its name and revision only",
+        name,
+    )
     return ""
 
 
@@ -130,8 +133,11 @@ def _cached_digests(cache: dict[str, dict], paths: list[Path]) -> dict[str, str]
 def hash_files(files: list[tuple[str, int]]) -> list[str]:
     """'blake2b:<hex>' of each (path, size): a hash of its 64 MiB segments' BLAKE2b digests,
     the segments of all files hashed on a thread pool (hashlib releases the GIL)."""
-    segments = [(path, offset, min(_SEGMENT_BYTES, size - offset))
-                for path, size in files for offset in range(0, size, _SEGMENT_BYTES)]  # fmt: skip
+    segments = [
+        (path, offset, min(_SEGMENT_BYTES, size - offset))
+        for path, size in files
+        for offset in range(0, size, _SEGMENT_BYTES)
+    ]
     with ThreadPoolExecutor(min(_HASH_THREADS_MAX, os.cpu_count() or 1)) as pool:
         digests = iter(pool.map(lambda segment: _hash_segment(*segment), segments))
     out = []

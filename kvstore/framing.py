@@ -39,9 +39,11 @@ def send_message(sock: socket.socket, message: Message) -> None:
 
 
 def recv_message(
-    sock: socket.socket, message_type: type[M], max_bytes: int = MAX_FRAME_BYTES,
+    sock: socket.socket,
+    message_type: type[M],
+    max_bytes: int = MAX_FRAME_BYTES,
     frame_timeout_s: float | None = None,
-) -> M | None:  # fmt: skip
+) -> M | None:
     """The next message, or None when the peer closed the connection cleanly between frames.
     Waiting for a frame to begin is bounded by the socket's own timeout only."""
     head = sock.recv(_LENGTH.size)  # the whole length, in the common case, in one call

@@ -120,9 +120,14 @@ def head_groups(total_heads: int, tp_size: int, tp_rank: int, head_group_size: i
 
 
 def shared_namespace(
-    fingerprint: str, block_layout: KVLayout, total_heads: int, layers: tuple[int, int],
-    tenant: str, salt: str, engine_layout: str = "",
-) -> Namespace:  # fmt: skip
+    fingerprint: str,
+    block_layout: KVLayout,
+    total_heads: int,
+    layers: tuple[int, int],
+    tenant: str,
+    salt: str,
+    engine_layout: str = "",
+) -> Namespace:
     """The namespace of head-group blocks: the model, the block's layout (group heads, head dim,
     dtype, page tokens, codec), the model's kv heads and the layer range, tenant and salt;
     never the TP size or rank, nor the engine unless `engine_layout` names a layout only that

@@ -62,9 +62,10 @@ def _parse_request(line: str, where: str) -> TraceRequest:
     try:
         record = json.loads(line)
         request = TraceRequest(
-            float(record["timestamp"]), int(record["input_length"]),
+            float(record["timestamp"]),
+            int(record["input_length"]),
             tuple(int(hash_id) for hash_id in record["hash_ids"]),
-        )  # fmt: skip
+        )
     except KeyError as exc:
         raise ConfigError(f"{where}: missing field {exc} of a Mooncake trace record") from None
     except (ValueError, TypeError) as exc:

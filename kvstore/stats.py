@@ -32,6 +32,7 @@ def format_stats(stats: dict) -> str:
             + " ".join(f"{int(per_tier.get(t, 0)):>8}" for t in tiers)
         )
     totals = stats.get("blocks_per_tier", {})
-    lines.append(f"{'total':<24} {'':<22} {'':>10} " + " ".join(
-        f"{int(totals.get(t, 0)):>8}" for t in tiers))  # fmt: skip
+    lines.append(
+        f"{'total':<24} {'':<22} {'':>10} " + " ".join(f"{int(totals.get(t, 0)):>8}" for t in tiers)
+    )
     return "\n".join(lines)

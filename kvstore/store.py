@@ -173,9 +173,14 @@ class TieredStore(TierMoves, ReceivedBlocks, ArenaShares):
 
     # ---- two-phase writes ----------------------------------------------------------------
     def reserve(
-        self, key: bytes, parent: bytes | None, payload_bytes: int, layout_hash: int = 0,
-        codec_id: int = 0, writer: object = None,
-    ) -> torch.Tensor | None:  # fmt: skip
+        self,
+        key: bytes,
+        parent: bytes | None,
+        payload_bytes: int,
+        layout_hash: int = 0,
+        codec_id: int = 0,
+        writer: object = None,
+    ) -> torch.Tensor | None:
         """A writable payload view in the top tier for owned `key` (`parent`: its parent's
         owned key), or None if `key` is already stored or being written. Evicts as needed;
         CapacityError if nothing can be evicted, or if only the pages kept for promotions are

@@ -61,9 +61,13 @@ class TierMoves:
         except Exception as exc:  # an I/O error; the tier's write stored nothing
             self.write_failures += 1
             if self.write_failures & (self.write_failures - 1) == 0:  # 1st, 2nd, 4th, ...
-                logger.warning("writing a block down to the %s tier failed (%s; %d so far); "
-                               "evicted without a copy", slot.tier.kind, exc,
-                               self.write_failures)  # fmt: skip
+                logger.warning(
+                    "writing a block down to the %s tier failed (%s; %d so far); "
+                    "evicted without a copy",
+                    slot.tier.kind,
+                    exc,
+                    self.write_failures,
+                )
             return
         self._announce(index, header)
 

@@ -43,10 +43,20 @@ def kvstore(*args: str) -> subprocess.CompletedProcess:
 
 def test_the_readme_serve_command_starts_answers_health_and_stops_on_sigterm(tmp_path):
     process, address = start_cli(
-        "serve", "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "data"),
-        "--metrics-listen", "127.0.0.1:0", "--node-id", "host-1",
-        "--host-capacity-bytes", "8MiB", "--page-size-bytes", "1MiB",
-    )  # fmt: skip
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--metrics-listen",
+        "127.0.0.1:0",
+        "--node-id",
+        "host-1",
+        "--host-capacity-bytes",
+        "8MiB",
+        "--page-size-bytes",
+        "1MiB",
+    )
     try:
         lines = [process.stdout.readline() for _ in range(2)]
         assert "metadata metrics on http://127.0.0.1:" in lines[0]

@@ -49,18 +49,43 @@ def save(socket_path, keys) -> None:
 
 def test_the_structs_encode_as_vllms_own():
     """The publisher's copies of vLLM's structs give vLLM's bytes (so it needs no vLLM)."""
-    ours = msgspec.msgpack.encode(KVEventBatch(ts=1.5, events=[
-        BlockStored(block_hashes=[1, 2], parent_block_hash=None, token_ids=[3], block_size=16,
-                    lora_id=None, medium="CPU", lora_name=None),
-        BlockRemoved(block_hashes=[b"\x01" * 16], medium="STORAGE"), AllBlocksCleared(),
-    ]))  # fmt: skip
+    ours = msgspec.msgpack.encode(
+        KVEventBatch(
+            ts=1.5,
+            events=[
+                BlockStored(
+                    block_hashes=[1, 2],
+                    parent_block_hash=None,
+                    token_ids=[3],
+                    block_size=16,
+                    lora_id=None,
+                    medium="CPU",
+                    lora_name=None,
+                ),
+                BlockRemoved(block_hashes=[b"\x01" * 16], medium="STORAGE"),
+                AllBlocksCleared(),
+            ],
+        )
+    )
     kv = vllm_types()
-    theirs = msgspec.msgpack.encode(kv.KVEventBatch(ts=1.5, events=[
-        kv.BlockStored(block_hashes=[1, 2], parent_block_hash=None, token_ids=[3],
-                       block_size=16, lora_id=None, medium=kv.MEDIUM_CPU, lora_name=None),
-        kv.BlockRemoved(block_hashes=[b"\x01" * 16], medium=kv.MEDIUM_STORAGE),
-        kv.AllBlocksCleared(),
-    ]))  # fmt: skip
+    theirs = msgspec.msgpack.encode(
+        kv.KVEventBatch(
+            ts=1.5,
+            events=[
+                kv.BlockStored(
+                    block_hashes=[1, 2],
+                    parent_block_hash=None,
+                    token_ids=[3],
+                    block_size=16,
+                    lora_id=None,
+                    medium=kv.MEDIUM_CPU,
+                    lora_name=None,
+                ),
+                kv.BlockRemoved(block_hashes=[b"\x01" * 16], medium=kv.MEDIUM_STORAGE),
+                kv.AllBlocksCleared(),
+            ],
+        )
+    )
     assert ours == theirs
 
 
@@ -71,16 +96,30 @@ def cluster(tmp_path):
         address = f"127.0.0.1:{server.port}"
         with (
             running_agent(tmp_path, "node-a", metadata_address=address) as a,
-            running_agent(tmp_path, "node-b", metadata_address=address,
-                          host_capacity_bytes=4 * PAGE) as b,
-        ):  # fmt: skip
+            running_agent(
+                tmp_path, "node-b", metadata_address=address, host_capacity_bytes=4 * PAGE
+            ) as b,
+        ):
             yield server, a.config.socket_path, b.config.socket_path
 
 
 def start_publisher(address: str, endpoint: str, replay: str) -> subprocess.Popen:
-    command = [sys.executable, "-m", "kvstore", "events", "--zmq", endpoint, "--replay",
-               replay, "--metadata-address", address, "--model", "tiny", "--block-tokens",
-               "16"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "kvstore",
+        "events",
+        "--zmq",
+        endpoint,
+        "--replay",
+        replay,
+        "--metadata-address",
+        address,
+        "--model",
+        "tiny",
+        "--block-tokens",
+        "16",
+    ]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = process.stdout.readline()
     if "publishing on" not in line:
@@ -200,13 +239,24 @@ def test_the_replay_buffers_of_churning_nodes_are_bounded_together():
     buffers are bounded together now, oldest first; a topic keeps its seq."""
     from kvstore.events_zmq import EventsConfig, TopicPublisher
 
-    config = EventsConfig(metadata_address="unused:1", zmq_endpoint="inproc://events-bound",
-                          replay_endpoint="inproc://events-bound-replay",
-                          replay_batches=4, replay_bytes=64 << 10)  # fmt: skip
+    config = EventsConfig(
+        metadata_address="unused:1",
+        zmq_endpoint="inproc://events-bound",
+        replay_endpoint="inproc://events-bound-replay",
+        replay_batches=4,
+        replay_bytes=64 << 10,
+    )
     context = zmq.Context()
     publisher = TopicPublisher(config, context)
-    stored = BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=[], block_size=16,
-                         lora_id=None, medium="CPU", lora_name=None)  # fmt: skip
+    stored = BlockStored(
+        block_hashes=[1],
+        parent_block_hash=None,
+        token_ids=[],
+        block_size=16,
+        lora_id=None,
+        medium="CPU",
+        lora_name=None,
+    )
     try:
         for node in range(2000):
             for _ in range(3):
@@ -214,14 +264,15 @@ def test_the_replay_buffers_of_churning_nodes_are_bounded_together():
         publisher.publish("node-0", [stored])  # a node that came back: its seq goes on
         assert publisher.replay_bytes <= config.replay_bytes
         assert len(publisher._buffers) < 300 and len(publisher._order) < 1000
-        assert _replay_seqs(publisher, context, config.replay_endpoint, b"kv@node-1999@kvstore") \
-            == [0, 1, 2]  # fmt: skip
-        assert _replay_seqs(publisher, context, config.replay_endpoint, b"kv@node-0@kvstore") \
-            == [3]  # fmt: skip
+        assert _replay_seqs(
+            publisher, context, config.replay_endpoint, b"kv@node-1999@kvstore"
+        ) == [0, 1, 2]
+        assert _replay_seqs(publisher, context, config.replay_endpoint, b"kv@node-0@kvstore") == [3]
         for _ in range(6):  # one busy topic: its own cap
             publisher.publish("node-busy", [stored])
-        assert _replay_seqs(publisher, context, config.replay_endpoint, b"kv@node-busy@kvstore") \
-            == [2, 3, 4, 5]  # fmt: skip
+        assert _replay_seqs(
+            publisher, context, config.replay_endpoint, b"kv@node-busy@kvstore"
+        ) == [2, 3, 4, 5]
     finally:
         publisher.close()
         context.term()

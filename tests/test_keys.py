@@ -132,9 +132,12 @@ def test_group_keys_name_what_a_block_holds_not_who_wrote_it():
 
 @pytest.mark.parametrize(
     ("heads", "tp", "group", "message"),
-    [(8, 2, 3, "head_group_size 3 must divide this rank's 4 kv heads"), (6, 4, 0, "divide"),
-     (8, 2, 8, "must divide this rank's 4")],
-)  # fmt: skip
+    [
+        (8, 2, 3, "head_group_size 3 must divide this rank's 4 kv heads"),
+        (6, 4, 0, "divide"),
+        (8, 2, 8, "must divide this rank's 4"),
+    ],
+)
 def test_a_head_group_size_that_does_not_tile_the_ranks_heads_is_refused(heads, tp, group, message):
     from kvstore.keys_sglang import head_groups
 

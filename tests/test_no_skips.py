@@ -13,8 +13,12 @@ def run_pytest(test_file: Path, no_skips: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "KVSTORE_NO_SKIPS": no_skips}
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", CONFTEST_PLUGIN, str(test_file)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_a_skip_fails_the_run_only_under_ci(tmp_path):

@@ -45,8 +45,10 @@ def test_a_stop_signal_at_any_step_of_the_wait_ends_it():
     try:
         done = subprocess.run(
             [sys.executable, "-c", SIGNAL_AT_EVERY_STEP, str(STEPS)],
-            capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     except subprocess.TimeoutExpired:
         raise AssertionError("a SIGTERM during the wait deadlocked it") from None
     assert done.returncode == 0 and "every wait ended" in done.stdout, done.stderr
@@ -65,7 +67,8 @@ with StopSignals() as stop:
     assert stop.wait(5) is True and stop.is_set() and stop.wait(0) is True
     print(round(time.monotonic() - started, 1))
 """
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=30)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=30
+    )
     assert done.returncode == 0, done.stderr
     assert float(done.stdout) >= 0.5, "SIGUSR1 ended the wait"

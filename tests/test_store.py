@@ -158,8 +158,9 @@ def test_remove_drops_unpinned_blocks_from_every_tier(store):
     assert store.remove([KEYS[0], KEYS[4], KEYS[5], KEYS[9]]) == 2
     assert [store.tier_of(k) for k in (KEYS[0], KEYS[4], KEYS[5])] == [None, None, "host"]
     assert [(e.kind, e.key) for e in store.events.drain()] == [
-        (EventKind.REMOVED, KEYS[0]), (EventKind.REMOVED, KEYS[4])
-    ]  # fmt: skip
+        (EventKind.REMOVED, KEYS[0]),
+        (EventKind.REMOVED, KEYS[4]),
+    ]
 
 
 def test_a_bad_tenant_takes_no_page(store):

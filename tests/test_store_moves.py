@@ -54,10 +54,12 @@ class WatchedDisk(ThrottledDiskTier):
 @pytest.fixture
 def store(tmp_path):
     """Six blocks of KEYS: 0 and 1 on the slow disk, 2..5 in a host tier of four pages."""
-    made = TieredStore([
-        TierSlot(HostTier(4 * PAGE, PAGE), make_policy("lru")),
-        TierSlot(WatchedDisk(tmp_path, 16 * PAGE, PAGE), make_policy("lru")),
-    ])  # fmt: skip
+    made = TieredStore(
+        [
+            TierSlot(HostTier(4 * PAGE, PAGE), make_policy("lru")),
+            TierSlot(WatchedDisk(tmp_path, 16 * PAGE, PAGE), make_policy("lru")),
+        ]
+    )
     parent = None
     for n in range(6):
         made.put(KEYS[n], parent, bytes([n]) * 500)

@@ -69,18 +69,27 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         """Refuses (ConfigError) a pool whose layout or kind this backend cannot store."""
         config = self.storage_config
         if not config.is_mla_model:  # ConfigError for a head_group_size the heads do not tile
-            self._groups = head_groups(mem_pool_host.head_num * config.tp_size, config.tp_size,
-                                       config.tp_rank, self.settings.head_group_size)  # fmt: skip
-        self._format = pages.page_format(mem_pool_host, config.is_mla_model, self.settings.codec,
-                                         self._groups.group_heads)  # fmt: skip
+            self._groups = head_groups(
+                mem_pool_host.head_num * config.tp_size,
+                config.tp_size,
+                config.tp_rank,
+                self.settings.head_group_size,
+            )
+        self._format = pages.page_format(
+            mem_pool_host, config.is_mla_model, self.settings.codec, self._groups.group_heads
+        )
         self.mem_pool_host = mem_pool_host
         self.namespace = self._namespace(mem_pool_host)
         self._root = self.namespace.root_key()
         logger.info(
             "kvstore HiCache backend: %s, %d groups of %d-byte blocks, tp %d/%d, writer %s",
-            self._format.layout_id, self._groups.count, self._format.payload_bytes,
-            config.tp_rank, config.tp_size, config.is_storage_writer,
-        )  # fmt: skip
+            self._format.layout_id,
+            self._groups.count,
+            self._format.payload_bytes,
+            config.tp_rank,
+            config.tp_size,
+            config.is_storage_writer,
+        )
 
     def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
         """SGLang's hybrid controller registers each host pool by name. Only the KV pool's
@@ -105,10 +114,19 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         fingerprint = model_fingerprint(Path(model), settings.model_revision)
         layers = (pool.start_layer, pool.end_layer)
         if self._format.kv_layout is not None:
-            return shared_namespace(fingerprint, self._format.kv_layout, self._groups.total_heads,
-                                    layers, settings.tenant, settings.salt)  # fmt: skip
-        shard = f"dcp{config.dcp_rank}of{config.dcp_size}" if config.is_mla_model else (
-            f"kv{self._groups.total_heads}")  # fmt: skip
+            return shared_namespace(
+                fingerprint,
+                self._format.kv_layout,
+                self._groups.total_heads,
+                layers,
+                settings.tenant,
+                settings.salt,
+            )
+        shard = (
+            f"dcp{config.dcp_rank}of{config.dcp_size}"
+            if config.is_mla_model
+            else (f"kv{self._groups.total_heads}")
+        )
         layout_id = f"{self._format.layout_id}|{shard}|layers{layers[0]}:{layers[1]}"
         return Namespace(fingerprint, layout_id, tenant=settings.tenant, salt=settings.salt)
 
@@ -136,11 +154,12 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             self._client = None
             try:
                 self._client = KVStoreClient(
-                    self.settings.socket_path, worker=f"sglang-tp{self.storage_config.tp_rank}",
+                    self.settings.socket_path,
+                    worker=f"sglang-tp{self.storage_config.tp_rank}",
                     timeout_s=self.settings.timeout_s,
                     credential_file=self.settings.credential_file or None,
                     answer_spin_us=self.settings.answer_spin_us,
-                )  # fmt: skip
+                )
             except _FAILURES as exc:
                 logger.warning(
                     "kvstore agent unavailable at %s: %s", self.settings.socket_path, exc
@@ -174,9 +193,11 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         return hits
 
     def batch_get_v1(
-        self, keys: list[str], host_indices: torch.Tensor,
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
         extra_info: HiCacheStorageExtraInfo | None = None,
-    ) -> list[bool]:  # fmt: skip
+    ) -> list[bool]:
         """Load the leading keys into their host pages; a False ends the usable prefix."""
         results = [False] * len(keys)
         client = self._ready()
@@ -187,8 +208,12 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         starts = host_indices[:: self._format.page_tokens].tolist()
         loaded, suspect = None, ()
         try:
-            loaded = client.load(self.settings.tenant, self._store_keys(keys),
-                                 timeout_s=self.settings.load_timeout_s, verify=False)  # fmt: skip
+            loaded = client.load(
+                self.settings.tenant,
+                self._store_keys(keys),
+                timeout_s=self.settings.load_timeout_s,
+                verify=False,
+            )
             for i in range(self._pages(len(loaded))):
                 if not self._load_page(loaded, i, starts[i]):
                     logger.warning("kvstore page %s changed while it was read: a miss", keys[i])
@@ -202,15 +227,17 @@ class KVStoreHiCacheStorage(HiCacheStorage):
                 self._release(client, loaded, suspect)
         got = results.index(False) if False in results else len(results)
         results[got:] = [False] * (len(keys) - got)
-        self.stats.record_get(got, len(keys) - got, got * self._page_bytes,
-                              time.perf_counter() - started)  # fmt: skip
+        self.stats.record_get(
+            got, len(keys) - got, got * self._page_bytes, time.perf_counter() - started
+        )
         return results
 
     def _load_page(self, loaded, page: int, token_index: int) -> bool:
         """Every group of one page, each verified as it is copied."""
         blocks = slice(page * self._groups.count, (page + 1) * self._groups.count)
-        return copies.load_page(self._format, token_index, loaded.payloads[blocks],
-                                loaded.checksums[blocks])  # fmt: skip
+        return copies.load_page(
+            self._format, token_index, loaded.payloads[blocks], loaded.checksums[blocks]
+        )
 
     @property
     def _page_bytes(self) -> int:
@@ -225,9 +252,11 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             logger.warning("kvstore release failed: %s", exc)
 
     def batch_set_v1(
-        self, keys: list[str], host_indices: torch.Tensor,
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
         extra_info: HiCacheStorageExtraInfo | None = None,
-    ) -> list[bool]:  # fmt: skip
+    ) -> list[bool]:
         """Store host pages under their keys (a chain: each page's parent is the one before)."""
         if not self.storage_config.is_storage_writer:
             return [True] * len(keys)  # MLA: the writer rank stores the one shared copy
@@ -238,8 +267,9 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         started = time.perf_counter()
         results = self._save(client, keys, host_indices, extra_info)
         stored = sum(results)
-        self.stats.record_set(stored, len(keys) - stored, stored * self._page_bytes,
-                              time.perf_counter() - started)  # fmt: skip
+        self.stats.record_set(
+            stored, len(keys) - stored, stored * self._page_bytes, time.perf_counter() - started
+        )
         return results
 
     def _save(self, client, keys, host_indices, extra_info) -> list[bool]:
@@ -250,9 +280,13 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         reservation = None
         try:
             reservation = client.save(
-                self.settings.tenant, store_keys, fmt.payload_bytes, first_parent=parent,
-                layout_hash=fmt.layout_hash, codec_id=CODEC_IDS[self.settings.codec],
-            )  # fmt: skip
+                self.settings.tenant,
+                store_keys,
+                fmt.payload_bytes,
+                first_parent=parent,
+                layout_hash=fmt.layout_hash,
+                codec_id=CODEC_IDS[self.settings.codec],
+            )
             written, checksums = self._write(starts, store_keys, reservation.payloads)
             if written:
                 committed = client.commit(reservation, keys=written, checksums=checksums)
@@ -309,8 +343,9 @@ class KVStoreHiCacheStorage(HiCacheStorage):
     def set(self, key, value: Any = None, target_location: Any = None, target_sizes: Any = None):
         raise NotImplementedError("the kvstore backend is zero-copy only: use batch_set_v1")
 
-    def batch_set(self, keys, values: Any = None, target_locations: Any = None,
-                  target_sizes: Any = None):  # fmt: skip
+    def batch_set(
+        self, keys, values: Any = None, target_locations: Any = None, target_sizes: Any = None
+    ):
         raise NotImplementedError("the kvstore backend is zero-copy only: use batch_set_v1")
 
     # ---- lifecycle and metrics -------------------------------------------------------------

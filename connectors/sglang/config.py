@@ -15,9 +15,15 @@ from kvstore.errors import ConfigError
 # Keys of the extra config that SGLang itself reads (the dynamic loader and the controller) or
 # adds (file_storage_path, from --file-storage-path, given to every backend).
 SGLANG_KEYS = frozenset(
-    {"backend_name", "module_path", "class_name", "interface_v1", "interface_v2",
-     "file_storage_path"}
-)  # fmt: skip
+    {
+        "backend_name",
+        "module_path",
+        "class_name",
+        "interface_v1",
+        "interface_v2",
+        "file_storage_path",
+    }
+)
 
 
 @dataclass(frozen=True)

@@ -53,10 +53,14 @@ def save_page(
     """Copy each head group of the host page at `token_index` into its reserved payload (flat
     uint8; None: not reserved, skipped); returns each payload's xxh3-64 (None where skipped)."""
     if fmt.kv_layout is not None and fmt.kv_layout.codec == "fp8":
-        return [None if p is None else _save_fp8(fmt, token_index, p, g)
-                for g, p in enumerate(payloads)]  # fmt: skip
-    copies = [(group, _blocks(fmt, payload), _group_bytes(fmt, token_index, group), Hasher())
-              for group, payload in enumerate(payloads) if payload is not None]  # fmt: skip
+        return [
+            None if p is None else _save_fp8(fmt, token_index, p, g) for g, p in enumerate(payloads)
+        ]
+    copies = [
+        (group, _blocks(fmt, payload), _group_bytes(fmt, token_index, group), Hasher())
+        for group, payload in enumerate(payloads)
+        if payload is not None
+    ]
     for start, stop in _slices(fmt):
         for _, payload, page, hasher in copies:
             hasher.copy(payload[start:stop], page[start:stop])
@@ -75,10 +79,14 @@ def load_page(
     if any(p.numel() != fmt.payload_bytes for p in payloads):
         return False
     if fmt.kv_layout is not None and fmt.kv_layout.codec == "fp8":
-        return all(_load_fp8(fmt, token_index, p, c, g)
-                   for g, (p, c) in enumerate(zip(payloads, checksums, strict=True)))  # fmt: skip
-    copies = [(_group_bytes(fmt, token_index, group), _blocks(fmt, payload), Hasher())
-              for group, payload in enumerate(payloads)]  # fmt: skip
+        return all(
+            _load_fp8(fmt, token_index, p, c, g)
+            for g, (p, c) in enumerate(zip(payloads, checksums, strict=True))
+        )
+    copies = [
+        (_group_bytes(fmt, token_index, group), _blocks(fmt, payload), Hasher())
+        for group, payload in enumerate(payloads)
+    ]
     for start, stop in _slices(fmt):
         for page, payload, hasher in copies:
             hasher.copy(page[start:stop], payload[start:stop])

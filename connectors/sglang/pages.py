@@ -84,8 +84,9 @@ class PageFormat:
             views = [self.buffer[c, page] for c in range(self.components)]
         else:
             stop = token_index + self.page_tokens
-            views = [self.buffer[c, token_index:stop].transpose(1, 0, 2)
-                     for c in range(self.components)]  # fmt: skip
+            views = [
+                self.buffer[c, token_index:stop].transpose(1, 0, 2) for c in range(self.components)
+            ]
         if group is None:
             return views
         width = self.group_row_bytes
@@ -123,15 +124,21 @@ def page_format(pool, mla: bool, codec: str, group_heads: int = 0) -> PageFormat
     layers, tokens, dtype = pool.layer_num, pool.page_size, pool.dtype
     if mla:
         row = pool.kv_cache_dim * dtype.itemsize
-        shape = (1, kv.shape[0], layers, row) if layout == "page_first" else (
-            1, kv.shape[0], layers, tokens, row)  # fmt: skip
+        shape = (
+            (1, kv.shape[0], layers, row)
+            if layout == "page_first"
+            else (1, kv.shape[0], layers, tokens, row)
+        )
         kv_layout, groups = None, 1
     else:
         if pool.head_dim != pool.v_head_dim:
             raise ConfigError("the kvstore HiCache backend needs equal K and V head dims")
         row = pool.head_num * pool.head_dim * dtype.itemsize
-        shape = (2, kv.shape[1], layers, row) if layout == "page_first" else (
-            2, kv.shape[1], layers, tokens, row)  # fmt: skip
+        shape = (
+            (2, kv.shape[1], layers, row)
+            if layout == "page_first"
+            else (2, kv.shape[1], layers, tokens, row)
+        )
         groups = pool.head_num // (group_heads or pool.head_num)
         kv_layout = _kv_layout(pool, codec, pool.head_num // groups)
     if codec != "raw" and kv_layout is None:

@@ -15,8 +15,12 @@ class BackendStats:
 
     @staticmethod
     def _empty_interval() -> dict[str, list]:
-        return {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [],
-                "backup_bandwidth": []}  # fmt: skip
+        return {
+            "prefetch_pgs": [],
+            "backup_pgs": [],
+            "prefetch_bandwidth": [],
+            "backup_bandwidth": [],
+        }
 
     def count(self, **deltas: int) -> None:
         with self._lock:

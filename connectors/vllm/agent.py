@@ -32,10 +32,12 @@ class AgentConnection:
         if self._client is None:
             try:
                 self._client = KVStoreClient(
-                    self.settings.socket_path, self.worker, pin_mapping=self.pin_mapping,
+                    self.settings.socket_path,
+                    self.worker,
+                    pin_mapping=self.pin_mapping,
                     credential_file=self.settings.credential_file or None,
                     answer_spin_us=self.settings.answer_spin_us,
-                )  # fmt: skip
+                )
             except KVStoreError as exc:
                 logger.warning("kvstore agent unavailable (%s); prefixes are computed", exc)
         return self._client

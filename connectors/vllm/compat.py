@@ -39,19 +39,26 @@ def scheduled_requests(scheduler_output) -> Iterator[ScheduledRequest]:
     """New and running requests of a step, with their block ids of every KV cache group."""
     for new in scheduler_output.scheduled_new_reqs:
         yield ScheduledRequest(
-            new.req_id, [list(ids) for ids in new.block_ids], [], new.num_computed_tokens,
-            scheduler_output.num_scheduled_tokens.get(new.req_id, 0), new.prompt_token_ids,
-        )  # fmt: skip
+            new.req_id,
+            [list(ids) for ids in new.block_ids],
+            [],
+            new.num_computed_tokens,
+            scheduler_output.num_scheduled_tokens.get(new.req_id, 0),
+            new.prompt_token_ids,
+        )
     cached = scheduler_output.scheduled_cached_reqs
     for index, req_id in enumerate(cached.req_ids):
         new_ids = cached.new_block_ids[index]
         blocks = [list(ids) for ids in new_ids] if new_ids else []
         resumed = req_id in cached.resumed_req_ids
         yield ScheduledRequest(
-            req_id, blocks if resumed else None, [] if resumed else blocks,
+            req_id,
+            blocks if resumed else None,
+            [] if resumed else blocks,
             cached.num_computed_tokens[index],
-            scheduler_output.num_scheduled_tokens.get(req_id, 0), None,
-        )  # fmt: skip
+            scheduler_output.num_scheduled_tokens.get(req_id, 0),
+            None,
+        )
 
 
 def preempted_req_ids(scheduler_output) -> set[str]:
@@ -105,8 +112,17 @@ def check_cpu_views(isa: str, dtype: torch.dtype, block_size: int, heads: int, h
     key, value = torch.randn(2, block_size, heads, head_dim).to(dtype)
     key_cache, value_cache = cache.view(2, heads, 2 * block_size, head_dim).chunk(2, dim=2)
     slots = torch.arange(block_size, 2 * block_size)
-    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa,
-                                   k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")  # fmt: skip
+    ops.cpu_attn_reshape_and_cache(
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slots,
+        isa,
+        k_scale=1.0,
+        v_scale=1.0,
+        kv_cache_dtype="auto",
+    )
     keys, values = paged_layer_view(cache, isa)
     if not (torch.equal(keys[1], key) and torch.equal(values[1], value)):
         raise ConfigError(
@@ -124,8 +140,12 @@ def attn_isa(vllm_config) -> str:
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     model = vllm_config.model_config
-    return _get_attn_isa(model.dtype, vllm_config.cache_config.block_size,
-                         model.get_head_size(), vllm_config.cache_config.cache_dtype)  # fmt: skip
+    return _get_attn_isa(
+        model.dtype,
+        vllm_config.cache_config.block_size,
+        model.get_head_size(),
+        vllm_config.cache_config.cache_dtype,
+    )
 
 
 def tp_rank(vllm_config) -> int:
@@ -157,9 +177,11 @@ def kv_shape(vllm_config) -> tuple[int, int, int, str]:
     if dtype in ("auto", None):
         dtype = str(model.dtype).removeprefix("torch.")
     return (
-        model.get_num_layers(parallel), model.get_num_kv_heads(parallel), model.get_head_size(),
+        model.get_num_layers(parallel),
+        model.get_num_kv_heads(parallel),
+        model.get_head_size(),
         dtype,
-    )  # fmt: skip
+    )
 
 
 def pipeline_stages(vllm_config) -> tuple[list[tuple[int, int]], int]:
@@ -187,13 +209,15 @@ def kv_affecting_settings(vllm_config) -> dict:
         "dtype": str(model.dtype) if kv_cache_dtype != "auto" else None,
         "kv_cache_dtype": kv_cache_dtype,
         "calculate_kv_scales": bool(getattr(cache, "calculate_kv_scales", False)),
-        "quantization": model.quantization, "quantization_config": model.quantization_config,
-        "hf_overrides": overrides, "hf_config_path": model.hf_config_path,
+        "quantization": model.quantization,
+        "quantization_config": model.quantization_config,
+        "hf_overrides": overrides,
+        "hf_config_path": model.hf_config_path,
         "model_weights": _weights_fingerprint(model.model_weights),
         "code_revision": model.code_revision,
         "disable_sliding_window": model.disable_sliding_window,
         "model_class_overrides": model.model_class_overrides,
-    }  # fmt: skip
+    }
     return {name: value for name, value in settings.items() if value not in _DEFAULTS}
 
 
@@ -213,8 +237,7 @@ def hit_sources(shares: dict[str, int]) -> dict:
     the worker copies every chunk from the host arena)."""
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-    names = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK,
-             "remote": CacheHitSource.P2P}  # fmt: skip
+    names = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK, "remote": CacheHitSource.P2P}
     return {names[where]: tokens for where, tokens in shares.items()}
 
 
@@ -268,8 +291,10 @@ def cache_groups(kv_cache_config, block_size: int) -> CacheGroups:
                 "attention layers only"
             )
         if spec.block_size != block_size:
-            raise ConfigError(f"KV cache group {index} has block size {spec.block_size}; the "
-                              f"connector copies blocks of {block_size}")  # fmt: skip
+            raise ConfigError(
+                f"KV cache group {index} has block size {spec.block_size}; the "
+                f"connector copies blocks of {block_size}"
+            )
         windows.append(spec.sliding_window if type(spec) is SlidingWindowSpec else None)
         of_layer.update(dict.fromkeys(group.layer_names, index))
     if not windows:

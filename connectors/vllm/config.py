@@ -75,8 +75,9 @@ class ConnectorSettings:
                 f"key_scheme {settings.key_scheme!r} unknown; use one of {KEY_SCHEMES}"
             )
         if settings.load_thread not in LOAD_THREADS:
-            raise ConfigError(f"load_thread {settings.load_thread!r} unknown; use one of "
-                              f"{LOAD_THREADS}")  # fmt: skip
+            raise ConfigError(
+                f"load_thread {settings.load_thread!r} unknown; use one of {LOAD_THREADS}"
+            )
         if settings.events_max_chunks <= 0:
             raise ConfigError("events_max_chunks must be positive")
         if not 1 <= settings.stage_threads <= MAX_STAGE_THREADS:
@@ -147,8 +148,12 @@ class EngineKV:
         """Every rank's block keys of the chunks, of every pipeline stage (its layer range's
         namespace), chunk-major: a chunk is a hit when all its blocks are."""
         roots = self.stage_roots or (self.root,)
-        return [key for chain in chain_keys for root in roots
-                for key in self.all_groups.keys(root, chain)]  # fmt: skip
+        return [
+            key
+            for chain in chain_keys
+            for root in roots
+            for key in self.all_groups.keys(root, chain)
+        ]
 
     @property
     def lookup_blocks_per_chunk(self) -> int:
@@ -182,21 +187,39 @@ def engine_kv(vllm_config, settings: ConnectorSettings) -> EngineKV:
         total_heads, tp_size, compat.tp_rank(vllm_config), settings.head_group_size
     )
     every = head_groups(total_heads, 1, 0, groups.group_heads)  # the model's whole grid
-    layout = KVLayout(num_layers, groups.group_heads, head_dim, dtype, settings.chunk_tokens,
-                      settings.codec)  # fmt: skip
+    layout = KVLayout(
+        num_layers, groups.group_heads, head_dim, dtype, settings.chunk_tokens, settings.codec
+    )
     isa = compat.attn_isa(vllm_config)
     fingerprint = model_fingerprint(
-        Path(model.model), settings.model_revision or model.revision or "",
+        Path(model.model),
+        settings.model_revision or model.revision or "",
         compat.kv_affecting_settings(vllm_config),
-    )  # fmt: skip
+    )
     engine_layout = _engine_layout(vllm_config, settings, isa)
     stages, stage = compat.pipeline_stages(vllm_config)
-    namespaces = [shared_namespace(
-        fingerprint, replace(layout, num_layers=stop - start), total_heads, (start, stop),
-        settings.tenant, settings.salt, engine_layout,
-    ) for start, stop in stages]  # fmt: skip
-    return EngineKV(layout, namespaces[stage], block_size, groups, every, settings.key_scheme,
-                    isa, tuple(n.root_key() for n in namespaces))  # fmt: skip
+    namespaces = [
+        shared_namespace(
+            fingerprint,
+            replace(layout, num_layers=stop - start),
+            total_heads,
+            (start, stop),
+            settings.tenant,
+            settings.salt,
+            engine_layout,
+        )
+        for start, stop in stages
+    ]
+    return EngineKV(
+        layout,
+        namespaces[stage],
+        block_size,
+        groups,
+        every,
+        settings.key_scheme,
+        isa,
+        tuple(n.root_key() for n in namespaces),
+    )
 
 
 def _engine_layout(vllm_config, settings: ConnectorSettings, isa: str) -> str:

@@ -20,7 +20,7 @@ from connectors.vllm.stats import (
     KVStoreConnectorStats,
     KVStorePromMetrics,
     LatencySamples,
-)  # fmt: skip
+)
 from connectors.vllm.worker import WorkerSide
 
 logger = logging.getLogger(__name__)
@@ -38,8 +38,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler = SchedulerSide(self.settings, self.kv, groups) if is_scheduler else None
         self.worker = WorkerSide(self.settings, self.kv, groups) if is_worker else None
         # KV events (--kv-events-config): the scheduler announces what the workers committed
-        self.events = (events.scheduler_tracker(vllm_config, kv_cache_config, self.settings,
-                                                self.kv) if is_scheduler else None)  # fmt: skip
+        self.events = (
+            events.scheduler_tracker(vllm_config, kv_cache_config, self.settings, self.kv)
+            if is_scheduler
+            else None
+        )
         if self.worker is not None and events.worker_collects(vllm_config):
             self.worker.saves.committed = []
         self._deltas = DeltaCounters()  # this half's counters, reported to vLLM's stat loggers
@@ -50,8 +53,12 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 "set kv_load_failure_policy='recompute': with 'fail', a kvstore miss "
                 "found at load time (evicted, corrupt, agent gone) fails the request"
             )
-        logger.info("kvstore connector (%s): %s, namespace %s", role.name, self.kv.layout.layout_id,
-                    self.kv.namespace.model_fingerprint)  # fmt: skip
+        logger.info(
+            "kvstore connector (%s): %s, namespace %s",
+            role.name,
+            self.kv.layout.layout_id,
+            self.kv.namespace.model_fingerprint,
+        )
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:

@@ -83,8 +83,11 @@ class CommittedChunks(KVConnectorKVEvents):
 def stored_chunks(chain_keys: Sequence[bytes], payloads: Sequence, groups: int) -> list[bytes]:
     """Of a fully committed reservation: the chunks every block of which it reserved (a block
     not reserved was held already, being written, or found no room: not this engine's store)."""
-    return [chain for i, chain in enumerate(chain_keys)
-            if all(p is not None for p in payloads[i * groups : (i + 1) * groups])]  # fmt: skip
+    return [
+        chain
+        for i, chain in enumerate(chain_keys)
+        if all(p is not None for p in payloads[i * groups : (i + 1) * groups])
+    ]
 
 
 @dataclass
@@ -107,8 +110,14 @@ class KVEventTracker:
     """The scheduler half's events. All methods but `apply`/`resync` (the follower thread's,
     which only queue) run on vLLM's scheduler thread; no locks."""
 
-    def __init__(self, kv, block_size: int, hash_block_size: int, workers: int,
-                 limits: EventLimits = EventLimits()) -> None:  # fmt: skip
+    def __init__(
+        self,
+        kv,
+        block_size: int,
+        hash_block_size: int,
+        workers: int,
+        limits: EventLimits = EventLimits(),
+    ) -> None:
         self.kv = kv
         self.block_size = block_size
         self.hash_block_size = hash_block_size
@@ -125,8 +134,14 @@ class KVEventTracker:
         self._lost = False  # node events were lost: retract everything announced
         self._following = threading.Event()  # the follower's first resync is done
         self._announced_any = False
-        self.counters = {"announced": 0, "removed": 0, "forgotten": 0, "dropped_pending": 0,
-                         "dropped_events": 0, "lost_node_events": 0}  # fmt: skip
+        self.counters = {
+            "announced": 0,
+            "removed": 0,
+            "forgotten": 0,
+            "dropped_pending": 0,
+            "dropped_events": 0,
+            "lost_node_events": 0,
+        }
 
     def follow(self, address: str, token_file: str, tenant: str) -> None:
         """Follow the metadata service's events of this node (host/disk changes)."""
@@ -175,10 +190,11 @@ class KVEventTracker:
             hashes=[maybe_convert_block_hash(hashes[b]) for b in range(first, first + per_chunk)],
             parent=maybe_convert_block_hash(hashes[first - 1]) if first else None,
             tokens=array("i", request.all_token_ids[first * size : (first + per_chunk) * size]),
-            extra_keys=to_event_extra_keys(extra), lora_id=lora.adapter_id if lora else None,
+            extra_keys=to_event_extra_keys(extra),
+            lora_id=lora.adapter_id if lora else None,
             lora_name=lora.name if lora else None,
             block_keys=tuple(self.kv.lookup_keys([chain])),
-        )  # fmt: skip
+        )
 
     def _add_pending(self, chain: bytes, chunk: _Chunk) -> None:
         self._pending[chain] = chunk
@@ -283,10 +299,15 @@ class KVEventTracker:
     def _stored(self, chunk: _Chunk, medium: str) -> BlockStored:
         self.counters["announced"] += 1
         return BlockStored(
-            block_hashes=list(chunk.hashes), parent_block_hash=chunk.parent,
-            token_ids=chunk.tokens.tolist(), block_size=self.block_size, lora_id=chunk.lora_id,
-            medium=medium, lora_name=chunk.lora_name, extra_keys=chunk.extra_keys,
-        )  # fmt: skip
+            block_hashes=list(chunk.hashes),
+            parent_block_hash=chunk.parent,
+            token_ids=chunk.tokens.tolist(),
+            block_size=self.block_size,
+            lora_id=chunk.lora_id,
+            medium=medium,
+            lora_name=chunk.lora_name,
+            extra_keys=chunk.extra_keys,
+        )
 
     def _emit(self, event: KVCacheEvent) -> None:
         self._out.append(event)
@@ -310,18 +331,23 @@ def scheduler_tracker(vllm_config, kv_cache_config, settings, kv) -> KVEventTrac
     if not worker_collects(vllm_config):
         return None
     block_size = kv.block_size
-    hash_block_size = (getattr(kv_cache_config, "hash_block_size", None)
-                       or getattr(vllm_config.cache_config, "hash_block_size", None)
-                       or block_size)  # fmt: skip
+    hash_block_size = (
+        getattr(kv_cache_config, "hash_block_size", None)
+        or getattr(vllm_config.cache_config, "hash_block_size", None)
+        or block_size
+    )
     limits = EventLimits(max_chunks=settings.events_max_chunks)
     workers = vllm_config.parallel_config.world_size
     tracker = KVEventTracker(kv, block_size, hash_block_size, workers, limits)
     if settings.events_metadata_address:
-        tracker.follow(settings.events_metadata_address, settings.events_token_file,
-                       settings.tenant)  # fmt: skip
+        tracker.follow(
+            settings.events_metadata_address, settings.events_token_file, settings.tenant
+        )
     else:
-        logger.warning("KV events: set events_metadata_address (the metadata service) so that "
-                       "evictions from this host are announced; only stores are")  # fmt: skip
+        logger.warning(
+            "KV events: set events_metadata_address (the metadata service) so that "
+            "evictions from this host are announced; only stores are"
+        )
     return tracker
 
 

@@ -126,8 +126,10 @@ def chunk_tiers(counts: LookupCounts, groups: int) -> list[str]:
     """The tier of each whole chunk of an agent's answer over chunk-major block keys (`groups`
     blocks a chunk): the farthest of its blocks' tiers (host < disk < remote)."""
     names = counts.tier_names()
-    return [max(names[start : start + groups], key=TIERS.index)
-            for start in range(0, len(names) - groups + 1, groups)]  # fmt: skip
+    return [
+        max(names[start : start + groups], key=TIERS.index)
+        for start in range(0, len(names) - groups + 1, groups)
+    ]
 
 
 def tokens_by_tier(tiers: list[str], chunk_tokens: int, first: int, count: int) -> dict[str, int]:

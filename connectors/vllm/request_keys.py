@@ -100,8 +100,11 @@ class RequestKeys:
             try:
                 fingerprint = model_fingerprint(lora.lora_path)
             except (OSError, KVStoreError) as exc:
-                logger.warning("LoRA adapter %s not fingerprinted (%s): bypassing the store",
-                               lora.lora_name, exc)  # fmt: skip
+                logger.warning(
+                    "LoRA adapter %s not fingerprinted (%s): bypassing the store",
+                    lora.lora_name,
+                    exc,
+                )
                 return None
             self._adapters[memo] = fingerprint
             while len(self._adapters) > _ADAPTERS_MAX:

@@ -232,7 +232,7 @@ class SchedulerSide:
         skip = min(state.computed_at_load // chunk, len(tiers))  # vLLM holds them already
         load = self.cost.chunks_to_load(
             req_id, tiers[skip:], state.prompt_tokens - skip * chunk, loaded_from="host"
-        )  # fmt: skip
+        )
         self.stats["recomputed_chunks"] = self.cost.recomputed_chunks
         return skip + load
 
@@ -252,13 +252,15 @@ class SchedulerSide:
         codes = "".join(_CODE_OF_TIER[tier] for tier in tiers[:got])
         return LookupCounts(min(local, got), max(0, got - local), codes)
 
-    def _pull(self, client, block_keys: list[bytes], tiers: list[str], groups: int,
-              tier: str) -> int:  # fmt: skip
+    def _pull(
+        self, client, block_keys: list[bytes], tiers: list[str], groups: int, tier: str
+    ) -> int:
         """Pin and release `block_keys` (the agent promotes or fetches what is not in its
         arena); the chunks that arrived, their `tier` ones' time observed by the cost model."""
         started = time.perf_counter()
-        loaded = client.load(self.settings.tenant, block_keys, verify=False,
-                             timeout_s=self.settings.load_timeout_s)  # fmt: skip
+        loaded = client.load(
+            self.settings.tenant, block_keys, verify=False, timeout_s=self.settings.load_timeout_s
+        )
         client.release(loaded)
         got = min(len(loaded.payloads) // groups, len(tiers))
         arrived = tiers[:got].count(tier)
@@ -304,14 +306,20 @@ class SchedulerSide:
         state = self.requests.get(request.request_id)
         if state is None or num_external_tokens <= 0:
             return {}
-        return tokens_by_tier(state.hit_tiers, self.kv.layout.chunk_tokens,
-                              state.computed_at_load, num_external_tokens)  # fmt: skip
+        return tokens_by_tier(
+            state.hit_tiers,
+            self.kv.layout.chunk_tokens,
+            state.computed_at_load,
+            num_external_tokens,
+        )
 
     def build_meta(self, scheduler_output) -> KVStoreConnectorMetadata:
         self.lookups.new_step()
         meta = self._flush_for(compat.preempted_req_ids(scheduler_output))
-        steps = [(s.req_id, s.num_scheduled_tokens, s.num_computed_tokens)
-                 for s in compat.scheduled_requests(scheduler_output)]  # fmt: skip
+        steps = [
+            (s.req_id, s.num_scheduled_tokens, s.num_computed_tokens)
+            for s in compat.scheduled_requests(scheduler_output)
+        ]
         self.cost.step_started(steps, time.perf_counter())
         for scheduled in compat.scheduled_requests(scheduler_output):
             state = self.requests.get(scheduled.req_id)
@@ -331,8 +339,9 @@ class SchedulerSide:
             if tail is not None:
                 meta.saves.append(tail)
         # synchronous loads are of requests scheduled now; asynchronous ones wait for theirs
-        meta.loads = [self._load_spec(req_id, state)
-                      for req_id, state in self._pending_loads.items()]  # fmt: skip
+        meta.loads = [
+            self._load_spec(req_id, state) for req_id, state in self._pending_loads.items()
+        ]
         self._pending_loads.clear()
         return meta
 
@@ -350,10 +359,13 @@ class SchedulerSide:
 
     def _load_spec(self, req_id: str, state: RequestState) -> LoadSpec:
         return LoadSpec(
-            req_id, state.keys[: state.load_chunks], [list(ids) for ids in state.block_ids],
-            state.computed_at_load // self.kv.block_size, self.groups.loads_asynchronously,
+            req_id,
+            state.keys[: state.load_chunks],
+            [list(ids) for ids in state.block_ids],
+            state.computed_at_load // self.kv.block_size,
+            self.groups.loads_asynchronously,
             *state.load_tail,
-        )  # fmt: skip
+        )
 
     def loads_failed(self, req_ids) -> None:
         """The workers' failed asynchronous loads: vLLM computes those requests from their
@@ -380,9 +392,11 @@ class SchedulerSide:
         state.saved_chunks = complete
         state.saves_scheduled = True
         return SaveSpec(
-            req_id, state.keys[first:complete], state.keys[first - 1] if first else b"",
+            req_id,
+            state.keys[first:complete],
+            state.keys[first - 1] if first else b"",
             blocks,
-        )  # fmt: skip
+        )
 
     def _tail_save_spec(
         self, req_id: str, state: RequestState, done_tokens: int, step_start_tokens: int

@@ -117,8 +117,11 @@ def _busiest_holder(cluster: Cluster, agents: list[str]) -> str | None:
             nodes = stats_dict(client.stats())["nodes"]
     except KVStoreError:
         return None
-    held = {n["node"]["node_id"]: sum(map(int, n.get("blocks_per_tier", {}).values()))
-            for n in nodes if n["node"]["node_id"] in agents}  # fmt: skip
+    held = {
+        n["node"]["node_id"]: sum(map(int, n.get("blocks_per_tier", {}).values()))
+        for n in nodes
+        if n["node"]["node_id"] in agents
+    }
     return max(held, key=held.get) if held else None
 
 
@@ -130,8 +133,9 @@ def kill_and_recover(cluster: Cluster, name: str, tally: Tally) -> float | None:
     cluster.restart(name)
     if member.role == "agent":
         probe = prefix_keys(cluster.spec.seed, 0)[0]
-        served = wait_for(lambda: agent_answers(cluster.socket_path(name), probe),
-                          RECOVERY_TIMEOUT_S)  # fmt: skip
+        served = wait_for(
+            lambda: agent_answers(cluster.socket_path(name), probe), RECOVERY_TIMEOUT_S
+        )
     elif member.role == "metadata":
         served = wait_for(lambda: metadata_answers(cluster.metadata_address), RECOVERY_TIMEOUT_S)
     else:
@@ -167,8 +171,12 @@ def lost_blocks(cluster: Cluster, tally: Tally) -> dict:
                 if client.lookup(TENANT, [key], local_only=True).local != 1:
                     lost += 1
                     examples.append({"agent": agent, "prefix": prefix, "chunk": chunk})
-    return {"lost_blocks": lost, "lost_blocks_checked": checked,
-            "lost_blocks_excused": excused, "lost_examples": examples[:5]}  # fmt: skip
+    return {
+        "lost_blocks": lost,
+        "lost_blocks_checked": checked,
+        "lost_blocks_excused": excused,
+        "lost_examples": examples[:5],
+    }
 
 
 def disk_bytes_for(duration_s: float, page_bytes: int = 1 << 20) -> int:
@@ -193,9 +201,13 @@ def run_chaos(
     failed = 0
     with work_directory("kvstore-chaos-") as workdir:
         spec = ClusterSpec(
-            workdir, minutes * 60, seed, corrupt_worker=corrupt_worker, slide_s=SLIDE_S,
+            workdir,
+            minutes * 60,
+            seed,
+            corrupt_worker=corrupt_worker,
+            slide_s=SLIDE_S,
             disk_capacity_bytes=disk_bytes_for(minutes * 60),
-        )  # fmt: skip
+        )
         with Cluster(spec, tally.handle) as cluster:
             deadline = cluster.started + spec.duration_s
             logger.info("chaos: cluster up; running %.0f s", spec.duration_s)
@@ -217,15 +229,22 @@ def run_chaos(
         child_pids = cluster.all_pids()
     every = [s for values in recoveries.values() for s in values]
     return {
-        **tally.totals(), "operations": tally.totals()["ops"],
+        **tally.totals(),
+        "operations": tally.totals()["ops"],
         "kills": {role: kills[role] for role in KILL_ROLES},
-        "recovery_s_p50": percentile(every, 0.5), "recovery_s_p99": percentile(every, 0.99),
+        "recovery_s_p50": percentile(every, 0.5),
+        "recovery_s_p99": percentile(every, 0.99),
         "recovery_s_max_by_role": {role: max(v) for role, v in recoveries.items()},
-        "recovery_failures": failed, **audit, "wrong_examples": tally.wrong[:5],
-        "crashes": dict(crashes), "stuck_workers": stuck, "private_shm": private_shm,
+        "recovery_failures": failed,
+        **audit,
+        "wrong_examples": tally.wrong[:5],
+        "crashes": dict(crashes),
+        "stuck_workers": stuck,
+        "private_shm": private_shm,
         "child_pids": child_pids,
-        "minutes": minutes, "seed": seed,
-    }  # fmt: skip
+        "minutes": minutes,
+        "seed": seed,
+    }
 
 
 def sleep_watching(cluster: Cluster, until: float, crashes: Counter) -> None:

@@ -147,8 +147,15 @@ class Worker:
         if payload.shape == expected.shape and np.array_equal(payload, expected):
             return
         self.counts.wrong_results += 1
-        self.emit("wrong", prefix=prefix, chunk=chunk, key=key.hex(), size=int(payload.size),
-                  expected_size=int(expected.size), agent=self.client.info.node_id)  # fmt: skip
+        self.emit(
+            "wrong",
+            prefix=prefix,
+            chunk=chunk,
+            key=key.hex(),
+            size=int(payload.size),
+            expected_size=int(expected.size),
+            agent=self.client.info.node_id,
+        )
         self.report(force=True)
 
     def run(self) -> None:
@@ -181,10 +188,17 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--duration-s", type=float, required=True)
     parser.add_argument("--ops-per-s", type=float, default=20.0)
     parser.add_argument("--save-fraction", type=float, default=0.35)
-    parser.add_argument("--slide-s", type=float, default=0.0,
-                        help="move the prefix window every SLIDE_S seconds (0: fixed)")  # fmt: skip
-    parser.add_argument("--corrupt-expected", action="store_true",
-                        help="test only: flip one byte of one expected payload")  # fmt: skip
+    parser.add_argument(
+        "--slide-s",
+        type=float,
+        default=0.0,
+        help="move the prefix window every SLIDE_S seconds (0: fixed)",
+    )
+    parser.add_argument(
+        "--corrupt-expected",
+        action="store_true",
+        help="test only: flip one byte of one expected payload",
+    )
     return parser
 
 

@@ -89,25 +89,62 @@ class Cluster:
         """The one place every child's command line is built (add cluster-wide flags here)."""
         spec, base = self.spec, [sys.executable, "-m"]
         if member.role == "metadata":
-            return [*base, "kvstore", "metadata", "--backend", "lmdb",
-                    "--listen", self.metadata_address,
-                    "--data-dir", str(spec.workdir / "metadata")]  # fmt: skip
+            return [
+                *base,
+                "kvstore",
+                "metadata",
+                "--backend",
+                "lmdb",
+                "--listen",
+                self.metadata_address,
+                "--data-dir",
+                str(spec.workdir / "metadata"),
+            ]
         if member.role == "agent":
-            return [*base, "kvstore", "node", "--node-id", member.name,
-                    "--socket-path", str(self.socket_path(member.name)),
-                    "--host-capacity-bytes", str(spec.host_capacity_bytes),
-                    "--page-size-bytes", str(spec.page_size_bytes),
-                    "--disk-dir", str(spec.workdir / f"{member.name}-disk"),
-                    "--disk-capacity-bytes", str(spec.disk_capacity_bytes),
-                    "--metadata-address", self.metadata_address,
-                    "--transfer", "tcp", "--transfer-host", "127.0.0.1",
-                    "--cluster-secret-file", str(self.secret_path)]  # fmt: skip
+            return [
+                *base,
+                "kvstore",
+                "node",
+                "--node-id",
+                member.name,
+                "--socket-path",
+                str(self.socket_path(member.name)),
+                "--host-capacity-bytes",
+                str(spec.host_capacity_bytes),
+                "--page-size-bytes",
+                str(spec.page_size_bytes),
+                "--disk-dir",
+                str(spec.workdir / f"{member.name}-disk"),
+                "--disk-capacity-bytes",
+                str(spec.disk_capacity_bytes),
+                "--metadata-address",
+                self.metadata_address,
+                "--transfer",
+                "tcp",
+                "--transfer-host",
+                "127.0.0.1",
+                "--cluster-secret-file",
+                str(self.secret_path),
+            ]
         remaining_s = max(1.0, spec.duration_s - (time.monotonic() - self.started))
         corrupt = ["--corrupt-expected"] if member.name == spec.corrupt_worker else []
-        return [*base, "kvstore.bench.chaos_worker", "--name", member.name,
-                "--socket", str(self.socket_path(member.agent)), "--seed", str(spec.seed),
-                "--duration-s", f"{remaining_s:.1f}", "--ops-per-s", str(spec.ops_per_s),
-                "--slide-s", str(spec.slide_s), *corrupt]  # fmt: skip
+        return [
+            *base,
+            "kvstore.bench.chaos_worker",
+            "--name",
+            member.name,
+            "--socket",
+            str(self.socket_path(member.agent)),
+            "--seed",
+            str(spec.seed),
+            "--duration-s",
+            f"{remaining_s:.1f}",
+            "--ops-per-s",
+            str(spec.ops_per_s),
+            "--slide-s",
+            str(spec.slide_s),
+            *corrupt,
+        ]
 
     # ---- lifecycle -------------------------------------------------------------------------
     def __enter__(self) -> Cluster:
@@ -155,15 +192,22 @@ class Cluster:
         member.incarnation += 1
         with (self.spec.workdir / f"{name}.log").open("ab") as log:
             member.process = subprocess.Popen(
-                self.command_line(member), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                stderr=log, text=True, env=dict(os.environ), preexec_fn=_die_with_parent,
-            )  # fmt: skip
+                self.command_line(member),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                env=dict(os.environ),
+                preexec_fn=_die_with_parent,
+            )
         member.started_at = time.monotonic()
         member.pids.append(member.process.pid)
         threading.Thread(
-            target=self._read, args=(member, member.process, member.incarnation),
-            name=f"read-{name}", daemon=True,
-        ).start()  # fmt: skip
+            target=self._read,
+            args=(member, member.process, member.incarnation),
+            name=f"read-{name}",
+            daemon=True,
+        ).start()
         return member
 
     def _read(self, member: Member, process: subprocess.Popen, incarnation: int) -> None:
@@ -211,8 +255,11 @@ class Cluster:
         """SIGTERM workers, then agents, then the metadata service; SIGKILL what lingers.
         Then unlink every arena file an agent of ours created (a killed agent leaves its own)."""
         for role in ("worker", "agent", "metadata"):
-            processes = [m.process for m in self.members.values()
-                         if m.role == role and m.process and m.process.poll() is None]  # fmt: skip
+            processes = [
+                m.process
+                for m in self.members.values()
+                if m.role == role and m.process and m.process.poll() is None
+            ]
             for process in processes:
                 process.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + grace_s
@@ -332,8 +379,12 @@ def process_sample(pid: int) -> dict[str, float] | None:
     def mib(name: str) -> float:
         return int(fields.get(name, "0 kB").split()[0]) / 1024
 
-    return {"rss_mib": mib("VmRSS"), "rss_anon_mib": mib("RssAnon"),
-            "threads": int(fields["Threads"]), "fds": fds}  # fmt: skip
+    return {
+        "rss_mib": mib("VmRSS"),
+        "rss_anon_mib": mib("RssAnon"),
+        "threads": int(fields["Threads"]),
+        "fds": fds,
+    }
 
 
 def shm_sample(pids: list[int]) -> dict[str, float]:

@@ -55,10 +55,14 @@ class _store:
 
     def __init__(self, block_bytes: int, pages: int, directory: Path) -> None:
         page_bytes = block.HEADER_BYTES + block_bytes
-        self.store = TieredStore([
-            TierSlot(HostTier(pages * page_bytes, page_bytes), make_policy("lru")),
-            TierSlot(DiskTier(directory, 64 * pages * page_bytes, page_bytes), make_policy("lru")),
-        ])  # fmt: skip
+        self.store = TieredStore(
+            [
+                TierSlot(HostTier(pages * page_bytes, page_bytes), make_policy("lru")),
+                TierSlot(
+                    DiskTier(directory, 64 * pages * page_bytes, page_bytes), make_policy("lru")
+                ),
+            ]
+        )
 
     def __enter__(self) -> TieredStore:
         return self.store

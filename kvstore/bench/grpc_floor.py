@@ -61,8 +61,9 @@ def timed_calls(call: Callable[[], object], duration_s: float, start=None) -> li
     return samples
 
 
-def concurrent_run(client: Callable, args: tuple, clients: int, duration_s: float,
-                   server_pid: int) -> dict:  # fmt: skip
+def concurrent_run(
+    client: Callable, args: tuple, clients: int, duration_s: float, server_pid: int
+) -> dict:
     """`clients` processes each running `client(*args, duration_s, start, results)`, which
     times calls through `timed_calls(..., start)` and puts its samples in `results`: p50/p99/qps
     over all of them, and the server's CPU µs per call over the common timed window."""
@@ -167,8 +168,9 @@ def echo_server(kind: str) -> Iterator[tuple[str, int]]:
         server.join(timeout=10)
 
 
-def echo_samples(address: str, payload: bytes, duration_s: float, start=None,
-                 way: str = "unary") -> list[float]:  # fmt: skip
+def echo_samples(
+    address: str, payload: bytes, duration_s: float, start=None, way: str = "unary"
+) -> list[float]:
     """Timed echoes: unary calls; "stream", messages on one open call, sent and read as the
     metadata client's LookupStream calls are (kvstore/metadata/lookup_calls.py); "tcp", a
     send and the reads of its echo on one TCP connection."""
@@ -213,8 +215,7 @@ def _tcp_echo_samples(address: str, payload: bytes, duration_s: float, start) ->
         return timed_calls(ask, duration_s, start)
 
 
-def echo_client(address: str, payload: bytes, way: str, duration_s: float, start,
-                results) -> None:  # fmt: skip
+def echo_client(address: str, payload: bytes, way: str, duration_s: float, start, results) -> None:
     """Child of concurrent_run: echo calls for `duration_s`; puts the samples."""
     results.put(echo_samples(address, payload, duration_s, start, way))
 
@@ -234,10 +235,14 @@ def echo_floor(payload: bytes, runs: int, duration_s: float, clients: int) -> di
     result = {}
     for kind, way, name, server in ECHO_KINDS:
         with echo_server(kind) as (address, pid):
-            p50s = [summary(echo_samples(address, payload, duration_s, None, way),
-                            duration_s)["p50_us"] for _ in range(runs)]  # fmt: skip
-            many = [concurrent_run(echo_client, (address, payload, way), clients, duration_s,
-                                   pid) for _ in range(runs)]  # fmt: skip
+            p50s = [
+                summary(echo_samples(address, payload, duration_s, None, way), duration_s)["p50_us"]
+                for _ in range(runs)
+            ]
+            many = [
+                concurrent_run(echo_client, (address, payload, way), clients, duration_s, pid)
+                for _ in range(runs)
+            ]
         result[f"{name}_64_p50_us"] = statistics.median(p50s)
         result[f"{name}_qps_{clients}_clients"] = statistics.median(m["qps"] for m in many)
         result[f"{server}_cpu_us_per_call"] = statistics.median(
@@ -258,8 +263,9 @@ def _socket_echo(path: str, response_bytes: int, ready) -> None:
         connection.sendall(answer)
 
 
-def unix_socket_floor_p50_us(request_bytes: int, response_bytes: int, runs: int,
-                             duration_s: float, spin_s: float = 0.0) -> float:  # fmt: skip
+def unix_socket_floor_p50_us(
+    request_bytes: int, response_bytes: int, runs: int, duration_s: float, spin_s: float = 0.0
+) -> float:
     """Median over `runs` of the p50 of a raw round trip to another process over a unix
     socket (one send and one recv each side, no framing, no parsing; the client polls for the
     answer `spin_s` before sleeping, as KVStoreClient does): what a worker's call to its node
@@ -285,8 +291,10 @@ def unix_socket_floor_p50_us(request_bytes: int, response_bytes: int, runs: int,
                     if not client.recv(1 << 16):
                         raise ConfigError("the unix-socket echo closed")
 
-                p50s = [summary(timed_calls(call, duration_s), duration_s)["p50_us"]
-                        for _ in range(runs)]  # fmt: skip
+                p50s = [
+                    summary(timed_calls(call, duration_s), duration_s)["p50_us"]
+                    for _ in range(runs)
+                ]
         finally:
             echo.terminate()
             echo.join(timeout=10)

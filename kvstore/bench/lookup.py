@@ -49,10 +49,11 @@ TENANT = "bench"
 PREFIX_KEYS = 512
 QPS_CLIENTS = 8  # the client processes of the issue's qps goal
 _CONCURRENT_FIELDS = (
-    ("qps", "lookup_qps_{}_clients"), ("p50_us", "lookup_64_p50_us_{}_clients"),
+    ("qps", "lookup_qps_{}_clients"),
+    ("p50_us", "lookup_64_p50_us_{}_clients"),
     ("p99_us", "lookup_64_p99_us_{}_clients"),
     ("server_cpu_us_per_call", "lookup_server_cpu_us_{}_clients"),
-)  # fmt: skip
+)
 
 
 def bench_keys(count: int = PREFIX_KEYS) -> list[bytes]:
@@ -71,10 +72,19 @@ def _populate(address: str) -> None:
 @contextmanager
 def _service() -> Iterator[tuple[str, int]]:
     """A metadata service process (LMDB) on a free loopback port; yields (address, its pid)."""
-    with tempfile.TemporaryDirectory() as data_dir, peers.cli_process(
-        "metadata", "--backend", "lmdb", "--listen", "127.0.0.1:0", "--data-dir", data_dir,
-        ready="listening on",
-    ) as (process, line):  # fmt: skip
+    with (
+        tempfile.TemporaryDirectory() as data_dir,
+        peers.cli_process(
+            "metadata",
+            "--backend",
+            "lmdb",
+            "--listen",
+            "127.0.0.1:0",
+            "--data-dir",
+            data_dir,
+            ready="listening on",
+        ) as (process, line),
+    ):
         yield line.split("listening on ", 1)[1].split(",", 1)[0], process.pid
 
 
@@ -83,8 +93,9 @@ def _service() -> Iterator[tuple[str, int]]:
 WAYS = ("port", "stream", "unary")
 
 
-def _latencies_s(address: str, num_keys: int, duration_s: float, start=None,
-                 way: str = "port") -> list[float]:  # fmt: skip
+def _latencies_s(
+    address: str, num_keys: int, duration_s: float, start=None, way: str = "port"
+) -> list[float]:
     """Timed lookups of one client, asked `way` (WAYS)."""
     keys = bench_keys(num_keys)
 
@@ -93,14 +104,16 @@ def _latencies_s(address: str, num_keys: int, duration_s: float, start=None,
         if found != num_keys:
             raise ConfigError(f"lookup found {found} of {num_keys} keys")
 
-    with MetadataClient(address, lookup_port=way == "port",
-                        lookup_streams=way != "unary") as client:  # fmt: skip
+    with MetadataClient(
+        address, lookup_port=way == "port", lookup_streams=way != "unary"
+    ) as client:
         client.wait_ready(READY_TIMEOUT_S)
         return timed_calls(lookup, duration_s, start)
 
 
-def _client_process(address: str, num_keys: int, way: str, duration_s: float, start,
-                    results) -> None:  # fmt: skip
+def _client_process(
+    address: str, num_keys: int, way: str, duration_s: float, start, results
+) -> None:
     """Child of concurrent_run: lookups of `num_keys` keys asked `way`; puts the samples."""
     results.put(_latencies_s(address, num_keys, duration_s, start, way))
 
@@ -128,11 +141,22 @@ def _agent_lookups(address: str, runs: int, duration_s: float) -> dict:
     from kvstore.client import DEFAULT_ANSWER_SPIN_US, KVStoreClient  # torch: not in clients
 
     page_bytes = 64 << 10
-    with tempfile.TemporaryDirectory() as directory, peers.node_agent(
-        Path(directory), page_bytes, 128, "--metadata-address", address, "--transfer", "tcp",
-        "--cluster-secret-file", str(peers.secret_file(Path(directory))),
-    ) as socket_path, KVStoreClient(socket_path, "bench") as worker, KVStoreClient(
-        socket_path, "bench-sleeps", answer_spin_us=0) as sleeper:  # fmt: skip
+    with (
+        tempfile.TemporaryDirectory() as directory,
+        peers.node_agent(
+            Path(directory),
+            page_bytes,
+            128,
+            "--metadata-address",
+            address,
+            "--transfer",
+            "tcp",
+            "--cluster-secret-file",
+            str(peers.secret_file(Path(directory))),
+        ) as socket_path,
+        KVStoreClient(socket_path, "bench") as worker,
+        KVStoreClient(socket_path, "bench-sleeps", answer_spin_us=0) as sleeper,
+    ):
         prompts = {
             "local": _saved_keys(worker, page_bytes // 2),
             "remote": bench_keys(64),
@@ -151,19 +175,22 @@ def _agent_lookups(address: str, runs: int, duration_s: float) -> dict:
     return result | {
         "agent_lookup_floor_p50_us": floor(DEFAULT_ANSWER_SPIN_US / 1e6),
         "agent_lookup_floor_blocking_p50_us": floor(0.0),
-        "view_lag_p50_ms": lags_ms[len(lags_ms) // 2], "view_lag_max_ms": lags_ms[-1],
-    }  # fmt: skip
+        "view_lag_p50_ms": lags_ms[len(lags_ms) // 2],
+        "view_lag_max_ms": lags_ms[-1],
+    }
 
 
 def _agent_floor_p50_us(keys: list[bytes], runs: int, duration_s: float, spin_s: float) -> float:
     """A raw unix-socket round trip with the bytes of a 64-key agent lookup and its answer."""
-    request = agent_pb.AgentRequest(request_id=1, lookup=agent_pb.LookupKeysRequest(
-        tenant=TENANT, keys=keys))  # fmt: skip
+    request = agent_pb.AgentRequest(
+        request_id=1, lookup=agent_pb.LookupKeysRequest(tenant=TENANT, keys=keys)
+    )
     response = agent_pb.AgentResponse(request_id=1)
     response.lookup.local_hits, response.lookup.tiers = len(keys), b"h" * len(keys)
     framed = LENGTH_BYTES + response.ByteSize()
-    return unix_socket_floor_p50_us(LENGTH_BYTES + request.ByteSize(), framed, runs, duration_s,
-                                    spin_s)  # fmt: skip
+    return unix_socket_floor_p50_us(
+        LENGTH_BYTES + request.ByteSize(), framed, runs, duration_s, spin_s
+    )
 
 
 def _view_lag_ms(address: str, worker, timeout_s: float = 10.0) -> float:
@@ -259,29 +286,35 @@ def run_lookup(runs: int = 5, duration_s: float = 2.0, concurrency=(1, 8, 32)) -
     return result
 
 
-def _service_lookups(address: str, pid: int, runs: int, duration_s: float,
-                     concurrency) -> dict:  # fmt: skip
+def _service_lookups(address: str, pid: int, runs: int, duration_s: float, concurrency) -> dict:
     """On the lookup port: latency with one client; qps, latency and the service's CPU per
     lookup with each number of client processes. Beside them, for the gRPC ways: latency, and
     qps and service CPU with the qps goal's clients."""
     result = {}
     for num_keys in (64, 512):
-        single = [summary(_latencies_s(address, num_keys, duration_s), duration_s)
-                  for _ in range(runs)]  # fmt: skip
+        single = [
+            summary(_latencies_s(address, num_keys, duration_s), duration_s) for _ in range(runs)
+        ]
         result[f"lookup_{num_keys}_p50_us"] = statistics.median(s["p50_us"] for s in single)
         result[f"lookup_{num_keys}_p99_us"] = statistics.median(s["p99_us"] for s in single)
     for clients in concurrency:
-        many = [concurrent_run(_client_process, (address, 64, "port"), clients, duration_s, pid)
-                for _ in range(runs)]  # fmt: skip
+        many = [
+            concurrent_run(_client_process, (address, 64, "port"), clients, duration_s, pid)
+            for _ in range(runs)
+        ]
         for field, name in _CONCURRENT_FIELDS:
             result[name.format(clients)] = statistics.median(m[field] for m in many)
     clients = min(QPS_CLIENTS, max(concurrency))
     for way in WAYS[1:]:
-        single = [summary(_latencies_s(address, 64, duration_s, way=way), duration_s)["p50_us"]
-                  for _ in range(runs)]  # fmt: skip
+        single = [
+            summary(_latencies_s(address, 64, duration_s, way=way), duration_s)["p50_us"]
+            for _ in range(runs)
+        ]
         result[f"lookup_{way}_64_p50_us"] = statistics.median(single)
-        many = [concurrent_run(_client_process, (address, 64, way), clients, duration_s, pid)
-                for _ in range(runs)]  # fmt: skip
+        many = [
+            concurrent_run(_client_process, (address, 64, way), clients, duration_s, pid)
+            for _ in range(runs)
+        ]
         result[f"lookup_{way}_qps_{clients}_clients"] = statistics.median(m["qps"] for m in many)
         result[f"lookup_{way}_server_cpu_us_{clients}_clients"] = statistics.median(
             m["server_cpu_us_per_call"] for m in many

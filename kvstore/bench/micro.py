@@ -169,9 +169,11 @@ def tier_read(rig: TierRig) -> None:
 def timed_round(rig: TierRig, baseline: MemcpyBaseline) -> dict[str, float]:
     """Seconds of one pass of memcpy and of each tier path; leaves the tier empty."""
     steps: list[tuple[str, Callable[[TierRig], None]]] = [
-        ("write", store_write), ("read", store_read), ("tier_write", tier_write),
+        ("write", store_write),
+        ("read", store_read),
+        ("tier_write", tier_write),
         ("tier_read", tier_read),
-    ]  # fmt: skip
+    ]
     samples = {"memcpy": baseline.sample_s()}
     for name, step in steps:
         if name.endswith("write"):

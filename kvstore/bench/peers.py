@@ -38,9 +38,12 @@ def free_port() -> int:
 def cli_process(*args: str, ready: str) -> Iterator[tuple[subprocess.Popen, str]]:
     """`python -m kvstore ARGS`, once it printed a line containing `ready`."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "kvstore", *args], stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL, text=True, env={**os.environ, **UCX_ENV},
-    )  # fmt: skip
+        [sys.executable, "-m", "kvstore", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, **UCX_ENV},
+    )
     try:
         line = process.stdout.readline()
         if ready not in line:
@@ -54,10 +57,19 @@ def cli_process(*args: str, ready: str) -> Iterator[tuple[subprocess.Popen, str]
 @contextmanager
 def metadata_service(backend: str = "lmdb") -> Iterator[str]:
     """A metadata service on a free loopback port; yields its address."""
-    with tempfile.TemporaryDirectory() as data_dir, cli_process(
-        "metadata", "--backend", backend, "--listen", "127.0.0.1:0", "--data-dir", data_dir,
-        ready="listening on",
-    ) as (_, line):  # fmt: skip
+    with (
+        tempfile.TemporaryDirectory() as data_dir,
+        cli_process(
+            "metadata",
+            "--backend",
+            backend,
+            "--listen",
+            "127.0.0.1:0",
+            "--data-dir",
+            data_dir,
+            ready="listening on",
+        ) as (_, line),
+    ):
         yield line.split("listening on ", 1)[1].split(",", 1)[0]
 
 
@@ -74,10 +86,20 @@ def node_agent(directory: Path, page_bytes: int, pages: int, *flags: str) -> Ite
     """A node agent with an arena of `pages` pages and no metadata service; yields its socket."""
     socket_path = directory / "agent.sock"
     with cli_process(
-        "node", "--socket-path", str(socket_path), "--transfer", "none",
-        "--page-size-bytes", str(page_bytes), "--host-capacity-bytes", str(page_bytes * pages),
-        "--host-policy", "lru", *flags, ready="serving workers",
-    ):  # fmt: skip
+        "node",
+        "--socket-path",
+        str(socket_path),
+        "--transfer",
+        "none",
+        "--page-size-bytes",
+        str(page_bytes),
+        "--host-capacity-bytes",
+        str(page_bytes * pages),
+        "--host-policy",
+        "lru",
+        *flags,
+        ready="serving workers",
+    ):
         yield socket_path
 
 
@@ -183,10 +205,23 @@ def redis_server():
     with tempfile.TemporaryDirectory() as workdir:
         port = free_port()
         server = subprocess.Popen(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", workdir,
-             "--proto-max-bulk-len", "1gb", "--client-query-buffer-limit", "1gb"],
+            [
+                binary,
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--dir",
+                workdir,
+                "--proto-max-bulk-len",
+                "1gb",
+                "--client-query-buffer-limit",
+                "1gb",
+            ],
             stdout=subprocess.DEVNULL,
-        )  # fmt: skip
+        )
         try:
             client = redis.Redis(host="127.0.0.1", port=port)
             for _ in range(200):

@@ -84,11 +84,21 @@ def trace_rates(path: Path) -> dict[str, float]:
 
 def start_service(spec: ScaleSpec, data_dir: Path) -> tuple[subprocess.Popen, str]:
     command = [
-        sys.executable, "-m", "kvstore", "metadata", "--backend", spec.backend,
-        "--listen", "127.0.0.1:0", "--data-dir", str(data_dir),
-        "--max-watch-streams-per-tenant", str(spec.watchers + 4),
-        "--lmdb-map-size-bytes", str(max(4 << 30, spec.keys * 1024)),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "kvstore",
+        "metadata",
+        "--backend",
+        spec.backend,
+        "--listen",
+        "127.0.0.1:0",
+        "--data-dir",
+        str(data_dir),
+        "--max-watch-streams-per-tenant",
+        str(spec.watchers + 4),
+        "--lmdb-map-size-bytes",
+        str(max(4 << 30, spec.keys * 1024)),
+    ]
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=sys.stderr, text=True, preexec_fn=_die_with_parent
     )
@@ -132,10 +142,17 @@ def _plans(spec: ScaleSpec, address: str, rates: dict) -> list[AgentPlan]:
     plans = []
     for p in range(min(spec.agent_processes, spec.nodes)):
         nodes = tuple(range(p, spec.nodes, spec.agent_processes))
-        plans.append(AgentPlan(
-            address, nodes, per_node, spec.lease_ttl_ms, rates["requests_per_s"],
-            rates["new_keys_per_s"], spec.threads_per_agent,
-        ))  # fmt: skip
+        plans.append(
+            AgentPlan(
+                address,
+                nodes,
+                per_node,
+                spec.lease_ttl_ms,
+                rates["requests_per_s"],
+                rates["new_keys_per_s"],
+                spec.threads_per_agent,
+            )
+        )
     return plans
 
 
@@ -143,16 +160,19 @@ def _run(spec, rates, service, address, context, events, results) -> dict:
     halt, steady, stop = events
     base_mib = rss_mib(service.pid)
     plans = _plans(spec, address, rates)
-    agents = [context.Process(target=run_agent, args=(plan, *events, results), daemon=True)
-              for plan in plans]  # fmt: skip
+    agents = [
+        context.Process(target=run_agent, args=(plan, *events, results), daemon=True)
+        for plan in plans
+    ]
     for process in agents:
         process.start()
     preload = _preload(spec, service.pid, address, halt, results, len(agents))
     loaded_mib = rss_mib(service.pid)
     observer = context.Process(
-        target=run_observer, args=(address, spec.probers, spec.watchers, stop, results),
+        target=run_observer,
+        args=(address, spec.probers, spec.watchers, stop, results),
         daemon=True,
-    )  # fmt: skip
+    )
     observer.start()
     steady.set()
     steady_started = time.time()
@@ -163,10 +183,11 @@ def _run(spec, rates, service, address, context, events, results) -> dict:
         process.join(timeout=RESULT_TIMEOUT_S)
     summary = _summarize(spec, rates, preload, reports)
     summary.update(
-        service_rss_base_mib=round(base_mib), service_rss_loaded_mib=round(loaded_mib),
+        service_rss_base_mib=round(base_mib),
+        service_rss_loaded_mib=round(loaded_mib),
         service_rss_peak_mib=round(max(peak_mib, loaded_mib)),
         bytes_per_key=_bytes_per_key(base_mib, loaded_mib, preload),
-    )  # fmt: skip
+    )
     summary["broke_first"] = _broke_first(spec, summary, preload, steady_started)
     return summary
 
@@ -233,16 +254,20 @@ def _percentile(values: list[float], q: int) -> float:
 def _summarize(spec, rates, preload, reports) -> dict:
     agents = [r for r in reports if r[0] == "agent"]
     _, probe_us, probe_qps, lags_ms, tally = next(r for r in reports if r[0] == "observer")
-    errors_by_kind: Counter[str] = sum((Counter(r[1].pop("errors_by_kind")) for r in agents),
-                                       Counter())  # fmt: skip
+    errors_by_kind: Counter[str] = sum(
+        (Counter(r[1].pop("errors_by_kind")) for r in agents), Counter()
+    )
     counts = {name: sum(r[1][name] for r in agents) for name in agents[0][1]}
     seconds = max(r[1]["steady_s"] for r in agents)  # the agents' own trace-rate phase
     request_us = [v for r in agents for v in r[2]]
     target_keys_s = rates["new_keys_per_s"] * spec.nodes
     misses = [r[3] for r in agents if r[3] is not None]
     return {
-        "nodes": spec.nodes, "keys_requested": spec.keys, "keys_loaded": preload["keys"],
-        "backend": spec.backend, "seconds": round(seconds, 1),
+        "nodes": spec.nodes,
+        "keys_requested": spec.keys,
+        "keys_loaded": preload["keys"],
+        "backend": spec.backend,
+        "seconds": round(seconds, 1),
         "trace_per_node": {k: round(v, 2) for k, v in rates.items()},
         "preload_seconds": round(preload["seconds"], 1),
         "preload_keys_per_s": round(preload["keys"] / max(preload["seconds"], 1e-9)),
@@ -254,18 +279,23 @@ def _summarize(spec, rates, preload, reports) -> dict:
         "request_lookups_per_s": round(counts["request_lookups"] / seconds),
         "request_lookup_p50_us": round(_percentile(request_us, 50)),
         "request_lookup_p99_us": round(_percentile(request_us, 99)),
-        "lookups_per_s": round(probe_qps), "lookup_64_p50_us": round(_percentile(probe_us, 50)),
+        "lookups_per_s": round(probe_qps),
+        "lookup_64_p50_us": round(_percentile(probe_us, 50)),
         "lookup_64_p99_us": round(_percentile(probe_us, 99)),
-        "watchers": spec.watchers, "events_received": tally["events"],
-        "event_gaps": tally["gaps"], "event_lag_p50_ms": round(_percentile(lags_ms, 50), 1),
+        "watchers": spec.watchers,
+        "events_received": tally["events"],
+        "event_gaps": tally["gaps"],
+        "event_lag_p50_ms": round(_percentile(lags_ms, 50), 1),
         "event_lag_p99_ms": round(_percentile(lags_ms, 99), 1),
-        "heartbeats": counts["heartbeats"], "heartbeat_misses": counts["heartbeat_misses"],
+        "heartbeats": counts["heartbeats"],
+        "heartbeat_misses": counts["heartbeat_misses"],
         "heartbeat_misses_preloading": preload["misses"],
-        "leases_lost": counts["leases_lost"], "errors": counts["errors"],
+        "leases_lost": counts["leases_lost"],
+        "errors": counts["errors"],
         "errors_by_kind": dict(errors_by_kind),
         "first_heartbeat_miss_at": min(misses) if misses else None,
         "machine": {"cpu_count": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]},
-    }  # fmt: skip
+    }
 
 
 def _broke_first(spec, summary: dict, preload: dict, steady_started: float) -> str:
@@ -277,11 +307,14 @@ def _broke_first(spec, summary: dict, preload: dict, steady_started: float) -> s
         phase = "preloading" if miss_at < steady_started else "under trace load"
         hit.append(f"heartbeats: {summary['heartbeat_misses']} missed, the first while {phase}")
     if summary["publish_rate_ratio"] < PUBLISH_RATE_FLOOR:
-        hit.append(f"publish rate: {summary['publish_keys_per_s']} of "
-                   f"{summary['target_publish_keys_per_s']} keys/s")  # fmt: skip
+        hit.append(
+            f"publish rate: {summary['publish_keys_per_s']} of "
+            f"{summary['target_publish_keys_per_s']} keys/s"
+        )
     if summary["event_gaps"] or summary["event_lag_p99_ms"] > EVENT_LAG_P99_LIMIT_MS:
-        hit.append(f"event fan-out: lag p99 {summary['event_lag_p99_ms']} ms, "
-                   f"{summary['event_gaps']} gaps")  # fmt: skip
+        hit.append(
+            f"event fan-out: lag p99 {summary['event_lag_p99_ms']} ms, {summary['event_gaps']} gaps"
+        )
     if summary["lookup_64_p99_us"] > LOOKUP_P99_LIMIT_US:
         hit.append(f"lookups: p99 {summary['lookup_64_p99_us']} us")
     summary["limits_hit"] = hit

@@ -235,9 +235,15 @@ class Agent:
 
 
 COUNTERS = (
-    "heartbeats", "heartbeat_misses", "leases_lost", "preloaded", "published", "evicted",
-    "request_lookups", "errors",
-)  # fmt: skip
+    "heartbeats",
+    "heartbeat_misses",
+    "leases_lost",
+    "preloaded",
+    "published",
+    "evicted",
+    "request_lookups",
+    "errors",
+)
 
 
 def _threads(target, groups: list) -> list[threading.Thread]:
@@ -295,8 +301,7 @@ def run_observer(address: str, probers: int, watchers: int, stop, results) -> No
     for thread in prober_threads:
         thread.join()
     elapsed_s = time.monotonic() - started
-    results.put(("observer", lookups_us.values, lookups_us.seen / elapsed_s, lags_ms.values,
-                 tally))  # fmt: skip
+    results.put(("observer", lookups_us.values, lookups_us.seen / elapsed_s, lags_ms.values, tally))
 
 
 def _keep_alive(client: MetadataClient, node_id: str, lease: int, stop) -> None:

@@ -40,20 +40,41 @@ LLAMA_8B = {"layers": 32, "heads": 8, "head_dim": 128, "page_tokens": 64}
 QUICK = {"layers": 4, "heads": 2, "head_dim": 64, "page_tokens": 16}
 
 
-def storage_config(extra: dict, tp_rank: int = 0, tp_size: int = 1, mla: bool = False,
-                   model_name: str = "bench-model"):  # fmt: skip
+def storage_config(
+    extra: dict,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    mla: bool = False,
+    model_name: str = "bench-model",
+):
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
     return HiCacheStorageConfig(
-        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-        is_mla_model=mla, enable_storage_metrics=True, is_page_first_layout=True,
-        model_name=model_name, extra_config=dict(extra),
-    )  # fmt: skip
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=mla,
+        enable_storage_metrics=True,
+        is_page_first_layout=True,
+        model_name=model_name,
+        extra_config=dict(extra),
+    )
 
 
-def host_pool(layout: str, pages: int, layers: int, heads: int, head_dim: int,
-              page_tokens: int, mla: bool = False, dtype=torch.bfloat16,
-              start_layer: int = 0):  # fmt: skip
+def host_pool(
+    layout: str,
+    pages: int,
+    layers: int,
+    heads: int,
+    head_dim: int,
+    page_tokens: int,
+    mla: bool = False,
+    dtype=torch.bfloat16,
+    start_layer: int = 0,
+):
     """A real SGLang host pool on CPU over small stand-in device buffers (SGLang's own
     buffer-info structs; the host pool only reads their geometry and pointers), of layers
     [start_layer, start_layer + layers) of the model (a pipeline stage's)."""
@@ -62,20 +83,34 @@ def host_pool(layout: str, pages: int, layers: int, heads: int, head_dim: int,
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
     tokens = page_tokens
-    common = dict(host_to_device_ratio=1.0, host_size=0, page_size=page_tokens, layout=layout,
-                  pin_memory=False, device="cpu", device_capacity_tokens=pages * page_tokens,
-                  start_layer=start_layer, end_layer=start_layer + layers)  # fmt: skip
+    common = dict(
+        host_to_device_ratio=1.0,
+        host_size=0,
+        page_size=page_tokens,
+        layout=layout,
+        pin_memory=False,
+        device="cpu",
+        device_capacity_tokens=pages * page_tokens,
+        start_layer=start_layer,
+        end_layer=start_layer + layers,
+    )
     with _memory_budget():
         if mla:
             return _mla_pool(common, layers, head_dim, page_tokens, dtype)
         k = tuple(torch.zeros(tokens, heads, head_dim, dtype=dtype) for _ in range(layers))
         v = tuple(torch.zeros(tokens, heads, head_dim, dtype=dtype) for _ in range(layers))
-        buffers = KVBuffers(k=k, v=v, k_data_ptrs=_pointers(k), v_data_ptrs=_pointers(v),
-                            layout=KVBufferLayout.NHD)  # fmt: skip
+        buffers = KVBuffers(
+            k=k, v=v, k_data_ptrs=_pointers(k), v_data_ptrs=_pointers(v), layout=KVBufferLayout.NHD
+        )
         info = MHABufferInfo(
-            buffers=buffers, page_size=page_tokens, head_num=heads, head_dim=head_dim,
-            v_head_dim=head_dim, dtype=dtype, device=torch.device("cpu"),
-        )  # fmt: skip
+            buffers=buffers,
+            page_size=page_tokens,
+            head_num=heads,
+            head_dim=head_dim,
+            v_head_dim=head_dim,
+            dtype=dtype,
+            device=torch.device("cpu"),
+        )
         return MHATokenToKVPoolHost(info, **common)
 
 
@@ -85,11 +120,17 @@ def _mla_pool(common: dict, layers: int, head_dim: int, page_tokens: int, dtype)
 
     rows = tuple(torch.zeros(page_tokens, 1, head_dim, dtype=dtype) for _ in range(layers))
     info = MLABufferInfo(
-        buffers=rows, data_ptrs=_pointers(rows), layer_indices=tuple(range(layers)),
-        device_layer_num=layers, page_size=page_tokens, kv_lora_rank=head_dim - 64 if
-        head_dim > 64 else head_dim // 2, qk_rope_head_dim=64 if head_dim > 64 else
-        head_dim - head_dim // 2, kv_cache_dim=head_dim, dtype=dtype, device=torch.device("cpu"),
-    )  # fmt: skip
+        buffers=rows,
+        data_ptrs=_pointers(rows),
+        layer_indices=tuple(range(layers)),
+        device_layer_num=layers,
+        page_size=page_tokens,
+        kv_lora_rank=head_dim - 64 if head_dim > 64 else head_dim // 2,
+        qk_rope_head_dim=64 if head_dim > 64 else head_dim - head_dim // 2,
+        kv_cache_dim=head_dim,
+        dtype=dtype,
+        device=torch.device("cpu"),
+    )
     return MLATokenToKVPoolHost(info, **common, target_layer_num=layers)
 
 
@@ -111,11 +152,17 @@ def backend_for(socket_path: Path, pool, **extra):
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
     ranks = {k: extra.pop(k) for k in ("tp_rank", "tp_size", "mla") if k in extra}
-    config = storage_config({
-        "backend_name": "kvstore", "module_path": "connectors.sglang.backend",
-        "class_name": "KVStoreHiCacheStorage", "interface_v1": 1,
-        "socket_path": str(socket_path), **extra,
-    }, **ranks)  # fmt: skip
+    config = storage_config(
+        {
+            "backend_name": "kvstore",
+            "module_path": "connectors.sglang.backend",
+            "class_name": "KVStoreHiCacheStorage",
+            "interface_v1": 1,
+            "socket_path": str(socket_path),
+            **extra,
+        },
+        **ranks,
+    )
     backend = StorageBackendFactory.create_backend("dynamic", config, pool)
     backend.register_mem_pool_host(pool)
     return backend
@@ -126,8 +173,14 @@ def run_sglang(pages: int = 64, runs: int = 3, quick: bool = False) -> dict:
     shape = dict(QUICK if quick else LLAMA_8B)
     pages = min(pages, 4) if quick else pages
     page_bytes = 2 * shape["layers"] * shape["page_tokens"] * shape["heads"] * shape["head_dim"] * 2
-    result = {"pages": pages, "page_bytes": page_bytes, "model": "quick" if quick else "llama-3-8b",
-              "runs": runs, "layouts": {}, "machine": machine_info()}  # fmt: skip
+    result = {
+        "pages": pages,
+        "page_bytes": page_bytes,
+        "model": "quick" if quick else "llama-3-8b",
+        "runs": runs,
+        "layouts": {},
+        "machine": machine_info(),
+    }
     for layout in ("page_first_direct", "page_first"):
         result["layouts"][layout] = _measure(layout, shape, pages, runs)
     best = result["layouts"]["page_first_direct"]
@@ -141,11 +194,15 @@ def _measure(layout: str, shape: dict, pages: int, runs: int, head_group_size: i
     """One pool layout against a fresh agent whose arena holds two batches (the one being
     set, the one before) and the baseline's pages."""
     blocks = pages * (shape["heads"] if head_group_size else 1)
-    block_bytes = (2 * shape["layers"] * shape["page_tokens"] * shape["heads"] * shape[
-        "head_dim"] * 2) * pages // blocks  # fmt: skip
-    with tempfile.TemporaryDirectory() as directory, peers.node_agent(
-        Path(directory), block_bytes + HEADER_BYTES, 3 * blocks
-    ) as socket_path:  # fmt: skip
+    block_bytes = (
+        (2 * shape["layers"] * shape["page_tokens"] * shape["heads"] * shape["head_dim"] * 2)
+        * pages
+        // blocks
+    )
+    with (
+        tempfile.TemporaryDirectory() as directory,
+        peers.node_agent(Path(directory), block_bytes + HEADER_BYTES, 3 * blocks) as socket_path,
+    ):
         pool = host_pool(layout, pages, **shape)
         backend = backend_for(socket_path, pool, salt=layout, head_group_size=head_group_size)
         try:
@@ -173,21 +230,33 @@ def _timed(backend, pool, socket_path: Path, pages: int, runs: int) -> dict:
         warmup = 2  # two batches: every page of the backend's part of the arena written once
         sets = _paired(batch_set, memcpy.to_arena, runs, warmup)
         pool.kv_buffer.zero_()
-        gets = _paired(lambda: _check(backend.batch_get_v1(keys, indices)), memcpy.from_arena,
-                       runs, warmup=1)  # fmt: skip
-    intact = all((comp == want).all() for s, page in zip(starts, expected, strict=True)
-                 for comp, want in zip(fmt.page(s), page, strict=True))  # fmt: skip
+        gets = _paired(
+            lambda: _check(backend.batch_get_v1(keys, indices)), memcpy.from_arena, runs, warmup=1
+        )
+    intact = all(
+        (comp == want).all()
+        for s, page in zip(starts, expected, strict=True)
+        for comp, want in zip(fmt.page(s), page, strict=True)
+    )
     memcpy_set, memcpy_get = gbps(total, sets["memcpy_s"]), gbps(total, gets["memcpy_s"])
-    return {"set_gbps": gbps(total, sets["backend_s"]), "get_gbps": gbps(total, gets["backend_s"]),
-            "memcpy_set_gbps": memcpy_set, "memcpy_get_gbps": memcpy_get,
-            "memcpy_gbps": min(memcpy_set, memcpy_get), "set_vs_memcpy": sets["ratio"],
-            "get_vs_memcpy": gets["ratio"], "set_vs_memcpy_cpu": sets["cpu_ratio"],
-            "get_vs_memcpy_cpu": gets["cpu_ratio"], "bytes_equal": intact,
-            "exists": backend.batch_exists(keys)}  # fmt: skip
+    return {
+        "set_gbps": gbps(total, sets["backend_s"]),
+        "get_gbps": gbps(total, gets["backend_s"]),
+        "memcpy_set_gbps": memcpy_set,
+        "memcpy_get_gbps": memcpy_get,
+        "memcpy_gbps": min(memcpy_set, memcpy_get),
+        "set_vs_memcpy": sets["ratio"],
+        "get_vs_memcpy": gets["ratio"],
+        "set_vs_memcpy_cpu": sets["cpu_ratio"],
+        "get_vs_memcpy_cpu": gets["cpu_ratio"],
+        "bytes_equal": intact,
+        "exists": backend.batch_exists(keys),
+    }
 
 
-def _paired(backend_call: Callable[[], object], memcpy_call: Callable[[], object], runs: int,
-            warmup: int) -> dict:  # fmt: skip
+def _paired(
+    backend_call: Callable[[], object], memcpy_call: Callable[[], object], runs: int, warmup: int
+) -> dict:
     """Alternate samples of the backend and the baseline: their median wall-clock seconds,
     the median of each pair's throughput ratio (memcpy seconds / backend seconds), and the
     same ratio of this thread's CPU seconds (which a loaded machine's waits do not enter;
@@ -197,10 +266,12 @@ def _paired(backend_call: Callable[[], object], memcpy_call: Callable[[], object
         sample = (*_wall_and_cpu_s(memcpy_call), *_wall_and_cpu_s(backend_call))
         if index >= warmup:
             pairs.append(sample)
-    return {"memcpy_s": statistics.median(p[0] for p in pairs),
-            "backend_s": statistics.median(p[2] for p in pairs),
-            "ratio": statistics.median(p[0] / p[2] for p in pairs),
-            "cpu_ratio": statistics.median(p[1] / p[3] for p in pairs)}  # fmt: skip
+    return {
+        "memcpy_s": statistics.median(p[0] for p in pairs),
+        "backend_s": statistics.median(p[2] for p in pairs),
+        "ratio": statistics.median(p[0] / p[2] for p in pairs),
+        "cpu_ratio": statistics.median(p[1] / p[3] for p in pairs),
+    }
 
 
 def _wall_and_cpu_s(call: Callable[[], object]) -> tuple[float, float]:
@@ -216,8 +287,10 @@ class ArenaMemcpy:
 
     def __init__(self, socket_path: Path, fmt, starts: list[int], blocks_per_page: int) -> None:
         self._client = KVStoreClient(socket_path, worker="bench-memcpy")
-        keys = [hashlib.blake2b(b"memcpy%d" % i, digest_size=KEY_BYTES).digest()
-                for i in range(len(starts) * blocks_per_page)]  # fmt: skip
+        keys = [
+            hashlib.blake2b(b"memcpy%d" % i, digest_size=KEY_BYTES).digest()
+            for i in range(len(starts) * blocks_per_page)
+        ]
         self._reservation = self._client.save(peers.TENANT, keys, fmt.payload_bytes)
         views = [view.numpy() for view in self._reservation.payloads]
         self._pairs = []  # (arena run, pool run) views of equal length

@@ -123,10 +123,13 @@ def summarize(times_s: list[float], rows: list[dict], warmup_s: float) -> dict:
         fitted_s = [times_s[i] for i in fitted]
         unit = metric.removesuffix("_mib")
         suffix = "_mib_per_hour" if metric.endswith("mib") else "_per_hour"
-        summary.setdefault(group, {}).update({
-            f"{metric}_first": round(values[0], 3), f"{metric}_last": round(values[-1], 3),
-            f"{unit}_slope{suffix}": round(slope_per_hour(fitted_s, values), 3),
-        })  # fmt: skip
+        summary.setdefault(group, {}).update(
+            {
+                f"{metric}_first": round(values[0], 3),
+                f"{metric}_last": round(values[-1], 3),
+                f"{unit}_slope{suffix}": round(slope_per_hour(fitted_s, values), 3),
+            }
+        )
     return summary
 
 
@@ -136,8 +139,11 @@ def ring_report(
     """The event ring's fill (when its events reached `max_events`) and bound, and the
     RING_SLOPES of the metadata role and process fitted after the fill (None: it never filled,
     or fewer than 3 samples came after)."""
-    emitted = [(t, row["ring.events_emitted"]) for t, row in zip(times_s, rows, strict=True)
-               if "ring.events_emitted" in row]  # fmt: skip
+    emitted = [
+        (t, row["ring.events_emitted"])
+        for t, row in zip(times_s, rows, strict=True)
+        if "ring.events_emitted" in row
+    ]
     full_at_s = next((t for t, count in emitted if count >= max_events), None)
     later = {}
     if full_at_s is not None and sum(t >= full_at_s for t in times_s) >= 3:
@@ -147,11 +153,12 @@ def ring_report(
         for group in ("metadata", "process:metadata")
     }
     report = {
-        "max_events": max_events, "events_emitted": emitted[-1][1] if emitted else None,
+        "max_events": max_events,
+        "events_emitted": emitted[-1][1] if emitted else None,
         "full_at_s": None if full_at_s is None else round(full_at_s, 1),
         "bytes_per_event": round(bytes_per_event),
         "bound_mib": round(max_events * bytes_per_event / 2**20, 1),
-    }  # fmt: skip
+    }
     return report, slopes
 
 
@@ -160,9 +167,12 @@ def _per_process(summary: dict[str, dict]) -> dict[str, dict]:
 
 
 def run_soak(
-    minutes: float, ops_per_s: float = 20.0, sample_s: float = 5.0, shared_shm: bool = False,
+    minutes: float,
+    ops_per_s: float = 20.0,
+    sample_s: float = 5.0,
+    shared_shm: bool = False,
     metadata_max_events: int = 0,
-) -> dict:  # fmt: skip
+) -> dict:
     """Run the soak benchmark (see `run_chaos` about the private /dev/shm); a positive
     `metadata_max_events` sizes the metadata service's event ring (0: its default)."""
     bytes_per_event = ring_bytes_per_event()
@@ -196,14 +206,22 @@ def run_soak(
     ring.update(summary.pop("ring", {}))
     totals = tally.totals()
     return {
-        "operations": totals["ops"], "errors": totals["errors"] + sum(crashes.values()),
+        "operations": totals["ops"],
+        "errors": totals["errors"] + sum(crashes.values()),
         "ops_per_s": round(totals["ops"] / spec.duration_s, 2),
-        "target_ops_per_s": ops_per_s * len(cluster.names("worker")), **totals,
-        "wrong_results": totals["wrong_results"], "crashes": dict(crashes), "stuck_workers": stuck,
-        "lost_blocks": audit["lost_blocks"], "lost_blocks_checked": audit["lost_blocks_checked"],
-        "roles": {role: summary.get(role, {}) for role in ROLES}, "shm": summary.get("shm", {}),
+        "target_ops_per_s": ops_per_s * len(cluster.names("worker")),
+        **totals,
+        "wrong_results": totals["wrong_results"],
+        "crashes": dict(crashes),
+        "stuck_workers": stuck,
+        "lost_blocks": audit["lost_blocks"],
+        "lost_blocks_checked": audit["lost_blocks_checked"],
+        "roles": {role: summary.get(role, {}) for role in ROLES},
+        "shm": summary.get("shm", {}),
         "metadata_ring": ring,
         "processes": _per_process(summary),
-        "samples": len(rows), "private_shm": private_shm, "child_pids": child_pids,
+        "samples": len(rows),
+        "private_shm": private_shm,
+        "child_pids": child_pids,
         "minutes": minutes,
-    }  # fmt: skip
+    }

@@ -248,8 +248,10 @@ def redis_results(block_bytes: int, batch: int, runs: int) -> dict[str, float]:
             assert all(len(v) == block_bytes for v in values)
             del values
     total = block_bytes * batch
-    return {"redis_put_GBps": _median_gbps(set_s[1:], total),
-            "redis_get_GBps": _median_gbps(get_s[1:], total)}  # fmt: skip
+    return {
+        "redis_put_GBps": _median_gbps(set_s[1:], total),
+        "redis_get_GBps": _median_gbps(get_s[1:], total),
+    }
 
 
 # ---- all together ----------------------------------------------------------------------------

@@ -33,8 +33,14 @@ from kvstore.bench.timing import check_runs, machine_info
 # Llama-3-8B's proportions at a size CPU prefill takes seconds: 4 query heads per kv head, an MLP
 # 3.5 × hidden. (An MHA model with a 2 × MLP, used before, spends ~45 % of its prefill in
 # attention, which no served model does at 4k tokens; its limit at 90 % cached was 5.5.)
-MODEL = {"num_layers": 8, "hidden_size": 512, "num_heads": 8, "num_kv_heads": 2, "head_dim": 64,
-         "intermediate_size": 1792}  # fmt: skip
+MODEL = {
+    "num_layers": 8,
+    "hidden_size": 512,
+    "num_heads": 8,
+    "num_kv_heads": 2,
+    "head_dim": 64,
+    "intermediate_size": 1792,
+}
 CHUNK_TOKENS = 256
 BLOCK_SIZE = 128
 SETTLE_S = 0.5  # between paired cold runs: the idle engine's threads stop spinning
@@ -42,21 +48,38 @@ SETTLE_S = 0.5  # between paired cold runs: the idle engine's threads stop spinn
 
 def _engine(model: Path, socket_path: Path | None):
     """An in-process engine, with the connector on `socket_path` (None: without one)."""
-    os.environ.update(VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1",
-                      VLLM_ENABLE_V1_MULTIPROCESSING="0")  # fmt: skip
+    os.environ.update(
+        VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0"
+    )
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    transfer = None if socket_path is None else KVTransferConfig(
-        kv_connector="KVStoreConnector", kv_connector_module_path="connectors.vllm.connector",
-        kv_role="kv_both", kv_load_failure_policy="recompute",
-        kv_connector_extra_config={"socket_path": str(socket_path), "chunk_tokens": CHUNK_TOKENS},
-    )  # fmt: skip
+    transfer = (
+        None
+        if socket_path is None
+        else KVTransferConfig(
+            kv_connector="KVStoreConnector",
+            kv_connector_module_path="connectors.vllm.connector",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config={
+                "socket_path": str(socket_path),
+                "chunk_tokens": CHUNK_TOKENS,
+            },
+        )
+    )
     return LLM(
-        model=str(model), tokenizer=str(model), dtype="float32", enforce_eager=True,
-        gpu_memory_utilization=0.2, kv_cache_memory_bytes=2 << 30, block_size=BLOCK_SIZE,
-        kv_transfer_config=transfer, max_model_len=8192, max_num_batched_tokens=8192,
-    )  # fmt: skip
+        model=str(model),
+        tokenizer=str(model),
+        dtype="float32",
+        enforce_eager=True,
+        gpu_memory_utilization=0.2,
+        kv_cache_memory_bytes=2 << 30,
+        block_size=BLOCK_SIZE,
+        kv_transfer_config=transfer,
+        max_model_len=8192,
+        max_num_batched_tokens=8192,
+    )
 
 
 class TTFTBench:
@@ -121,10 +144,15 @@ def run_vllm(runs: int = 5, prompt_tokens: int = 4096) -> dict:
         layout_bytes = (
             MODEL["num_layers"] * 2 * CHUNK_TOKENS * MODEL["num_kv_heads"] * MODEL["head_dim"] * 4
         )
-        agent = NodeAgent(NodeConfig(
-            node_id="bench", socket_path=root / "agent.sock", transfer="none",
-            page_size_bytes=layout_bytes + 4096, host_capacity_bytes=(layout_bytes + 4096) * 256,
-        ))  # fmt: skip
+        agent = NodeAgent(
+            NodeConfig(
+                node_id="bench",
+                socket_path=root / "agent.sock",
+                transfer="none",
+                page_size_bytes=layout_bytes + 4096,
+                host_capacity_bytes=(layout_bytes + 4096) * 256,
+            )
+        )
         agent.start()
         try:
             socket_path = agent.config.socket_path
@@ -137,8 +165,9 @@ def run_vllm(runs: int = 5, prompt_tokens: int = 4096) -> dict:
             bench.measure(0.0)  # warm-up: first-call costs are not part of any figure
             fractions = (("cold", 0.0), ("cached50", 0.5), ("cached90", 0.9), ("repeat", 1.0))
             samples = {name: [bench.measure(f) for _ in range(runs)] for name, f in fractions}
-            samples["cached90_engine"] = [bench.measure(0.9, engine_cache=True)
-                                          for _ in range(runs)]  # fmt: skip
+            samples["cached90_engine"] = [
+                bench.measure(0.9, engine_cache=True) for _ in range(runs)
+            ]
         finally:
             agent.stop()
     result = _summary(runs, prompt_tokens, samples)
@@ -151,8 +180,12 @@ def run_vllm(runs: int = 5, prompt_tokens: int = 4096) -> dict:
 
 
 def _summary(runs: int, prompt_tokens: int, samples: dict) -> dict:
-    result: dict = {"runs": runs, "prompt_tokens": prompt_tokens, "chunk_tokens": CHUNK_TOKENS,
-                    "model": MODEL}  # fmt: skip
+    result: dict = {
+        "runs": runs,
+        "prompt_tokens": prompt_tokens,
+        "chunk_tokens": CHUNK_TOKENS,
+        "model": MODEL,
+    }
     for name, values in samples.items():
         result[f"ttft_{name}_s"] = statistics.median(s for s, _ in values)
         result[f"cached_tokens_{name}"] = statistics.median(n for _, n in values)
@@ -171,8 +204,9 @@ class ColdEngine:
     measuring one cold TTFT per request on fresh random prompts from `seed` (the connector's
     saves must not be hits for another engine's prompts)."""
 
-    def __init__(self, model: Path, prompt_tokens: int, log_path: Path,
-                 socket_path: Path | None, seed: int) -> None:  # fmt: skip
+    def __init__(
+        self, model: Path, prompt_tokens: int, log_path: Path, socket_path: Path | None, seed: int
+    ) -> None:
         code = (
             "import sys; from pathlib import Path; from kvstore.bench.vllm import serve_cold_ttfts;"
             " serve_cold_ttfts(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]))"
@@ -182,8 +216,11 @@ class ColdEngine:
         args = [str(model), str(prompt_tokens), str(socket_path or ""), str(seed)]
         self._child = subprocess.Popen(
             [sys.executable, "-c", code, *args],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
-        )  # fmt: skip
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+        )
         self._answer()  # its warm-up is done
 
     def cold_ttft_s(self) -> float:
@@ -218,8 +255,9 @@ def serve_cold_ttfts(model: Path, prompt_tokens: int, socket_path: str, seed: in
     vLLM's logs go to stderr."""
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
-    bench = TTFTBench(_engine(model, Path(socket_path) if socket_path else None), prompt_tokens,
-                      512, seed)  # fmt: skip
+    bench = TTFTBench(
+        _engine(model, Path(socket_path) if socket_path else None), prompt_tokens, 512, seed
+    )
     bench.measure(0.0)
     answers.write("0\n")
     answers.flush()

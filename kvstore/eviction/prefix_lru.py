@@ -54,8 +54,9 @@ class PrefixLRUPolicy(EvictionPolicy):
         if key in self._nodes:
             raise ConfigError(f"{key!r} is already resident in this tier")
         # a cycle closes only if a resident key names `key` as its parent: O(1) otherwise
-        if parent is not None and (parent == key or (key in self._children
-                                   and self._is_ancestor(key, parent))):  # fmt: skip
+        if parent is not None and (
+            parent == key or (key in self._children and self._is_ancestor(key, parent))
+        ):
             parent = None  # a cycle: the key is kept as a root
         node = TreeNode(parent, had_child=key in self._children)
         self._nodes[key] = node

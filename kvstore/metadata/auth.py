@@ -121,8 +121,10 @@ def load_tokens(path: Path) -> dict[str, TenantScope]:
         bound = len(parts) == 3 and parts[2].startswith("node=")
         node = parts.pop().removeprefix("node=") if bound else None
         if len(parts) != 2 or len(parts[0]) < 16 or node == "":
-            raise ConfigError(f"{path}:{number}: expected 'TOKEN TENANT [node=NODE_ID]' with a "
-                              "token of 16+ characters")  # fmt: skip
+            raise ConfigError(
+                f"{path}:{number}: expected 'TOKEN TENANT [node=NODE_ID]' with a "
+                "token of 16+ characters"
+            )
         tokens[parts[0]] = TenantScope(parts[1], node)
     return tokens
 

@@ -76,8 +76,10 @@ def lookup_result(response: pb.LookupResponse) -> LookupResult:
         flat = [Holding(nodes[node].node_id, wire.PROTO_TO_TIER[tier])] * len(holder_nodes)
     else:
         pairs = list(zip(holder_nodes, holder_tiers, strict=False))  # lengths checked above
-        made = {pair: Holding(nodes[pair[0]].node_id, wire.PROTO_TO_TIER[pair[1]])
-                for pair in set(pairs)}  # fmt: skip
+        made = {
+            pair: Holding(nodes[pair[0]].node_id, wire.PROTO_TO_TIER[pair[1]])
+            for pair in set(pairs)
+        }
         flat = list(map(made.__getitem__, pairs))
     if counts.count(1) == len(counts) == len(flat):  # one holder a key
         holders = [[holding] for holding in flat]
@@ -99,10 +101,15 @@ def call_metadata(token: str | TokenFile | None) -> Callable[[], tuple]:
 
 class MetadataClient:
     def __init__(
-        self, address: str, token: str | TokenFile | None = None, tls_ca: Path | None = None,
-        timeout_s: float = 5.0, max_message_bytes: int = 16 << 20, lookup_streams: bool = True,
+        self,
+        address: str,
+        token: str | TokenFile | None = None,
+        tls_ca: Path | None = None,
+        timeout_s: float = 5.0,
+        max_message_bytes: int = 16 << 20,
+        lookup_streams: bool = True,
         lookup_port: bool = True,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """`token`: fixed, or a TokenFile (read again as it is replaced: new calls present the
         new token); `lookup_port`: look up on the service's lookup port where it has one;
         `lookup_streams`: else on open LookupStream calls (False for both: unary Lookups)."""
@@ -162,24 +169,32 @@ class MetadataClient:
         self, node_id: str, lease_id: int, tenant: str, entries: Sequence[BlockEntry]
     ) -> int:
         request = pb.PublishRequest(
-            node_id=node_id, lease_id=lease_id, tenant=tenant,
+            node_id=node_id,
+            lease_id=lease_id,
+            tenant=tenant,
             entries=wire.entries_to_proto(entries),
-        )  # fmt: skip
+        )
         return self._call("Publish", request).accepted
 
     def unpublish(
         self, node_id: str, lease_id: int, tenant: str, entries: Sequence[BlockEntry]
     ) -> int:
         request = pb.UnpublishRequest(
-            node_id=node_id, lease_id=lease_id, tenant=tenant,
+            node_id=node_id,
+            lease_id=lease_id,
+            tenant=tenant,
             entries=wire.entries_to_proto(entries),
-        )  # fmt: skip
+        )
         return self._call("Unpublish", request).removed
 
     def lookup(
-        self, tenant: str, keys: Sequence[bytes], caller_node_id: str = "", chunk_tokens: int = 0,
+        self,
+        tenant: str,
+        keys: Sequence[bytes],
+        caller_node_id: str = "",
+        chunk_tokens: int = 0,
         timeout_s: float | None = None,
-    ) -> LookupResult:  # fmt: skip
+    ) -> LookupResult:
         """On the lookup port; else on an open LookupStream call; else a unary Lookup (see
         lookup_sockets and lookup_calls: each says when it passes the lookup on)."""
         request = pb.LookupRequest(
@@ -226,9 +241,13 @@ class MetadataClient:
         try:
             for page in stream:
                 yield SnapshotPage(
-                    page.last_seq, page.tenant, list(page.keys), lookup_result(page.holders),
-                    page.truncated, page.incarnation,
-                )  # fmt: skip
+                    page.last_seq,
+                    page.tenant,
+                    list(page.keys),
+                    lookup_result(page.holders),
+                    page.truncated,
+                    page.incarnation,
+                )
         except grpc.RpcError as exc:
             raise error_from_rpc(exc) from None
         finally:

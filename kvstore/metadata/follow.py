@@ -75,9 +75,12 @@ class StreamThread:
 
 class EventFollower(StreamThread):
     def __init__(
-        self, client: MetadataClient, handler: EventHandler, tenant: str = "",
+        self,
+        client: MetadataClient,
+        handler: EventHandler,
+        tenant: str = "",
         backoff: Backoff = RESUME_BACKOFF,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__(client, backoff, "event-follower")
         self.handler = handler
         self.tenant = tenant  # "" every tenant (needs an all-tenant token)
@@ -124,8 +127,7 @@ class EventFollower(StreamThread):
                 break
             if event.seq > self.seq and event.kind in KINDS:
                 tier = wire.PROTO_TO_TIER.get(event.tier, "host")
-                self.handler.apply(KINDS[event.kind], event.tenant, event.key, event.node_id,
-                                   tier)  # fmt: skip
+                self.handler.apply(KINDS[event.kind], event.tenant, event.key, event.node_id, tier)
                 self.counters["events"] += 1
                 self.seq = event.seq
         stream.cancel()

@@ -66,9 +66,7 @@ class Journal:
         self.map_size_bytes = map_size_bytes
         # writemap=False: with a writable map, a full disk is a SIGBUS that kills the service;
         # without it, LMDB reports ENOSPC as DiskError, which becomes a CapacityError below.
-        self._env = lmdb.open(
-            str(self.path), map_size=map_size_bytes, max_dbs=4, writemap=False
-        )  # fmt: skip
+        self._env = lmdb.open(str(self.path), map_size=map_size_bytes, max_dbs=4, writemap=False)
         self._dbs = {
             name: self._env.open_db(name.encode()) for name in ("nodes", "holdings", "counters")
         }

@@ -90,9 +90,12 @@ class LookupConnection(asyncio.Protocol):
     async def _start_tls(self, transport: asyncio.Transport) -> None:
         try:
             secure = await self.port.loop.start_tls(
-                transport, self, self.port.tls, server_side=True,
+                transport,
+                self,
+                self.port.tls,
+                server_side=True,
                 ssl_handshake_timeout=HELLO_TIMEOUT_S,
-            )  # fmt: skip
+            )
         except BaseException as exc:  # a failed handshake, a timeout, the service stopping
             transport.abort()
             self.connection_lost(None)  # start_tls reports no loss of a connection never made
@@ -170,8 +173,10 @@ class LookupConnection(asyncio.Protocol):
                 message = f"LookupHello version {hello.version} is not the service's ({VERSION})"
                 raise ConfigError(f"{message}; the first frame must be a LookupHello")
             if not hmac.compare_digest(hello.instance, self.port.instance):
-                raise LeaseError("this lookup port is another service instance's than the one "
-                                 "described; ask Describe again")  # fmt: skip
+                raise LeaseError(
+                    "this lookup port is another service instance's than the one "
+                    "described; ask Describe again"
+                )
             token = hello.token.encode()
             scope = self.port.auth.scope_now(token)
             if scope is None:  # an agent token to review: nothing more is read until it ends

@@ -59,10 +59,14 @@ def max_request_bytes(max_keys: int) -> int:
 
 class LookupPort:
     def __init__(
-        self, auth: TokenAuth, slots: StreamSlots, answer: Answer,
-        count_connection: Callable[[grpc.StatusCode], None], idle_s: float,
+        self,
+        auth: TokenAuth,
+        slots: StreamSlots,
+        answer: Answer,
+        count_connection: Callable[[grpc.StatusCode], None],
+        idle_s: float,
         max_request_bytes: int,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """`answer`: one serialized LookupRequest's answer, a failure inside it (never raises);
         `count_connection`: counts a connection by the status its hello got."""
         self.auth = auth
@@ -86,9 +90,11 @@ class LookupPort:
         self.tls = tls
         every_address = host in WILDCARD_HOSTS and port != 0  # IPv4 and IPv6, as gRPC does
         self._server = await self.loop.create_server(
-            lambda: LookupConnection(self), None if every_address else host, port,
+            lambda: LookupConnection(self),
+            None if every_address else host,
+            port,
             reuse_address=True,
-        )  # fmt: skip
+        )
         self._sweep_handle = self.loop.call_later(self.idle_s / 4, self._sweep)
         return self._server.sockets[0].getsockname()[1]
 

@@ -75,9 +75,14 @@ class _Connection:
 
 class LookupSockets:
     def __init__(
-        self, stub, metadata: Callable[[], tuple], address: str, tls_ca: Path | None,
-        max_message_bytes: int, enabled: bool = True,
-    ) -> None:  # fmt: skip
+        self,
+        stub,
+        metadata: Callable[[], tuple],
+        address: str,
+        tls_ca: Path | None,
+        max_message_bytes: int,
+        enabled: bool = True,
+    ) -> None:
         """`metadata`: of each Describe call, its bearer token also each new connection's
         hello (the token may change; client.call_metadata)."""
         self._stub = stub
@@ -106,8 +111,9 @@ class LookupSockets:
                     raise errors.KVStoreError("a lookup answer with no response")
             except (TimeoutError, FrameTimeoutError):
                 self._drop(connection)
-                raise errors.UnavailableError("DEADLINE_EXCEEDED: no lookup answer by its "
-                                              "deadline") from None  # fmt: skip
+                raise errors.UnavailableError(
+                    "DEADLINE_EXCEEDED: no lookup answer by its deadline"
+                ) from None
             except (OSError, errors.KVStoreError):
                 self._drop(connection)
                 if connection.answered:  # closed while idle (the service's idle timeout)

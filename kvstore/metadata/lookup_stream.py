@@ -34,9 +34,14 @@ Answer = Callable[[bytes, TenantScope], pb.LookupStreamResponse]
 
 class LookupStreams:
     def __init__(
-        self, auth: TokenAuth, slots: StreamSlots, answer: Answer, executor: Executor | None,
-        count_call: Callable[[grpc.StatusCode], None], idle_s: float,
-    ) -> None:  # fmt: skip
+        self,
+        auth: TokenAuth,
+        slots: StreamSlots,
+        answer: Answer,
+        executor: Executor | None,
+        count_call: Callable[[grpc.StatusCode], None],
+        idle_s: float,
+    ) -> None:
         """`executor`: where `answer` runs when index reads may block (None: on the loop);
         `count_call`: counts a call's opening by its status."""
         self.auth = auth

@@ -99,9 +99,11 @@ class MemoryIndex(MetadataIndex):
         with self._cond:
             lease_id = new_lease_id()
             record = replace(
-                node, lease_id=lease_id, lease_ttl_ms=lease_ttl_ms,
+                node,
+                lease_id=lease_id,
+                lease_ttl_ms=lease_ttl_ms,
                 expires_at=self._clock() + lease_ttl_ms / 1000,
-            )  # fmt: skip
+            )
 
             def write(txn: JournalWriter) -> None:
                 txn.put_node(record)

@@ -37,28 +37,38 @@ class MetadataMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.rpcs = Counter(
-            "kvstore_metadata_rpcs", "RPCs by method and status code", ["method", "code"],
+            "kvstore_metadata_rpcs",
+            "RPCs by method and status code",
+            ["method", "code"],
             registry=self.registry,
-        )  # fmt: skip
+        )
         self.latency = Histogram(
-            "kvstore_metadata_rpc_latency_seconds", "RPC handling time", ["method"],
-            buckets=_LATENCY_BUCKETS_S, registry=self.registry,
-        )  # fmt: skip
+            "kvstore_metadata_rpc_latency_seconds",
+            "RPC handling time",
+            ["method"],
+            buckets=_LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
         self.lookup_chunks = Counter(
-            "kvstore_metadata_lookup_chunks", "Chunks looked up, and hit", ["result"],
+            "kvstore_metadata_lookup_chunks",
+            "Chunks looked up, and hit",
+            ["result"],
             registry=self.registry,
-        )  # fmt: skip
+        )
         self.lookup_tokens = Counter(
-            "kvstore_metadata_lookup_tokens", "Tokens looked up, and hit", ["result"],
+            "kvstore_metadata_lookup_tokens",
+            "Tokens looked up, and hit",
+            ["result"],
             registry=self.registry,
-        )  # fmt: skip
+        )
         self.events = Counter(
             "kvstore_metadata_events", "Block events by kind", ["kind"], registry=self.registry
         )
         self.evictions = Counter(
-            "kvstore_metadata_evictions", "Blocks nodes unpublished (evicted or purged)",
+            "kvstore_metadata_evictions",
+            "Blocks nodes unpublished (evicted or purged)",
             registry=self.registry,
-        )  # fmt: skip
+        )
         self.expired_nodes = Counter(
             "kvstore_metadata_expired_nodes", "Nodes whose lease expired", registry=self.registry
         )

@@ -38,9 +38,14 @@ COMMAND_TIMEOUT_S = 10.0  # scripts over large batches stay well below this
 T = TypeVar("T")
 # A master that died, was demoted or lost its slot; MovedError is an AskError.
 FAILOVER_ERRORS = (
-    redis.ConnectionError, redis.TimeoutError, ReadOnlyError, AskError, ClusterDownError,
-    TryAgainError, MasterDownError,
-)  # fmt: skip
+    redis.ConnectionError,
+    redis.TimeoutError,
+    ReadOnlyError,
+    AskError,
+    ClusterDownError,
+    TryAgainError,
+    MasterDownError,
+)
 UNAVAILABLE_ERRORS = (redis.ConnectionError, redis.TimeoutError, ReadOnlyError)
 
 
@@ -70,9 +75,11 @@ def redacted(url: str) -> str:
 
 def _connection_options() -> dict:
     return {
-        "decode_responses": False, "protocol": 2,
-        "socket_connect_timeout": CONNECT_TIMEOUT_S, "socket_timeout": COMMAND_TIMEOUT_S,
-    }  # fmt: skip
+        "decode_responses": False,
+        "protocol": 2,
+        "socket_connect_timeout": CONNECT_TIMEOUT_S,
+        "socket_timeout": COMMAND_TIMEOUT_S,
+    }
 
 
 class StandaloneLink:
@@ -82,9 +89,10 @@ class StandaloneLink:
         self.url = redacted(url)
         try:
             self._redis = redis.Redis.from_url(
-                url, retry=Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.2), retries=3),
+                url,
+                retry=Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.2), retries=3),
                 **_connection_options(),
-            )  # fmt: skip
+            )
         except ValueError as exc:
             raise ConfigError(f"redis url {self.url!r} is invalid: {exc}") from exc
 
@@ -122,10 +130,12 @@ class ClusterLink:
         seeds = cluster_seeds(url)
         try:
             self._cluster = RedisCluster(
-                startup_nodes=seeds, password=urlsplit(url).password,
-                username=urlsplit(url).username, require_full_coverage=False,
+                startup_nodes=seeds,
+                password=urlsplit(url).password,
+                username=urlsplit(url).username,
+                require_full_coverage=False,
                 **_connection_options(),
-            )  # fmt: skip
+            )
         except redis.RedisError as exc:
             raise UnavailableError(f"redis cluster at {self.url} is unavailable: {exc}") from exc
 
@@ -182,8 +192,11 @@ def _replication_id(link) -> str:
     except redis.ResponseError as exc:  # NoPermissionError among them
         if not _info_refused.is_set():
             _info_refused.set()
-            logger.warning("redis refuses INFO (%s): a failover that loses events is not "
-                           "detected; grant the kvstore user +info", exc)  # fmt: skip
+            logger.warning(
+                "redis refuses INFO (%s): a failover that loses events is not "
+                "detected; grant the kvstore user +info",
+                exc,
+            )
         return ""
     return str(info.get("master_replid", ""))
 

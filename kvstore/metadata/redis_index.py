@@ -81,8 +81,7 @@ class RedisIndex(MetadataIndex):
         self._max_events = max_events
         self._clock = clock
         self._durability = durability
-        self._scripts = {name: Script(None, body.encode())
-                         for name, body in SCRIPTS.items()}  # fmt: skip
+        self._scripts = {name: Script(None, body.encode()) for name, body in SCRIPTS.items()}
 
     def _run(self, name: str, args: Sequence[bytes | str | int | float | object]) -> list:
         """Run script `name` (keyed on P:seq, so a cluster routes and checks its slot); writes
@@ -93,10 +92,12 @@ class RedisIndex(MetadataIndex):
         script, keys = self._scripts[name], [self._prefix + b":seq"]
         wait = self._durability.wait_replicas if name in WRITES else 0
         if not wait:
-            return self._link.call(lambda client: script(keys=keys, args=self._at_now(args),
-                                                         client=client))  # fmt: skip
-        reply, acked = self._link.call(lambda client: _run_and_wait(
-            client, script, keys, self._at_now(args), self._durability))  # fmt: skip
+            return self._link.call(
+                lambda client: script(keys=keys, args=self._at_now(args), client=client)
+            )
+        reply, acked = self._link.call(
+            lambda client: _run_and_wait(client, script, keys, self._at_now(args), self._durability)
+        )
         if acked < wait:
             raise UnavailableError(
                 f"redis at {self._url}: a write reached {acked} of {wait} replicas within "
@@ -125,12 +126,19 @@ class RedisIndex(MetadataIndex):
         expires_at = self._clock() + lease_ttl_ms / 1000
         info = json.dumps([node.tcp_address, node.ucx_address, node.tier_capacity_bytes])
         lease_id = new_lease_id()  # a string in Redis: Lua's numbers are doubles
-        self._run("register", [self._prefix, node.node_id, repr(expires_at), lease_ttl_ms, info,
-                               str(lease_id)])  # fmt: skip
+        self._run(
+            "register",
+            [self._prefix, node.node_id, repr(expires_at), lease_ttl_ms, info, str(lease_id)],
+        )
         return NodeRecord(
-            node.node_id, node.tcp_address, node.ucx_address, dict(node.tier_capacity_bytes),
-            lease_id=lease_id, lease_ttl_ms=lease_ttl_ms, expires_at=expires_at,
-        )  # fmt: skip
+            node.node_id,
+            node.tcp_address,
+            node.ucx_address,
+            dict(node.tier_capacity_bytes),
+            lease_id=lease_id,
+            lease_ttl_ms=lease_ttl_ms,
+            expires_at=expires_at,
+        )
 
     def heartbeat(self, node_id: str, lease_id: int) -> NodeRecord:
         _, ttl, info, expires_at = self._leased("heartbeat", node_id, lease_id)
@@ -139,9 +147,7 @@ class RedisIndex(MetadataIndex):
     @staticmethod
     def _record(node_id: str, expires_at, lease_id, ttl, info) -> NodeRecord:
         tcp, ucx, capacity = json.loads(info)
-        return NodeRecord(
-            node_id, tcp, ucx, capacity, int(lease_id), int(ttl), float(expires_at)
-        )  # fmt: skip
+        return NodeRecord(node_id, tcp, ucx, capacity, int(lease_id), int(ttl), float(expires_at))
 
     def deregister_node(self, node_id: str, lease_id: int) -> int:
         return self._leased("deregister", node_id, lease_id)[1]
@@ -243,8 +249,9 @@ class RedisIndex(MetadataIndex):
         again for others (P:inc, replicated long before, would not tell). Two round trips
         (Stats, Snapshot and WatchEvents pages ask)."""
         stored = int(self._run("incarnation", [self._prefix, secrets.randbits(63) | 1]))
-        folded = hashlib.blake2b(b"%d/%s" % (stored, self._link.replication_id().encode()),
-                                 digest_size=8).digest()  # fmt: skip
+        folded = hashlib.blake2b(
+            b"%d/%s" % (stored, self._link.replication_id().encode()), digest_size=8
+        ).digest()
         return int.from_bytes(folded, "big") >> 1 | 1
 
     def _round_trip(self, *commands: tuple) -> list:
@@ -316,10 +323,12 @@ def _parse_holders(blob: bytes) -> tuple[frozenset[bytes], tuple[Holding, ...], 
     holders changes the bytes. Liveness is not part of it; lookup filters on every call."""
     parts = blob.split(b"\0")
     pairs = tuple(
-        (parts[i], Holding(parts[i].decode(), parts[i + 1].decode(), int(parts[i + 2]),
-                           int(parts[i + 3])))
+        (
+            parts[i],
+            Holding(parts[i].decode(), parts[i + 1].decode(), int(parts[i + 2]), int(parts[i + 3])),
+        )
         for i in range(0, len(parts) - 1, 4)
-    )  # fmt: skip
+    )
     return frozenset(node for node, _ in pairs), tuple(h for _, h in pairs), pairs
 
 
@@ -363,6 +372,10 @@ def _seq(event_id: bytes) -> int:
 
 def _event(event_id: bytes, fields: dict[bytes, bytes]) -> IndexEvent:
     return IndexEvent(
-        _seq(event_id), fields[b"k"].decode(), fields[b"t"].decode(), fields[b"key"],
-        fields[b"n"].decode(), fields[b"tier"].decode(),
-    )  # fmt: skip
+        _seq(event_id),
+        fields[b"k"].decode(),
+        fields[b"t"].decode(),
+        fields[b"key"],
+        fields[b"n"].decode(),
+        fields[b"tier"].decode(),
+    )

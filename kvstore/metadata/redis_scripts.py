@@ -177,10 +177,16 @@ return ARGV[2]
 """
 
 _BODIES = {
-    "register": _REGISTER, "heartbeat": _HEARTBEAT, "deregister": _DEREGISTER,
-    "expire": _EXPIRE, "publish": _PUBLISH, "unpublish": _UNPUBLISH,
-    "nodes": _NODES, "scan": _SCAN, "incarnation": _INCARNATION,
-}  # fmt: skip
+    "register": _REGISTER,
+    "heartbeat": _HEARTBEAT,
+    "deregister": _DEREGISTER,
+    "expire": _EXPIRE,
+    "publish": _PUBLISH,
+    "unpublish": _UNPUBLISH,
+    "nodes": _NODES,
+    "scan": _SCAN,
+    "incarnation": _INCARNATION,
+}
 WRITES = {"register", "heartbeat", "deregister", "expire", "publish", "unpublish"}
 _CHECKS_LEASE = {"heartbeat", "deregister", "expire", "publish", "unpublish"}
 SCRIPTS = {

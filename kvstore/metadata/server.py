@@ -97,11 +97,14 @@ class MetadataConfig:
         if self.max_message_bytes < MIN_MESSAGE_BYTES:
             raise ConfigError(f"max_message_bytes must be at least {MIN_MESSAGE_BYTES}")
         for kind in ("watch", "lookup"):
-            caps = (getattr(self, f"max_{kind}_streams_{scope}")
-                    for scope in ("per_tenant", "all_tenants"))  # fmt: skip
+            caps = (
+                getattr(self, f"max_{kind}_streams_{scope}")
+                for scope in ("per_tenant", "all_tenants")
+            )
             if min(caps) < 1:
-                raise ConfigError(f"max_{kind}_streams_per_tenant and _all_tenants must be at "
-                                  "least 1")  # fmt: skip
+                raise ConfigError(
+                    f"max_{kind}_streams_per_tenant and _all_tenants must be at least 1"
+                )
         if self.redis_failover_timeout_s <= 0:
             raise ConfigError("redis_failover_timeout_s must be positive")
         if self.backend == "redis-cluster" and not self.redis_prefix:
@@ -151,16 +154,21 @@ def open_index(config: MetadataConfig) -> MetadataIndex:
 
         durability = Durability(config.redis_wait_replicas, config.redis_wait_timeout_ms)
         return RedisIndex(
-            config.redis_url, prefix=config.redis_prefix,
-            key_quota_per_tenant=config.key_quota_per_tenant, max_events=config.max_events,
-            cluster=config.backend == "redis-cluster", durability=durability,
+            config.redis_url,
+            prefix=config.redis_prefix,
+            key_quota_per_tenant=config.key_quota_per_tenant,
+            max_events=config.max_events,
+            cluster=config.backend == "redis-cluster",
+            durability=durability,
             failover_timeout_s=config.redis_failover_timeout_s,
-        )  # fmt: skip
+        )
     data_dir = config.data_dir if config.backend == "lmdb" else None
     return MemoryIndex(
-        data_dir, config.key_quota_per_tenant, config.max_events,
+        data_dir,
+        config.key_quota_per_tenant,
+        config.max_events,
         map_size_bytes=config.lmdb_map_size_bytes,
-    )  # fmt: skip
+    )
 
 
 def _agent_tokens(config: MetadataConfig) -> KubeAgentTokens | None:
@@ -182,23 +190,36 @@ class MetadataServer:
         tokens = load_tokens(config.token_file) if config.token_file else {}
         limits = config.limits
         self.streams = EventStreams(
-            self.index, config.max_watch_streams_per_tenant, limits.event_batch,
-            limits.watch_poll_s, config.max_watch_streams_all_tenants,
-        )  # fmt: skip
+            self.index,
+            config.max_watch_streams_per_tenant,
+            limits.event_batch,
+            limits.watch_poll_s,
+            config.max_watch_streams_all_tenants,
+        )
         self._pool = futures.ThreadPoolExecutor(config.max_workers, thread_name_prefix="rpc")
         lookup_slots = StreamSlots(
-            "LookupStream calls and lookup-port connections", "max_lookup_streams",
-            config.max_lookup_streams_per_tenant, config.max_lookup_streams_all_tenants,
-        )  # fmt: skip
+            "LookupStream calls and lookup-port connections",
+            "max_lookup_streams",
+            config.max_lookup_streams_per_tenant,
+            config.max_lookup_streams_all_tenants,
+        )
         self.servicer = MetadataServicer(
-            self.index, TokenAuth(tokens, _agent_tokens(config)), self.metrics, self.streams,
-            self._pool, limits, lookup_slots,
-        )  # fmt: skip
+            self.index,
+            TokenAuth(tokens, _agent_tokens(config)),
+            self.metrics,
+            self.streams,
+            self._pool,
+            limits,
+            lookup_slots,
+        )
         self.lookup_port = LookupPort(
-            self.servicer.auth, lookup_slots, self.servicer.answer_lookup,
-            self.servicer.count_stream("LookupPort"), limits.lookup_stream_idle_s,
+            self.servicer.auth,
+            lookup_slots,
+            self.servicer.answer_lookup,
+            self.servicer.count_stream("LookupPort"),
+            limits.lookup_stream_idle_s,
             min(config.max_message_bytes, max_request_bytes(limits.max_batch)),
-        )  # fmt: skip
+        )
         self.health = health.aio.HealthServicer()
         self._stopping = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -272,8 +293,11 @@ class MetadataServer:
         if address is None:
             return
         if not self.index.nonblocking_reads:
-            logger.info("no lookup port on the %s backend (its reads wait on I/O): clients "
-                        "look up on LookupStream calls", self.index.backend)  # fmt: skip
+            logger.info(
+                "no lookup port on the %s backend (its reads wait on I/O): clients "
+                "look up on LookupStream calls",
+                self.index.backend,
+            )
             return
         tls = None
         if config.tls_cert:
@@ -281,8 +305,10 @@ class MetadataServer:
         try:
             port = await self.lookup_port.start(*address, tls)
         except OSError as exc:
-            raise ConfigError(f"cannot listen for lookups on {address[0]}:{address[1]} ({exc}); "
-                              "set --lookup-listen HOST:PORT or off") from None  # fmt: skip
+            raise ConfigError(
+                f"cannot listen for lookups on {address[0]}:{address[1]} ({exc}); "
+                "set --lookup-listen HOST:PORT or off"
+            ) from None
         self.servicer.lookup_port = port
         self.servicer.lookup_instance = self.lookup_port.instance
         logger.info("lookup port listening on %s:%d", address[0], port)

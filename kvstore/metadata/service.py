@@ -87,10 +87,15 @@ def _wrap_unary(request_cls: type[Message], read: bool, method: Callable) -> Cal
 
 class MetadataServicer(StreamingRpcs):
     def __init__(
-        self, index: MetadataIndex, auth: TokenAuth, metrics: MetadataMetrics,
-        streams: EventStreams, pool: Executor, limits: ServiceLimits,
+        self,
+        index: MetadataIndex,
+        auth: TokenAuth,
+        metrics: MetadataMetrics,
+        streams: EventStreams,
+        pool: Executor,
+        limits: ServiceLimits,
         lookup_slots: StreamSlots,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.index = index
         self.auth = auth
         self.metrics = metrics
@@ -104,9 +109,13 @@ class MetadataServicer(StreamingRpcs):
         self.lookup_port = 0  # where the server's lookup port listens (lookup_port.py); 0: none
         self.lookup_instance = b""  # the id its hellos must carry
         self.lookup_streams = LookupStreams(
-            auth, lookup_slots, self.answer_lookup, None if index.nonblocking_reads else pool,
-            self.count_stream("LookupStream"), limits.lookup_stream_idle_s,
-        )  # fmt: skip
+            auth,
+            lookup_slots,
+            self.answer_lookup,
+            None if index.nonblocking_reads else pool,
+            self.count_stream("LookupStream"),
+            limits.lookup_stream_idle_s,
+        )
 
     def _children(self, name: str, code: grpc.StatusCode) -> tuple:
         """The (rpcs, latency) series of one method and status: `labels` costs microseconds
@@ -143,8 +152,9 @@ class MetadataServicer(StreamingRpcs):
     @_unary(pb.HeartbeatRequest)
     def Heartbeat(self, request: pb.HeartbeatRequest, scope: TenantScope):
         scope.require_all_tenants("heartbeat")
-        record = self.index.heartbeat(self._node_id(request.node_id, scope, "heartbeat"),
-                                      request.lease_id)  # fmt: skip
+        record = self.index.heartbeat(
+            self._node_id(request.node_id, scope, "heartbeat"), request.lease_id
+        )
         return pb.HeartbeatResponse(lease_ttl_ms=record.lease_ttl_ms)
 
     @_unary(pb.DeregisterNodeRequest)
@@ -282,9 +292,16 @@ class MetadataServicer(StreamingRpcs):
 
 
 _UNARY_METHODS = (
-    "RegisterNode", "Heartbeat", "DeregisterNode", "Publish", "Unpublish", "Lookup", "Route",
-    "Stats", "Describe",
-)  # fmt: skip
+    "RegisterNode",
+    "Heartbeat",
+    "DeregisterNode",
+    "Publish",
+    "Unpublish",
+    "Lookup",
+    "Route",
+    "Stats",
+    "Describe",
+)
 
 
 def rpc_handlers(servicer: MetadataServicer) -> grpc.GenericRpcHandler:

@@ -22,8 +22,7 @@ REFUSED_A_SLOT = ("kvstore-refused", "stream-slots")
 
 
 class StreamSlots:
-    def __init__(self, calls: str, setting: str, max_per_tenant: int,
-                 max_all_tenants: int) -> None:  # fmt: skip
+    def __init__(self, calls: str, setting: str, max_per_tenant: int, max_all_tenants: int) -> None:
         """`calls` names the calls that hold these slots and `setting` the settings' prefix
         (`<setting>_per_tenant`, `<setting>_all_tenants`), for the refusal's message."""
         self.calls = calls

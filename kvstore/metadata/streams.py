@@ -77,8 +77,9 @@ class StreamingRpcs:
             loop = asyncio.get_running_loop()
             pool = self.snapshot_pool
             try:
-                pages = await loop.run_in_executor(pool, _snapshot_pages, self.index, request,
-                                                   self.limits.max_batch)  # fmt: skip
+                pages = await loop.run_in_executor(
+                    pool, _snapshot_pages, self.index, request, self.limits.max_batch
+                )
             except errors.KVStoreError as exc:
                 self.count_stream("Snapshot")(status_for(exc))
                 await context.abort(status_for(exc), str(exc))

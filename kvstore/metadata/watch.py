@@ -87,9 +87,13 @@ class EventStreams:
     and the page readers."""
 
     def __init__(
-        self, index: MetadataIndex, max_per_tenant: int, batch: int, poll_s: float,
+        self,
+        index: MetadataIndex,
+        max_per_tenant: int,
+        batch: int,
+        poll_s: float,
         max_all_tenants: int = 4096,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.index = index
         self.slots = StreamSlots(
             "WatchEvents, Snapshot", "max_watch_streams", max_per_tenant, max_all_tenants
@@ -145,6 +149,10 @@ class EventStreams:
 def event_to_proto(event: IndexEvent) -> pb.Event:
     kind = pb.Event.KIND_STORED if event.kind == "stored" else pb.Event.KIND_REMOVED
     return pb.Event(
-        seq=event.seq, kind=kind, key=event.key, tier=wire.TIER_TO_PROTO[event.tier],
-        node_id=event.node_id, tenant=event.tenant,
-    )  # fmt: skip
+        seq=event.seq,
+        kind=kind,
+        key=event.key,
+        tier=wire.TIER_TO_PROTO[event.tier],
+        node_id=event.node_id,
+        tenant=event.tenant,
+    )

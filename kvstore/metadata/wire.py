@@ -69,10 +69,11 @@ def entries_from_proto(entries: Sequence[pb.BlockEntry], max_entries: int) -> li
 
 def entries_to_proto(entries: Sequence[BlockEntry]) -> list[pb.BlockEntry]:
     return [
-        pb.BlockEntry(key=e.key, tier=TIER_TO_PROTO[e.tier], size_bytes=e.size_bytes,
-                      checksum=e.checksum)
+        pb.BlockEntry(
+            key=e.key, tier=TIER_TO_PROTO[e.tier], size_bytes=e.size_bytes, checksum=e.checksum
+        )
         for e in entries
-    ]  # fmt: skip
+    ]
 
 
 def node_from_proto(node: pb.NodeInfo) -> NodeRecord:
@@ -103,8 +104,9 @@ def node_to_proto(node: NodeRecord) -> pb.NodeInfo:
     )
 
 
-def lookup_response(found: list[Sequence[Holding]], nodes: dict[str, NodeRecord],
-                    caller_node_id: str) -> pb.LookupResponse:  # fmt: skip
+def lookup_response(
+    found: list[Sequence[Holding]], nodes: dict[str, NodeRecord], caller_node_id: str
+) -> pb.LookupResponse:
     """Flatten the holders of each key into the response's parallel arrays (the hot path: a
     pass per array, each in C where the key has one holder, the common case; one repeated
     value where one node and tier hold the whole prefix, the most common)."""
@@ -126,9 +128,12 @@ def lookup_response(found: list[Sequence[Holding]], nodes: dict[str, NodeRecord]
         holder_nodes = list(map(node_index.__getitem__, node_ids))
         holder_tiers = list(map(TIER_TO_PROTO.__getitem__, tiers))
     return pb.LookupResponse(
-        prefix_length=len(found), nodes=addresses, holder_counts=counts,
-        holder_nodes=holder_nodes, holder_tiers=holder_tiers,
-    )  # fmt: skip
+        prefix_length=len(found),
+        nodes=addresses,
+        holder_counts=counts,
+        holder_nodes=holder_nodes,
+        holder_tiers=holder_tiers,
+    )
 
 
 def _address(node_id: str, node: NodeRecord | None) -> pb.NodeAddress:
@@ -136,7 +141,7 @@ def _address(node_id: str, node: NodeRecord | None) -> pb.NodeAddress:
         node_id=node_id,
         tcp_address=node.tcp_address if node else "",
         ucx_address=node.ucx_address if node else "",
-    )  # fmt: skip
+    )
 
 
 def rank_holders(holders: Sequence[Holding], caller_node_id: str) -> list[Holding]:
@@ -147,9 +152,11 @@ def rank_holders(holders: Sequence[Holding], caller_node_id: str) -> list[Holdin
 
 
 def snapshot_pages(
-    copy: tuple[int, dict[str, NodeRecord], list], max_keys: int, page_keys: int,
+    copy: tuple[int, dict[str, NodeRecord], list],
+    max_keys: int,
+    page_keys: int,
     incarnation: int,
-) -> Iterator[pb.SnapshotPage]:  # fmt: skip
+) -> Iterator[pb.SnapshotPage]:
     """Pages of an index snapshot (MetadataIndex.snapshot): keys held on live nodes only, at
     most `max_keys` of them (0: all); the last page says whether that cap cut it short."""
     for page in _pages(copy, max_keys, page_keys):
@@ -183,6 +190,9 @@ def _pages(copy, max_keys: int, page_keys: int) -> Iterator[pb.SnapshotPage]:
 
 def _page(last_seq, tenant, keys, found, nodes, truncated=False) -> pb.SnapshotPage:
     return pb.SnapshotPage(
-        last_seq=last_seq, tenant=tenant, keys=keys, truncated=truncated,
+        last_seq=last_seq,
+        tenant=tenant,
+        keys=keys,
+        truncated=truncated,
         holders=lookup_response(found, nodes, ""),
-    )  # fmt: skip
+    )

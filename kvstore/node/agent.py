@@ -93,8 +93,9 @@ class NodeConfig:
         if self.view_max_keys < 0 or self.view_resync_min_interval_s < 0:
             raise ConfigError("view_max_keys and view_resync_min_interval_s must be >= 0")
         if self.disk_read_bytes_per_s < 0 or self.disk_write_bytes_per_s < 0:
-            raise ConfigError("disk_read_bytes_per_s and disk_write_bytes_per_s must be >= 0 "
-                              "(0: full speed)")  # fmt: skip
+            raise ConfigError(
+                "disk_read_bytes_per_s and disk_write_bytes_per_s must be >= 0 (0: full speed)"
+            )
         if self.host_free_pages < -1:
             raise ConfigError("host_free_pages must be >= 0, or -1 (1/32 of the arena)")
         if not 0 < self.tenant_share <= 1:
@@ -130,9 +131,11 @@ class NodeConfig:
 
     def control_limits(self) -> ControlLimits:
         return ControlLimits(
-            max_workers=self.max_workers, max_pins_per_worker=self.max_pins_per_worker,
-            orphan_pin_ttl_s=self.orphan_pin_ttl_s, frame_timeout_s=self.control_frame_timeout_s,
-        )  # fmt: skip
+            max_workers=self.max_workers,
+            max_pins_per_worker=self.max_pins_per_worker,
+            orphan_pin_ttl_s=self.orphan_pin_ttl_s,
+            frame_timeout_s=self.control_frame_timeout_s,
+        )
 
     def arena_limits(self) -> ArenaLimits:
         """How tenants share the arena (see ArenaLimits); -1 promotion pages: 1/64 of it when
@@ -198,10 +201,15 @@ class NodeAgent:
         if config.metadata_address:
             self._start_link()
         self.control = ControlServer(
-            config.socket_path, self._new_session, self._hello(),
-            self.store.slots[0].tier.arena.open_fd, self.stats_json, config.fetch_timeout_s,
-            config.worker_table(), config.control_limits(),
-        )  # fmt: skip
+            config.socket_path,
+            self._new_session,
+            self._hello(),
+            self.store.slots[0].tier.arena.open_fd,
+            self.stats_json,
+            config.fetch_timeout_s,
+            config.worker_table(),
+            config.control_limits(),
+        )
         self.control.start()
         self._start_metrics()
 
@@ -218,8 +226,10 @@ class NodeAgent:
         slots = [TierSlot(host, make_policy(config.host_policy))]
         if config.disk_dir is not None:
             sizes = (config.disk_dir, config.disk_capacity_bytes, config.page_size_bytes)
-            rates = {"read_bytes_per_s": config.disk_read_bytes_per_s,
-                     "write_bytes_per_s": config.disk_write_bytes_per_s}  # fmt: skip
+            rates = {
+                "read_bytes_per_s": config.disk_read_bytes_per_s,
+                "write_bytes_per_s": config.disk_write_bytes_per_s,
+            }
             disk = ThrottledDiskTier(*sizes, **rates) if any(rates.values()) else DiskTier(*sizes)
             slots.append(TierSlot(disk, make_policy(config.disk_policy)))
         return slots
@@ -281,22 +291,29 @@ class NodeAgent:
 
         host = self.store.slots[0].tier
         return pb.HelloResponse(
-            node_id=self.config.node_id, arena_name=host.arena_name,
-            num_pages=host.capacity_pages, page_size_bytes=host.page_size_bytes,
+            node_id=self.config.node_id,
+            arena_name=host.arena_name,
+            num_pages=host.capacity_pages,
+            page_size_bytes=host.page_size_bytes,
             header_bytes=HEADER_BYTES,
-        )  # fmt: skip
+        )
 
     def _new_session(self, identity: WorkerIdentity) -> WorkerSession:
         private = None
         if not identity.shared_arena:
             private = PrivateBuffer(
-                f"kvstore-worker-{identity.peer.pid}", self.config.private_buffer_bytes,
+                f"kvstore-worker-{identity.peer.pid}",
+                self.config.private_buffer_bytes,
                 self.config.page_size_bytes - HEADER_BYTES,
-            )  # fmt: skip
+            )
         return WorkerSession(
-            self.store, self.fetcher, self.counters, identity, self.config.max_pins_per_worker,
+            self.store,
+            self.fetcher,
+            self.counters,
+            identity,
+            self.config.max_pins_per_worker,
             private,
-        )  # fmt: skip
+        )
 
     def _start_metrics(self) -> None:
         if not self.config.metrics_listen:

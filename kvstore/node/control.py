@@ -40,8 +40,13 @@ class ControlLimits:
     orphan_pin_ttl_s: float = 600.0  # pins of a broken connection whose process lives on
 
     def __post_init__(self) -> None:
-        for name in ("max_workers", "max_frame_bytes", "frame_timeout_s", "max_pins_per_worker",
-                     "orphan_pin_ttl_s"):  # fmt: skip
+        for name in (
+            "max_workers",
+            "max_frame_bytes",
+            "frame_timeout_s",
+            "max_pins_per_worker",
+            "orphan_pin_ttl_s",
+        ):
             if getattr(self, name) <= 0:
                 raise errors.ConfigError(f"control {name} must be positive")
 
@@ -83,10 +88,16 @@ class ControlServer:
     """Accepts workers on `socket_path`; `make_session` builds each authenticated session."""
 
     def __init__(
-        self, socket_path: Path, make_session: MakeSession, hello: pb.HelloResponse,
-        arena_fd: Callable[[], int], stats_json: Callable[[], str], default_timeout_s: float,
-        credentials: WorkerCredentials | None = None, limits: ControlLimits | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        socket_path: Path,
+        make_session: MakeSession,
+        hello: pb.HelloResponse,
+        arena_fd: Callable[[], int],
+        stats_json: Callable[[], str],
+        default_timeout_s: float,
+        credentials: WorkerCredentials | None = None,
+        limits: ControlLimits | None = None,
+    ) -> None:
         self.socket_path = Path(socket_path)
         self.make_session = make_session
         self.hello = hello
@@ -124,8 +135,12 @@ class ControlServer:
                 self.connections += admitted
                 self.refused["workers"] += not admitted
             if not admitted:
-                _refuse(conn, "RESOURCE_EXHAUSTED", f"{self.limits.max_workers} workers are "
-                        "connected, the agent's limit (max_workers)")  # fmt: skip
+                _refuse(
+                    conn,
+                    "RESOURCE_EXHAUSTED",
+                    f"{self.limits.max_workers} workers are "
+                    "connected, the agent's limit (max_workers)",
+                )
                 continue
             threading.Thread(
                 target=self._serve, args=(conn,), name="control-conn", daemon=True
@@ -267,9 +282,13 @@ class ControlServer:
     def _save(self, session, call: pb.SaveRequest, response) -> None:
         first_parent = BlockKey(call.first_parent) if call.first_parent else None
         save_id, offsets = session.save(
-            call.tenant, _keys(call.keys), first_parent, call.payload_bytes, call.layout_hash,
+            call.tenant,
+            _keys(call.keys),
+            first_parent,
+            call.payload_bytes,
+            call.layout_hash,
             call.codec_id,
-        )  # fmt: skip
+        )
         response.save.save_id = save_id
         response.save.reserved.extend(offset is not None for offset in offsets)
         response.save.offsets.extend(offset or 0 for offset in offsets)

@@ -51,8 +51,11 @@ class DemotionThread:
         if self._thread.is_alive():
             self._thread.join(timeout_s)
         if self._thread.is_alive():
-            logger.error("a block is still being written to the disk tier %.0f s after the "
-                         "stop; the disk tier is left open", timeout_s)  # fmt: skip
+            logger.error(
+                "a block is still being written to the disk tier %.0f s after the "
+                "stop; the disk tier is left open",
+                timeout_s,
+            )
             return False
         return True
 

@@ -93,8 +93,11 @@ class WorkerCredentials:
         accepts (a presented token must be valid; it is never ignored)."""
         if token:
             presented = token.encode()
-            matches = [grant for known, grant in self._tokens  # each in constant time
-                       if hmac.compare_digest(known, presented)]  # fmt: skip
+            matches = [
+                grant
+                for known, grant in self._tokens  # each in constant time
+                if hmac.compare_digest(known, presented)
+            ]
             if not matches:
                 raise AuthError("the worker's credential token is not valid on this agent")
             return _identity(peer, matches[0], "token")

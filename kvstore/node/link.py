@@ -44,9 +44,14 @@ _REFUSED: tuple[tuple[type[Exception], str], ...] = (
 
 class MetadataLink:
     def __init__(
-        self, client: MetadataClient, node: NodeRecord, store: TieredStore,
-        lease_ttl_ms: int = 10_000, batch_max: int = 1024, backoff: Backoff = DEFAULT_BACKOFF,
-    ) -> None:  # fmt: skip
+        self,
+        client: MetadataClient,
+        node: NodeRecord,
+        store: TieredStore,
+        lease_ttl_ms: int = 10_000,
+        batch_max: int = 1024,
+        backoff: Backoff = DEFAULT_BACKOFF,
+    ) -> None:
         self.client = client
         self.node = node
         self.store = store
@@ -78,7 +83,7 @@ class MetadataLink:
 
     def lookup(
         self, tenant: str, keys: Sequence[bytes], timeout_s: float | None = None
-    ) -> LookupResult | None:  # fmt: skip
+    ) -> LookupResult | None:
         """Who else holds the leading `keys`; None while the service is unreachable or has not
         answered within `timeout_s` (the client's own timeout by default)."""
         try:
@@ -138,12 +143,14 @@ class MetadataLink:
                     lambda b=batch, t=tenant: self._count_published(
                         self.client.publish(node_id, lease_id, t, b)
                     ),
-                    len(batch), "publish",
-                )  # fmt: skip
+                    len(batch),
+                    "publish",
+                )
         self.lease_id = lease_id
         self._next_heartbeat = time.monotonic() + self.lease_ttl_ms / 3000
-        logger.info("registered node %s (lease %d), %d blocks published", node_id, lease_id,
-                    len(inventory))  # fmt: skip
+        logger.info(
+            "registered node %s (lease %d), %d blocks published", node_id, lease_id, len(inventory)
+        )
 
     def _heartbeat_if_due(self) -> None:
         if time.monotonic() >= self._next_heartbeat:
@@ -186,8 +193,13 @@ class MetadataLink:
         self.dropped_blocks += count
         self.dropped_by_cause[cause] += count
         if self.dropped_by_cause[cause] == count:
-            logger.error("dropping %s batches the metadata service refuses (%s): %s; counted "
-                         "in dropped_blocks, logged once", what, cause, exc)  # fmt: skip
+            logger.error(
+                "dropping %s batches the metadata service refuses (%s): %s; counted "
+                "in dropped_blocks, logged once",
+                what,
+                cause,
+                exc,
+            )
         else:
             logger.debug("dropped %d %s entries (%s): %s", count, what, cause, exc)
 

@@ -43,9 +43,10 @@ class AgentCollector(Collector):
 
     def _requests(self, requests: dict):
         lookups = CounterMetricFamily(
-            "kvstore_agent_lookup_blocks", "Blocks asked for by lookups, by result",
+            "kvstore_agent_lookup_blocks",
+            "Blocks asked for by lookups, by result",
             labels=["result"],
-        )  # fmt: skip
+        )
         for result in ("asked", "local_hit", "remote_hit"):
             lookups.add_metric([result], requests[f"lookup_{result}"])
         loads = CounterMetricFamily(
@@ -64,13 +65,15 @@ class AgentCollector(Collector):
             "kvstore_agent_fetched_bytes", "Bytes pulled from other nodes", value=transfer["bytes"]
         )
         yield CounterMetricFamily(
-            "kvstore_agent_fetch_seconds", "Time spent pulling from other nodes",
+            "kvstore_agent_fetch_seconds",
+            "Time spent pulling from other nodes",
             value=transfer["seconds"],
-        )  # fmt: skip
+        )
         yield CounterMetricFamily(
-            "kvstore_agent_checksum_failures", "Blocks discarded for a bad checksum",
+            "kvstore_agent_checksum_failures",
+            "Blocks discarded for a bad checksum",
             value=stats["checksum_failures"] + transfer["failures"],
-        )  # fmt: skip
+        )
         evictions = CounterMetricFamily(
             "kvstore_agent_evictions", "Blocks removed from a tier", labels=["tier"]
         )
@@ -81,15 +84,16 @@ class AgentCollector(Collector):
             "kvstore_agent_demoted_ahead_blocks",
             "Blocks the demotion thread wrote to disk to keep arena pages free",
             value=stats["demoted_ahead"],
-        )  # fmt: skip
+        )
         yield GaugeMetricFamily("kvstore_agent_pins", "Pins held by workers", value=stats["pins"])
         yield GaugeMetricFamily(
             "kvstore_agent_workers", "Connected workers", value=stats["workers"]
         )
         yield GaugeMetricFamily(
-            "kvstore_agent_metadata_connected", "1 while registered with the metadata service",
+            "kvstore_agent_metadata_connected",
+            "1 while registered with the metadata service",
             value=1 if stats["metadata_connected"] else 0,
-        )  # fmt: skip
+        )
         yield from self._bounds(stats)
 
     def _bounds(self, stats: dict):
@@ -104,12 +108,12 @@ class AgentCollector(Collector):
             "kvstore_agent_orphaned_pages",
             "Pages still pinned for workers whose connection broke (until they exit)",
             value=stats["orphaned_pages"],
-        )  # fmt: skip
+        )
         dropped = CounterMetricFamily(
             "kvstore_agent_publish_dropped_blocks",
             "Blocks the metadata service refused to index (quota, full, permission)",
             labels=["cause"],
-        )  # fmt: skip
+        )
         for cause, count in stats["dropped_by_cause"].items():
             dropped.add_metric([cause], count)
         yield dropped
@@ -118,7 +122,7 @@ class AgentCollector(Collector):
             "Transfer engine events: connections accepted/opened/refused at the caps, batches "
             "served/cut at the deadline, transfers broken, handshakes and MACs failed",
             labels=["event"],
-        )  # fmt: skip
+        )
         for event, count in stats["transfer"].get("engine_events", {}).items():
             engine.add_metric([event], count)
         yield engine
@@ -150,12 +154,17 @@ class AgentCollector(Collector):
         """The cluster view (node/view.py): its size and how lookups were answered."""
         if not view:
             return
-        yield GaugeMetricFamily("kvstore_agent_view_keys", "Keys in the cluster view",
-                                value=view["keys"])  # fmt: skip
-        yield GaugeMetricFamily("kvstore_agent_view_bytes", "Memory of the cluster view",
-                                value=view["bytes"])  # fmt: skip
-        yield GaugeMetricFamily("kvstore_agent_view_ready", "1 while the view follows the index",
-                                value=1 if view["ready"] else 0)  # fmt: skip
+        yield GaugeMetricFamily(
+            "kvstore_agent_view_keys", "Keys in the cluster view", value=view["keys"]
+        )
+        yield GaugeMetricFamily(
+            "kvstore_agent_view_bytes", "Memory of the cluster view", value=view["bytes"]
+        )
+        yield GaugeMetricFamily(
+            "kvstore_agent_view_ready",
+            "1 while the view follows the index",
+            value=1 if view["ready"] else 0,
+        )
         answers = CounterMetricFamily(
             "kvstore_agent_view_lookups", "Remote lookups, by who answered", labels=["answer"]
         )
@@ -163,9 +172,10 @@ class AgentCollector(Collector):
             answers.add_metric([answer], view.get(answer, 0))
         yield answers
         yield CounterMetricFamily(
-            "kvstore_agent_view_corrections", "View entries dropped after a failed fetch",
+            "kvstore_agent_view_corrections",
+            "View entries dropped after a failed fetch",
             value=view.get("corrections", 0),
-        )  # fmt: skip
+        )
 
 
 def agent_registry(snapshot: Callable[[], dict]) -> CollectorRegistry:

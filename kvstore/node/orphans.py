@@ -71,8 +71,11 @@ class OrphanedSessions:
             return
         logger.info(
             "worker %s disconnected holding %d pages; they stay pinned until it exits "
-            "(at most %.0f s)", session.name or "?", session.pages_held(), self.ttl_s,
-        )  # fmt: skip
+            "(at most %.0f s)",
+            session.name or "?",
+            session.pages_held(),
+            self.ttl_s,
+        )
         with self._lock:
             self._orphans.append(_Orphan(session, pidfd, time.monotonic() + self.ttl_s))
 
@@ -85,8 +88,11 @@ class OrphanedSessions:
         for the same tenants) still hold."""
         key = _identity_key(identity)
         with self._lock:
-            return sum(o.session.pages_held() for o in self._orphans
-                       if _identity_key(o.session.identity) == key)  # fmt: skip
+            return sum(
+                o.session.pages_held()
+                for o in self._orphans
+                if _identity_key(o.session.identity) == key
+            )
 
     def __len__(self) -> int:
         with self._lock:

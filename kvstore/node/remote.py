@@ -41,9 +41,13 @@ class FetchStats:
 
 class RemoteFetcher:
     def __init__(
-        self, store: TieredStore, link: MetadataLink, engine: TransferEngine, node_id: str,
+        self,
+        store: TieredStore,
+        link: MetadataLink,
+        engine: TransferEngine,
+        node_id: str,
         view: ClusterView | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.store = store
         self.link = link
         self.engine = engine
@@ -100,9 +104,13 @@ class RemoteFetcher:
         return count
 
     def _correct_view(
-        self, tenant: str, keys: Sequence[BlockKey], node_id: str, address: str,
+        self,
+        tenant: str,
+        keys: Sequence[BlockKey],
+        node_id: str,
+        address: str,
         deadline: float,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """After a failed fetch, ask the service (the failure path only) within the load's
         deadline: a holder it names at a new address restarted there (its keys came back by
         events), so the view learns the address; otherwise (or with no time left) the view
@@ -120,7 +128,7 @@ class RemoteFetcher:
 
     def _holders(
         self, tenant: str, keys: Sequence[BlockKey], deadline: float
-    ) -> list[tuple[str, str]]:  # fmt: skip
+    ) -> list[tuple[str, str]]:
         """Per leading key, (node id, address) of its best other holder: the view's, else the
         service's answer by `deadline` (none after it)."""
         ucx = self.engine.name == "ucx"
@@ -139,10 +147,13 @@ class RemoteFetcher:
         plan = []
         for holders in result.holders:
             holder = next(
-                ((h.node_id, self._address(result, h.node_id)) for h in holders
-                 if h.node_id != self.node_id),
+                (
+                    (h.node_id, self._address(result, h.node_id))
+                    for h in holders
+                    if h.node_id != self.node_id
+                ),
                 ("", ""),
-            )  # fmt: skip
+            )
             if not holder[1]:
                 break
             plan.append(holder)

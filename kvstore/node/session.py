@@ -68,9 +68,14 @@ class RequestCounters:
     """Blocks asked for and served, across every session of one agent. Thread-safe."""
 
     NAMES = (
-        "lookup_asked", "lookup_local_hit", "lookup_remote_hit", "load_local", "load_remote",
-        "load_miss", "saved",
-    )  # fmt: skip
+        "lookup_asked",
+        "lookup_local_hit",
+        "lookup_remote_hit",
+        "load_local",
+        "load_remote",
+        "load_miss",
+        "saved",
+    )
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -88,9 +93,14 @@ class RequestCounters:
 
 class WorkerSession:
     def __init__(
-        self, store: TieredStore, fetcher: RemoteFetcher | None, counters: RequestCounters,
-        identity: WorkerIdentity, max_pins: int, private: PrivateBuffer | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        store: TieredStore,
+        fetcher: RemoteFetcher | None,
+        counters: RequestCounters,
+        identity: WorkerIdentity,
+        max_pins: int,
+        private: PrivateBuffer | None = None,
+    ) -> None:
         self.store = store
         self.fetcher = fetcher
         self.counters = counters
@@ -221,8 +231,10 @@ class WorkerSession:
                 header = block.unpack_header(page)
                 stored_as = owned_key(header.tenant, header.key)
                 if stored_as != key or header.block_bytes > self.arena.page_size_bytes:
-                    raise ChecksumError(f"the arena page of {key!r} holds {header.key!r} "
-                                        f"of {header.block_bytes} bytes")  # fmt: skip
+                    raise ChecksumError(
+                        f"the arena page of {key!r} holds {header.key!r} "
+                        f"of {header.block_bytes} bytes"
+                    )
             except ChecksumError as exc:
                 logger.warning("a corrupt block header ends the load: %s", exc)
                 self.store.purge_if_corrupt(key)
@@ -246,16 +258,23 @@ class WorkerSession:
 
     # ---- writes ----------------------------------------------------------------------------
     def save(
-        self, tenant: str, keys: Sequence[BlockKey], first_parent: BlockKey | None,
-        payload_bytes: int, layout_hash: int, codec_id: int,
-    ) -> tuple[int, list[int | None]]:  # fmt: skip
+        self,
+        tenant: str,
+        keys: Sequence[BlockKey],
+        first_parent: BlockKey | None,
+        payload_bytes: int,
+        layout_hash: int,
+        codec_id: int,
+    ) -> tuple[int, list[int | None]]:
         """Reserve a page per key; returns each payload's offset in the worker's mapping
         (None: already stored, being written, or no room left)."""
         self.identity.require(tenant)
         self._require_room(len(keys))
         if len(set(keys)) != len(keys) or first_parent in keys:
-            raise ConfigError("a save's keys are a chain: each key once, none its own ancestor "
-                              "(a cycle of parents would make its blocks unevictable)")  # fmt: skip
+            raise ConfigError(
+                "a save's keys are a chain: each key once, none its own ancestor "
+                "(a cycle of parents would make its blocks unevictable)"
+            )
         reservation = Reservation(next(_ids), tenant, payload_bytes)
         offsets: list[int | None] = []
         parent = None if first_parent is None else owned_key(tenant, first_parent)

@@ -198,7 +198,11 @@ class ClusterView:
 
     def stats(self) -> dict:
         return {
-            "ready": self.ready, "overflowed": self.overflowed, "keys": self.keys,
-            "max_keys": self.max_keys, "nodes": len(self._node_ids),
-            "bytes": self.bytes_estimate(), **dict(self.counters),
-        }  # fmt: skip
+            "ready": self.ready,
+            "overflowed": self.overflowed,
+            "keys": self.keys,
+            "max_keys": self.max_keys,
+            "nodes": len(self._node_ids),
+            "bytes": self.bytes_estimate(),
+            **dict(self.counters),
+        }

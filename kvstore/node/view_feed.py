@@ -32,9 +32,12 @@ _KINDS = {pb.Event.KIND_STORED: "stored", pb.Event.KIND_REMOVED: "removed"}
 
 class ViewFeed(StreamThread):
     def __init__(
-        self, client: MetadataClient, view: ClusterView, resync_min_interval_s: float = 30.0,
+        self,
+        client: MetadataClient,
+        view: ClusterView,
+        resync_min_interval_s: float = 30.0,
         backoff: Backoff = DEFAULT_BACKOFF,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__(client, backoff, "view-feed")
         self.view = view
         self.resync_min_interval_s = resync_min_interval_s

@@ -52,9 +52,14 @@ def engine_layout_bytes(dims: dict, chunk_tokens: int, itemsize: int = 4) -> int
 
 
 def calibrate(
-    lengths: np.ndarray, cached: np.ndarray, seconds: np.ndarray, cold: np.ndarray,
-    hit: np.ndarray, chunk_tokens: int, chunk_bytes: int,
-) -> Calibration:  # fmt: skip
+    lengths: np.ndarray,
+    cached: np.ndarray,
+    seconds: np.ndarray,
+    cold: np.ndarray,
+    hit: np.ndarray,
+    chunk_tokens: int,
+    chunk_bytes: int,
+) -> Calibration:
     """Per run (in the order run): prompt tokens, tokens served from the store, TTFT; `cold`
     marks runs of fresh prompts (nothing cached), `hit` runs of a prompt stored just before.
     The rate is fitted on cold runs' times divided by the machine's slowdown at each, and the
@@ -70,8 +75,10 @@ def calibrate(
         slowdown /= np.median(slowdown[cold])  # 1: the machine's median speed over the run
     steady = seconds / slowdown
     save_paid = save_s * saves(lengths, cached // chunk_tokens, chunk_tokens)
-    hits = [(int(lengths[i]), int(cached[i]), float(steady[i] - save_paid[i]))
-            for i in np.flatnonzero(hit)]  # fmt: skip
+    hits = [
+        (int(lengths[i]), int(cached[i]), float(steady[i] - save_paid[i]))
+        for i in np.flatnonzero(hit)
+    ]
     link = fit_load_link(rate, hits, chunk_tokens, chunk_bytes)
     return Calibration(rate, save_s, link, slowdown)
 
@@ -124,8 +131,11 @@ def fit_load_link(
     """Host-tier link from (prompt tokens, cached tokens, TTFT) of prompts served from the
     store: what their TTFT exceeds the predicted compute of their uncached rest, as a latency
     per load plus a time per chunk (median regression)."""
-    rows = [(cached // chunk_tokens, seconds - rate.compute_s(tokens - cached, cached))
-            for tokens, cached, seconds in hits if cached >= chunk_tokens]  # fmt: skip
+    rows = [
+        (cached // chunk_tokens, seconds - rate.compute_s(tokens - cached, cached))
+        for tokens, cached, seconds in hits
+        if cached >= chunk_tokens
+    ]
     if len(rows) < 2:
         return TierLink(chunk_bytes / 1e-6)
     chunks, extra_s = (np.array(values, dtype=float) for values in zip(*rows, strict=True))

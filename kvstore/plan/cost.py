@@ -42,9 +42,14 @@ def instance_links(options: PlanOptions, nodes: int) -> dict[str, TierLink]:
 
 
 def service_times(
-    tokens: np.ndarray, hit_chunks: dict[str, np.ndarray], chunk_tokens: int, chunk_bytes: int,
-    rate: PrefillRate, links: dict[str, TierLink], overlap: bool,
-) -> ServiceTimes:  # fmt: skip
+    tokens: np.ndarray,
+    hit_chunks: dict[str, np.ndarray],
+    chunk_tokens: int,
+    chunk_bytes: int,
+    rate: PrefillRate,
+    links: dict[str, TierLink],
+    overlap: bool,
+) -> ServiceTimes:
     """Each request loads the prefix the cost model picks (host chunks first, then disk) and
     computes the rest of its prompt."""
     service = np.empty(len(tokens))

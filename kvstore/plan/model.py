@@ -13,23 +13,35 @@ from kvstore.errors import ConfigError
 from kvstore.layout import CODEC_NAMES, DTYPES, KVLayout
 
 REQUIRED_FIELDS = (
-    "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
-    "intermediate_size", "vocab_size",
-)  # fmt: skip
+    "num_hidden_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+)
 
 # Public Hugging Face config.json values of meta-llama/Meta-Llama-3-{8B,70B}.
 PRESETS: dict[str, dict] = {
     "llama-3-8b": {
-        "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
-        "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256,
+        "num_hidden_layers": 32,
+        "hidden_size": 4096,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "intermediate_size": 14336,
+        "vocab_size": 128256,
         "torch_dtype": "bfloat16",
     },
     "llama-3-70b": {
-        "num_hidden_layers": 80, "hidden_size": 8192, "num_attention_heads": 64,
-        "num_key_value_heads": 8, "intermediate_size": 28672, "vocab_size": 128256,
+        "num_hidden_layers": 80,
+        "hidden_size": 8192,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "intermediate_size": 28672,
+        "vocab_size": 128256,
         "torch_dtype": "bfloat16",
     },
-}  # fmt: skip
+}
 
 
 @dataclass(frozen=True)
@@ -102,7 +114,13 @@ def model_from_config(config: dict, where: str) -> ModelSpec:
     if dtype not in DTYPES:
         raise ConfigError(f"{where}: field 'torch_dtype' {dtype!r} unsupported; use {list(DTYPES)}")
     return ModelSpec(
-        where, config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"],
-        config["num_key_value_heads"], int(head_dim), config["intermediate_size"],
-        config["vocab_size"], dtype,
-    )  # fmt: skip
+        where,
+        config["num_hidden_layers"],
+        config["hidden_size"],
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+        int(head_dim),
+        config["intermediate_size"],
+        config["vocab_size"],
+        dtype,
+    )

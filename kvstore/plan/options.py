@@ -133,8 +133,11 @@ def bandwidths_from_bench(paths: list[Path], base: dict[str, float]) -> dict[str
             raise ConfigError(
                 f"--bandwidths-from {path}: not a bench JSON output ({exc})"
             ) from None
-        for tier, prefix in (("host", "shm_get_GBps"), ("disk", "disk_read_GBps"),
-                             ("remote", "tcp_get_GBps")):  # fmt: skip
+        for tier, prefix in (
+            ("host", "shm_get_GBps"),
+            ("disk", "disk_read_GBps"),
+            ("remote", "tcp_get_GBps"),
+        ):
             rates = [v for k, v in figures.items() if k.startswith(prefix) and v]
             if rates:
                 result[tier] = max(rates) * 1e9
@@ -151,12 +154,19 @@ def prefill_flops_from_bench(path: Path) -> float:
         dims, tokens, ttft_s = figures["model"], figures["prompt_tokens"], figures["ttft_cold_s"]
     except (OSError, ValueError, KeyError) as exc:
         raise ConfigError(f"--prefill-from {path}: not a bench vllm output ({exc})") from None
-    model = model_from_config({
-        "num_hidden_layers": dims["num_layers"], "hidden_size": dims["hidden_size"],
-        "num_attention_heads": dims["num_heads"], "num_key_value_heads": dims["num_kv_heads"],
-        "head_dim": dims["head_dim"], "intermediate_size": 2 * dims["hidden_size"],
-        "vocab_size": 512, "torch_dtype": "float32",
-    }, str(path))  # fmt: skip
+    model = model_from_config(
+        {
+            "num_hidden_layers": dims["num_layers"],
+            "hidden_size": dims["hidden_size"],
+            "num_attention_heads": dims["num_heads"],
+            "num_key_value_heads": dims["num_kv_heads"],
+            "head_dim": dims["head_dim"],
+            "intermediate_size": 2 * dims["hidden_size"],
+            "vocab_size": 512,
+            "torch_dtype": "float32",
+        },
+        str(path),
+    )
     flops = tokens * model.linear_flops_per_token
     flops += tokens * (tokens + 1) / 2 * model.attention_flops_per_pair
     return flops / ttft_s

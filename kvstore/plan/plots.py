@@ -90,8 +90,9 @@ def _cost(pyplot, result: dict, path: Path, title: str) -> Path:
         axis.plot(values, "o-", color=color, label=f"NVMe {nvme:.0f} GiB")
         for x, dram in enumerate(drams):
             if rows[(dram, nvme)]["cheapest"]:
-                axis.plot(x, values[x], "*", color="red", markersize=18,
-                          label="cheapest meeting the SLA")  # fmt: skip
+                axis.plot(
+                    x, values[x], "*", color="red", markersize=18, label="cheapest meeting the SLA"
+                )
 
     figure, axes, _ = _per_codec(pyplot, result, draw)
     axes[0].set_ylabel("$ per million prompt tokens at the SLA load")
@@ -112,8 +113,10 @@ def _ttft_cdf(pyplot, result: dict, path: Path, title: str) -> Path:
     figure, axis = pyplot.subplots(figsize=(8, 5))
     for name, row in picked.items():
         values = np.sort(row["_service_s"])
-        label = (f"{name}: {row['codec']}, DRAM {row['dram_gib']:.0f} GiB, "
-                 f"NVMe {row['nvme_gib']:.0f} GiB, hit {row['token_hit_ratio']:.0%}")  # fmt: skip
+        label = (
+            f"{name}: {row['codec']}, DRAM {row['dram_gib']:.0f} GiB, "
+            f"NVMe {row['nvme_gib']:.0f} GiB, hit {row['token_hit_ratio']:.0%}"
+        )
         axis.plot(values, np.arange(1, len(values) + 1) / len(values), label=label)
     axis.axvline(result["sla_ttft_s"], color="grey", linestyle="--", label="SLA TTFT")
     axis.set_xscale("log")

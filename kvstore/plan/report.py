@@ -5,15 +5,21 @@ the cheapest one meeting the SLA marked. Runs in the `kvstore plan` process.
 from __future__ import annotations
 
 COLUMNS = (
-    ("codec", "codec", "{}"), ("DRAM GiB", "dram_gib", "{:.0f}"),
-    ("NVMe GiB", "nvme_gib", "{:.0f}"), ("nodes", "nodes", "{}"),
+    ("codec", "codec", "{}"),
+    ("DRAM GiB", "dram_gib", "{:.0f}"),
+    ("NVMe GiB", "nvme_gib", "{:.0f}"),
+    ("nodes", "nodes", "{}"),
     ("hit%", "token_hit_ratio", "{:.1%}"),
-    ("host%", "host_token_hit_ratio", "{:.1%}"), ("disk%", "disk_token_hit_ratio", "{:.1%}"),
+    ("host%", "host_token_hit_ratio", "{:.1%}"),
+    ("disk%", "disk_token_hit_ratio", "{:.1%}"),
     ("saved%", "prefill_tokens_saved_ratio", "{:.1%}"),
-    ("idle p50", "ttft_idle_p50_s", "{:.3f}"), ("idle p90", "ttft_idle_p90_s", "{:.3f}"),
-    ("p50@SLA", "ttft_p50_s", "{:.3f}"), ("GPU-s/req", "gpu_s_per_request", "{:.3f}"),
-    ("req/s@SLA", "throughput_at_sla_req_s", "{:.2f}"), ("$/Mtok", "usd_per_mtok", "{:.4f}"),
-)  # fmt: skip
+    ("idle p50", "ttft_idle_p50_s", "{:.3f}"),
+    ("idle p90", "ttft_idle_p90_s", "{:.3f}"),
+    ("p50@SLA", "ttft_p50_s", "{:.3f}"),
+    ("GPU-s/req", "gpu_s_per_request", "{:.3f}"),
+    ("req/s@SLA", "throughput_at_sla_req_s", "{:.2f}"),
+    ("$/Mtok", "usd_per_mtok", "{:.4f}"),
+)
 
 
 def format_plan(result: dict) -> str:

@@ -61,9 +61,12 @@ class Planner:
         key = (host_blocks, disk_blocks) if self.trace.has_prefix_info else (0, 0)
         if key not in self._replays:
             self._replays[key] = replay_tiers(
-                self.keyed, *key, self.options.host_policy, self.options.disk_policy,
+                self.keyed,
+                *key,
+                self.options.host_policy,
+                self.options.disk_policy,
                 self.progress,
-            )  # fmt: skip
+            )
         return self._replays[key]
 
     def evaluate(self, candidate: Candidate) -> dict:
@@ -73,10 +76,14 @@ class Planner:
         disk_blocks = candidate.nodes * candidate.nvme_bytes // chunk_bytes
         hits = self.hits(host_blocks, disk_blocks)
         times = cost.service_times(
-            self.tokens, hits.hit_chunks, TRACE_BLOCK_TOKENS, chunk_bytes,
-            options.prefill_rate(self.model), cost.instance_links(options, candidate.nodes),
+            self.tokens,
+            hits.hit_chunks,
+            TRACE_BLOCK_TOKENS,
+            chunk_bytes,
+            options.prefill_rate(self.model),
+            cost.instance_links(options, candidate.nodes),
             options.overlap,
-        )  # fmt: skip
+        )
         speedup, ttft = cost.max_load_at_sla(
             self.arrivals_s, times.service_s, options.sla_ttft_s, options.sla_quantile
         )

@@ -89,9 +89,13 @@ def _store(host_blocks: int, disk_blocks: int, host_policy: str, disk_policy: st
 
 
 def replay_tiers(
-    keyed: Sequence[KeyedRequest], host_blocks: int, disk_blocks: int,
-    host_policy: str = "lru", disk_policy: str = "lru", progress: bool = False,
-) -> TierHits:  # fmt: skip
+    keyed: Sequence[KeyedRequest],
+    host_blocks: int,
+    disk_blocks: int,
+    host_policy: str = "lru",
+    disk_policy: str = "lru",
+    progress: bool = False,
+) -> TierHits:
     """Replay `keyed` through a store of `host_blocks` host pages over `disk_blocks` disk pages.
 
     Per request, as a connector does: look up the longest resident prefix (up to its lookup

@@ -43,9 +43,12 @@ CONVERSATION_STRIDE = 25  # 240 requests of every 25th conversation: ~30 % of to
 
 
 def run_validate(
-    requests: int = 240, trace: str | None = None, arena_pages: int = 512,
-    model: dict | None = None, conversation_stride: int = CONVERSATION_STRIDE,
-) -> dict:  # fmt: skip
+    requests: int = 240,
+    trace: str | None = None,
+    arena_pages: int = 512,
+    model: dict | None = None,
+    conversation_stride: int = CONVERSATION_STRIDE,
+) -> dict:
     """Predicted vs measured token hit ratio and TTFT p50/p90 on the first `requests` requests
     of every `conversation_stride`-th conversation."""
     from kvstore.bench.tiny_llama import build_tiny_llama
@@ -63,11 +66,16 @@ def run_validate(
     with tempfile.TemporaryDirectory() as directory:
         root = Path(directory)
         model_dir = build_tiny_llama(root / "model", **dims)
-        agent = NodeAgent(NodeConfig(
-            node_id="validate", socket_path=root / "agent.sock", transfer="none",
-            page_size_bytes=page_bytes, host_capacity_bytes=page_bytes * arena_pages,
-            host_policy=POLICY,
-        ))  # fmt: skip
+        agent = NodeAgent(
+            NodeConfig(
+                node_id="validate",
+                socket_path=root / "agent.sock",
+                transfer="none",
+                page_size_bytes=page_bytes,
+                host_capacity_bytes=page_bytes * arena_pages,
+                host_policy=POLICY,
+            )
+        )
         agent.start()
         try:
             measured = _measure(_engine(model_dir, agent.config.socket_path), runs)
@@ -137,23 +145,33 @@ def _engine(model_dir: Path, socket_path: Path):
     comes from the store; block size = chunk size, so each trace block is one chunk. One
     torch thread (ENGINE_THREADS): other tenants' load then slows it in proportion, where two
     threads meeting at every op's barrier stall whenever either is descheduled."""
-    os.environ.update(VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1",
-                      VLLM_ENABLE_V1_MULTIPROCESSING="0")  # fmt: skip
+    os.environ.update(
+        VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0"
+    )
     torch.set_num_threads(ENGINE_THREADS)
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
     transfer = KVTransferConfig(
-        kv_connector="KVStoreConnector", kv_connector_module_path="connectors.vllm.connector",
-        kv_role="kv_both", kv_load_failure_policy="recompute",
+        kv_connector="KVStoreConnector",
+        kv_connector_module_path="connectors.vllm.connector",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
         kv_connector_extra_config={"socket_path": str(socket_path), "chunk_tokens": CHUNK_TOKENS},
-    )  # fmt: skip
+    )
     return LLM(
-        model=str(model_dir), tokenizer=str(model_dir), dtype="float32", enforce_eager=True,
-        gpu_memory_utilization=0.2, kv_cache_memory_bytes=1 << 30, block_size=CHUNK_TOKENS,
-        kv_transfer_config=transfer, max_model_len=MAX_PROMPT_TOKENS + 64,
-        max_num_batched_tokens=MAX_PROMPT_TOKENS + 64, enable_prefix_caching=False,
-    )  # fmt: skip
+        model=str(model_dir),
+        tokenizer=str(model_dir),
+        dtype="float32",
+        enforce_eager=True,
+        gpu_memory_utilization=0.2,
+        kv_cache_memory_bytes=1 << 30,
+        block_size=CHUNK_TOKENS,
+        kv_transfer_config=transfer,
+        max_model_len=MAX_PROMPT_TOKENS + 64,
+        max_num_batched_tokens=MAX_PROMPT_TOKENS + 64,
+        enable_prefix_caching=False,
+    )
 
 
 def _measure(llm, runs: list[Run]) -> dict:
@@ -172,13 +190,19 @@ def _measure(llm, runs: list[Run]) -> dict:
 def _calibration(runs: list[Run], measured: dict, chunk_bytes: int) -> cal.Calibration:
     roles = np.array([r.role for r in runs])
     return cal.calibrate(
-        np.array([len(r.prompt) for r in runs]), measured["cached_tokens"], measured["ttft_s"],
-        roles == "cold", roles == "hit", CHUNK_TOKENS, chunk_bytes,
-    )  # fmt: skip
+        np.array([len(r.prompt) for r in runs]),
+        measured["cached_tokens"],
+        measured["ttft_s"],
+        roles == "cold",
+        roles == "hit",
+        CHUNK_TOKENS,
+        chunk_bytes,
+    )
 
 
-def _predict(runs: list[Run], arena_pages: int, calibration: cal.Calibration,
-             chunk_bytes: int) -> dict:  # fmt: skip
+def _predict(
+    runs: list[Run], arena_pages: int, calibration: cal.Calibration, chunk_bytes: int
+) -> dict:
     """The plan's view of the same runs: replayed hits, the connector's load-or-recompute rule
     (a load is refused only when its chunks are predicted LOAD_MARGIN times slower than their
     compute; the fitted per-load latency is left out of that choice, as the connector's online
@@ -192,14 +216,18 @@ def _predict(runs: list[Run], arena_pages: int, calibration: cal.Calibration,
     for number, run in enumerate(runs):
         chunks = int(hits.hit_chunks["host"][number])
         tiers, sizes = ["host"] * chunks, [CHUNK_TOKENS] * chunks
-        count = best_load_prefix(tiers, sizes, chunk_bytes, len(run.prompt), rate,
-                                 {"host": lenient})[0]  # fmt: skip
+        count = best_load_prefix(
+            tiers, sizes, chunk_bytes, len(run.prompt), rate, {"host": lenient}
+        )[0]
         steady.append(calibration.ttft_s(len(run.prompt), count, CHUNK_TOKENS, chunk_bytes))
         loaded.append(count * CHUNK_TOKENS)
     steady_s = np.array(steady)
-    return {"ttft_s": steady_s * calibration.slowdown, "steady_ttft_s": steady_s,
-            "cached_tokens": np.array(loaded),
-            "stored_tokens": hits.hit_chunks["host"] * CHUNK_TOKENS}  # fmt: skip
+    return {
+        "ttft_s": steady_s * calibration.slowdown,
+        "steady_ttft_s": steady_s,
+        "cached_tokens": np.array(loaded),
+        "stored_tokens": hits.hit_chunks["host"] * CHUNK_TOKENS,
+    }
 
 
 def _summary(slice_, runs, arena_pages, measured, predicted, calibration, started) -> dict:

@@ -36,10 +36,18 @@ from kvstore.tiers.base import Tier, pages_for
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 logger = logging.getLogger(__name__)
-_CORRUPT = tuple(getattr(lmdb, name) for name in (
-    "CorruptedError", "InvalidError", "PageNotFoundError", "VersionMismatchError", "PanicError",
-    "BadChecksumError",  # lmdb >= 3
-) if hasattr(lmdb, name))  # fmt: skip
+_CORRUPT = tuple(
+    getattr(lmdb, name)
+    for name in (
+        "CorruptedError",
+        "InvalidError",
+        "PageNotFoundError",
+        "VersionMismatchError",
+        "PanicError",
+        "BadChecksumError",  # lmdb >= 3
+    )
+    if hasattr(lmdb, name)
+)
 
 # B-tree pages and overflow-page rounding: LMDB needs some room beyond the raw values.
 _MAP_OVERHEAD = 1.25
@@ -62,8 +70,14 @@ class DiskTier(Tier):
         self._lock_fd = _lock_directory(self.path)
         self._unlock = weakref.finalize(self, os.close, self._lock_fd)  # dropped unclosed too
         map_size = int(capacity_bytes * _MAP_OVERHEAD) + _MAP_SLACK_BYTES
-        options = {"map_size": map_size, "sync": fsync, "metasync": fsync, "readahead": False,
-                   "max_spare_txns": 4, "writemap": False}  # fmt: skip
+        options = {
+            "map_size": map_size,
+            "sync": fsync,
+            "metasync": fsync,
+            "readahead": False,
+            "max_spare_txns": 4,
+            "writemap": False,
+        }
         try:
             self._env, self._committed = self._open(options)
         except BaseException:
@@ -202,8 +216,10 @@ def _lock_directory(path: Path) -> int:
     except OSError as exc:
         os.close(fd)
         if isinstance(exc, BlockingIOError):
-            raise ConfigError(f"disk tier: {path} is in use by another agent (its kvstore.lock "
-                              "is held); give each agent its own disk_dir") from None  # fmt: skip
+            raise ConfigError(
+                f"disk tier: {path} is in use by another agent (its kvstore.lock "
+                "is held); give each agent its own disk_dir"
+            ) from None
         raise ConfigError(f"disk tier: cannot lock {path}: {exc}") from None
     return fd
 
@@ -218,5 +234,6 @@ def _set_aside(path: Path, exc: Exception) -> None:
     for name in ("data.mdb", "lock.mdb"):
         if (path / name).exists():
             os.replace(path / name, aside / name)
-    logger.warning("disk tier: LMDB at %s is corrupt (%s); moved to %s, starting empty",
-                   path, exc, aside)  # fmt: skip
+    logger.warning(
+        "disk tier: LMDB at %s is corrupt (%s); moved to %s, starting empty", path, exc, aside
+    )

@@ -26,13 +26,18 @@ class ThrottledDiskTier(DiskTier):
     slow device, the wait happens wherever the store reads or writes the tier (promotion to
     host, serving a peer's fetch, demotion)."""
 
-    def __init__(self, *args, read_bytes_per_s: int = SATA_SSD_READ_BYTES_PER_S,
-                 write_bytes_per_s: int = 0, **options) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *args,
+        read_bytes_per_s: int = SATA_SSD_READ_BYTES_PER_S,
+        write_bytes_per_s: int = 0,
+        **options,
+    ) -> None:
         if read_bytes_per_s < 0 or write_bytes_per_s < 0:
             raise ConfigError(
                 f"disk_read_bytes_per_s ({read_bytes_per_s}) and disk_write_bytes_per_s "
                 f"({write_bytes_per_s}) must be >= 0 (0: full speed)"
-            )  # fmt: skip
+            )
         super().__init__(*args, **options)
         self.read_bytes_per_s = read_bytes_per_s
         self.write_bytes_per_s = write_bytes_per_s

@@ -162,5 +162,7 @@ def warn_if_open(engine: str, host: str, secret: bytes | None) -> None:
         return
     logger.warning(
         "%s engine serves %s without a cluster_secret: any host that reaches it can read "
-        "every block; set a cluster secret", engine, host,
-    )  # fmt: skip
+        "every block; set a cluster secret",
+        engine,
+        host,
+    )

@@ -52,9 +52,14 @@ class TransferEngine(ABC):
 
     @abstractmethod
     def fetch(
-        self, address: str, tenant: str, keys: Sequence[BlockKey],
-        pages: Sequence[torch.Tensor], timeout_s: float, checksums: list | None = None,
-    ) -> list[int]:  # fmt: skip
+        self,
+        address: str,
+        tenant: str,
+        keys: Sequence[BlockKey],
+        pages: Sequence[torch.Tensor],
+        timeout_s: float,
+        checksums: list | None = None,
+    ) -> list[int]:
         """Pull `tenant`'s blocks of `keys` from the peer at `address`, block i into `pages[i]`.
 
         Returns, per key, the bytes received: 0 when the peer lacks the block, or when the

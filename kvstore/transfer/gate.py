@@ -78,9 +78,15 @@ class LinkOptions:
 
 
 _POSITIVE = (
-    "connect_timeout_s", "handshake_timeout_s", "batch_deadline_s", "idle_timeout_s",
-    "max_connections", "max_connections_per_peer", "max_handshakes", "max_handshakes_per_peer",
-)  # fmt: skip
+    "connect_timeout_s",
+    "handshake_timeout_s",
+    "batch_deadline_s",
+    "idle_timeout_s",
+    "max_connections",
+    "max_connections_per_peer",
+    "max_handshakes",
+    "max_handshakes_per_peer",
+)
 
 
 class Gate:
@@ -89,7 +95,7 @@ class Gate:
 
     def __init__(
         self, engine: str, options: LinkOptions, stats: TransferStats, lock: threading.Lock
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.engine, self.options, self.stats, self._lock = engine, options, stats, lock
         self._peers: dict[socket.socket, threading.Thread] = {}  # every connection's thread
         self._hosts: collections.Counter[str] = collections.Counter()  # served, per peer host
@@ -121,9 +127,11 @@ class Gate:
             ) from exc
         self._listener = listener
         self._acceptor = threading.Thread(
-            target=self._accept_loop, args=(listener, serve), daemon=True,
+            target=self._accept_loop,
+            args=(listener, serve),
+            daemon=True,
             name=f"kvstore-{self.engine}-accept",
-        )  # fmt: skip
+        )
         self._acceptor.start()
         auth.warn_if_open(self.engine, host, self.options.cluster_secret)
         port = listener.getsockname()[1]
@@ -155,9 +163,11 @@ class Gate:
         """Start the handshake of `sock` on its own thread, unless the gate is closed or the
         handshake slots (in total, or of its host) are all taken."""
         thread = threading.Thread(
-            target=self._run, args=(sock, host, serve), daemon=True,
+            target=self._run,
+            args=(sock, host, serve),
+            daemon=True,
             name=f"kvstore-{self.engine}-peer-{host}",
-        )  # fmt: skip
+        )
         options = self.options
         with self._lock:
             if self._closed:

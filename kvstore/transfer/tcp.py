@@ -105,9 +105,14 @@ class TcpEngine(TransferEngine):
 
     # ---- fetching ------------------------------------------------------------------------
     def fetch(
-        self, address: str, tenant: str, keys: Sequence[BlockKey],
-        pages: Sequence[torch.Tensor], timeout_s: float, checksums: list | None = None,
-    ) -> list[int]:  # fmt: skip
+        self,
+        address: str,
+        tenant: str,
+        keys: Sequence[BlockKey],
+        pages: Sequence[torch.Tensor],
+        timeout_s: float,
+        checksums: list | None = None,
+    ) -> list[int]:
         buffers = _page_buffers(keys, pages, self.options.max_batch_keys)
         check_checksums("tcp", keys, checksums)
         request = pack_request(tenant, keys)  # ConfigError for a bad tenant, before any I/O
@@ -124,9 +129,14 @@ class TcpEngine(TransferEngine):
         return landed.received
 
     def _exchange(
-        self, conn: Conn, address: str, request: bytes, landed: _Landed, deadline: float,
+        self,
+        conn: Conn,
+        address: str,
+        request: bytes,
+        landed: _Landed,
+        deadline: float,
         reused: bool = True,
-    ) -> bool:  # fmt: skip
+    ) -> bool:
         """One batch on `conn`, filling `landed` in order; any error drops `conn`. False
         only when a `reused` connection turns out closed by the peer before it answered."""
         keys = landed.keys
@@ -203,7 +213,7 @@ class _Landed:
 
     def __init__(
         self, keys: Sequence[BlockKey], buffers: list[memoryview], checksums: list | None
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.keys, self.buffers, self.checksums = keys, buffers, checksums
         self.received = [0] * len(keys)
 
@@ -223,7 +233,7 @@ def _page_buffers(
 
 def _send_block(
     conn: Conn, open_block: OpenBlock, tenant: str, key: BlockKey, deadline: float
-) -> None:  # fmt: skip
+) -> None:
     """Send one frame straight from the block's pinned view (unpinned however sending ends).
     A store that fails before any byte is sent serves 'absent'; a failure once sending
     began drops the connection."""

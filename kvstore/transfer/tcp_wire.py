@@ -139,7 +139,7 @@ def send_frame(conn: Conn, key: BlockKey, body: memoryview, deadline: float) -> 
 
 def recv_frame(
     conn: Conn, key: BlockKey, buffer: memoryview, deadline: float
-) -> tuple[int, int | None]:  # fmt: skip
+) -> tuple[int, int | None]:
     """Receive one frame into `buffer`, verifying its MAC as the bytes arrive. Returns its
     length (0: the peer lacks the block) and the xxh3-64 of the block's payload (the bytes
     past its header, hashed as they landed; None for a frame too short to hold a header).
@@ -198,7 +198,7 @@ def recv_bytes(sock: socket.socket, count: int, deadline: float) -> bytes:
 
 def recv_exact(
     sock: socket.socket, view: memoryview, deadline: float, landing: Landing | None = None
-) -> None:  # fmt: skip
+) -> None:
     """Fill `view`; with `landing`, at most a slice at a time, each fed to `landing` as soon as
     it has landed (while still in cache; per-call overhead makes tiny updates slow).
     ConnectionError at EOF, TimeoutError once `deadline` has passed."""

@@ -258,9 +258,14 @@ class UcxEngine(TransferEngine):
 
     # ---- fetching ------------------------------------------------------------------------
     def fetch(
-        self, address: str, tenant: str, keys: Sequence[BlockKey],
-        pages: Sequence[torch.Tensor], timeout_s: float, checksums: list | None = None,
-    ) -> list[int]:  # fmt: skip
+        self,
+        address: str,
+        tenant: str,
+        keys: Sequence[BlockKey],
+        pages: Sequence[torch.Tensor],
+        timeout_s: float,
+        checksums: list | None = None,
+    ) -> list[int]:
         encode_tenant(tenant)  # ConfigError before any I/O
         check_checksums("ucx", keys, checksums)  # computes none: commit_received hashes
         batch = _Batch(tenant, keys, _page_arrays(keys, pages))
@@ -276,7 +281,7 @@ class UcxEngine(TransferEngine):
 
     def _exchange(
         self, runtime: Runtime, address: str, link: _Link, batch: _Batch, deadline: float
-    ) -> str:  # fmt: skip
+    ) -> str:
         """One batch on `link` ("done"; pooled again if whole), or "stale" when a pooled link
         turned out dropped by the peer before it answered; "broken" otherwise."""
         timeout_s = max(deadline - time.monotonic(), 0.0)
@@ -350,8 +355,13 @@ class UcxEngine(TransferEngine):
             recv_tag = _new_tag()
             send_hello(conn, b"client", runtime.address, recv_tag, hello_deadline)
             peer_address, send_tag = recv_hello(conn, b"server", runtime.address, hello_deadline)
-            link = self._link_within(conn, peer_address, send_tag, recv_tag,  # the fetch's deadline
-                                     min(START_TIMEOUT_S, deadline - time.monotonic()))  # fmt: skip
+            link = self._link_within(
+                conn,
+                peer_address,
+                send_tag,
+                recv_tag,  # the fetch's deadline
+                min(START_TIMEOUT_S, deadline - time.monotonic()),
+            )
         except (OSError, TransferError, concurrent.futures.TimeoutError) as exc:
             conn.sock.close()
             raise TransferError(f"cannot reach ucx peer {address}: {exc!r}") from None

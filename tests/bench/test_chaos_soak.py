@@ -25,9 +25,12 @@ MINUTES = "0.3"
 
 def run_bench(*args: str) -> dict:
     completed = subprocess.run(
-        [sys.executable, "-m", "kvstore", "bench", *args, "--json"], capture_output=True,
-        text=True, timeout=150, env=dict(os.environ),
-    )  # fmt: skip
+        [sys.executable, "-m", "kvstore", "bench", *args, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env=dict(os.environ),
+    )
     assert completed.returncode == 0, completed.stderr[-3000:]
     return json.loads(completed.stdout)
 
@@ -46,8 +49,18 @@ def _recycled(pid: int) -> bool:
 
 def test_chaos_kills_and_restarts_processes_and_never_serves_wrong_bytes():
     result = run_bench("chaos", "--minutes", MINUTES, "--seed", "1")
-    for field in ("operations", "loads", "hits", "wrong_results", "kills", "recovery_s_p50",
-                  "recovery_s_p99", "lost_blocks", "minutes", "seed"):  # fmt: skip
+    for field in (
+        "operations",
+        "loads",
+        "hits",
+        "wrong_results",
+        "kills",
+        "recovery_s_p50",
+        "recovery_s_p99",
+        "lost_blocks",
+        "minutes",
+        "seed",
+    ):
         assert field in result, field
     assert result["wrong_results"] == 0, result["wrong_examples"]
     assert sum(result["kills"].values()) > 0 and result["recovery_failures"] == 0
@@ -66,16 +79,24 @@ def test_a_worker_that_expects_one_wrong_byte_makes_chaos_report_a_wrong_result(
 
 
 def test_soak_reports_first_last_and_slope_of_every_resource_per_role():
-    result = run_bench("soak", "--minutes", MINUTES, "--sample-s", "2",
-                       "--metadata-max-events", "200")  # fmt: skip
+    result = run_bench(
+        "soak", "--minutes", MINUTES, "--sample-s", "2", "--metadata-max-events", "200"
+    )
     assert result["operations"] > 0 and result["errors"] == 0
     assert result["wrong_results"] == 0 and result["lost_blocks"] == 0
     assert result["samples"] >= 5
     for role in ("metadata", "agent", "worker"):
         summary = result["roles"][role]
-        for field in ("rss_mib_first", "rss_mib_last", "rss_slope_mib_per_hour",
-                      "rss_anon_slope_mib_per_hour", "threads_last", "threads_slope_per_hour",
-                      "fds_first", "fds_slope_per_hour"):  # fmt: skip
+        for field in (
+            "rss_mib_first",
+            "rss_mib_last",
+            "rss_slope_mib_per_hour",
+            "rss_anon_slope_mib_per_hour",
+            "threads_last",
+            "threads_slope_per_hour",
+            "fds_first",
+            "fds_slope_per_hour",
+        ):
             assert field in summary, (role, field)
         assert summary["rss_mib_last"] > 0
     assert "arena_slope_mib_per_hour" in result["shm"]
@@ -92,8 +113,10 @@ def test_soak_reports_first_last_and_slope_of_every_resource_per_role():
 def test_the_ring_report_fits_the_metadata_slopes_after_the_fill_only():
     times_s = [0.0, 10.0, 20.0, 30.0, 40.0, 50.0]
     rss = [100.0, 110.0, 120.0, 120.0, 120.0, 120.0]  # grows while the ring fills (by 20 s)
-    rows = [{"metadata.rss_mib": v, "process:metadata.rss_mib": v, "ring.events_emitted": e}
-            for v, e in zip(rss, [0, 500, 1000, 1500, 2000, 2500], strict=True)]  # fmt: skip
+    rows = [
+        {"metadata.rss_mib": v, "process:metadata.rss_mib": v, "ring.events_emitted": e}
+        for v, e in zip(rss, [0, 500, 1000, 1500, 2000, 2500], strict=True)
+    ]
     ring, slopes = ring_report(times_s, rows, max_events=1000, bytes_per_event=300.0)
     assert ring["full_at_s"] == 20.0 and ring["events_emitted"] == 2500
     assert ring["bound_mib"] == round(1000 * 300 / 2**20, 1)
@@ -137,8 +160,7 @@ def test_the_metadata_service_heap_stops_growing_once_its_event_ring_is_full(tmp
     """The soak's metadata RSS slope is its event ring filling (~340 B per event), not a
     leak: with the ring full, 1200 more events leave the heap flat; with room, it grows."""
     full = _heap_growth_bytes(tmp_path / "full", max_events=200, warm_rounds=400, rounds=600)
-    filling = _heap_growth_bytes(tmp_path / "room", max_events=10_000, warm_rounds=400,
-                                 rounds=600)  # fmt: skip
+    filling = _heap_growth_bytes(tmp_path / "room", max_events=10_000, warm_rounds=400, rounds=600)
     print(f"heap growth over 1200 events: ring full {full} B, ring filling {filling} B")
     assert full < 64 << 10, full  # a leak of >= ~55 B per event would exceed it
     assert filling > 1200 * 150, filling  # the same measure sees the ring's growth

@@ -9,10 +9,24 @@ import sys
 
 def test_the_gpu_check_runs_on_the_cpu_and_its_bytes_are_equal():
     out = subprocess.run(
-        [sys.executable, "-m", "kvstore", "bench", "gpu", "--device", "cpu", "--quick",
-         "--runs", "1", "--json"],
-        capture_output=True, text=True, timeout=300, check=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "kvstore",
+            "bench",
+            "gpu",
+            "--device",
+            "cpu",
+            "--quick",
+            "--runs",
+            "1",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     result = json.loads(out.stdout)  # exactly one JSON object: json.loads refuses more
     assert result["device"] == "cpu"
     assert result["bytes_equal"] is True and result["checksums_ok"] is True

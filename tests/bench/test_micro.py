@@ -18,10 +18,14 @@ TIER_FIELDS = [
     for tier in TIERS
     for size in ("4MiB", "16MiB")
     for name in (
-        "write_GBps", "read_GBps", "tier_write_GBps", "tier_read_GBps",
-        "write_vs_memcpy", "read_vs_memcpy",
+        "write_GBps",
+        "read_GBps",
+        "tier_write_GBps",
+        "tier_read_GBps",
+        "write_vs_memcpy",
+        "read_vs_memcpy",
     )
-]  # fmt: skip
+]
 FIELDS = [
     "runs",
     "hash_tokens_per_s",

@@ -8,17 +8,40 @@ import sys
 from tests.plan.traces import write_mooncake
 
 FIELDS = (
-    "service_rss_loaded_mib", "bytes_per_key", "lookups_per_s", "lookup_64_p50_us",
-    "lookup_64_p99_us", "preload_keys_per_s", "publish_keys_per_s", "evict_keys_per_s",
-    "request_lookups_per_s", "event_lag_p99_ms", "events_received",
-)  # fmt: skip
+    "service_rss_loaded_mib",
+    "bytes_per_key",
+    "lookups_per_s",
+    "lookup_64_p50_us",
+    "lookup_64_p99_us",
+    "preload_keys_per_s",
+    "publish_keys_per_s",
+    "evict_keys_per_s",
+    "request_lookups_per_s",
+    "event_lag_p99_ms",
+    "events_received",
+)
 
 
 def test_the_scale_bench_reports_memory_lookups_publishes_events_and_heartbeats(tmp_path):
     trace = write_mooncake(tmp_path / "trace.jsonl", requests=200, seed=1)  # not ../shared: CI
-    command = [sys.executable, "-m", "kvstore", "bench", "scale", "--nodes", "4", "--keys",
-               "2000", "--seconds", "4", "--agent-processes", "2", "--trace", trace,
-               "--json"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "kvstore",
+        "bench",
+        "scale",
+        "--nodes",
+        "4",
+        "--keys",
+        "2000",
+        "--seconds",
+        "4",
+        "--agent-processes",
+        "2",
+        "--trace",
+        trace,
+        "--json",
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout)

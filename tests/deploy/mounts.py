@@ -29,16 +29,21 @@ def _self_signed() -> tuple[bytes, bytes]:
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvstore-metadata")])
     now = datetime.datetime.now(datetime.UTC)
     cert = (
-        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-        .serial_number(x509.random_serial_number()).not_valid_before(now)
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now)
         .not_valid_after(now + datetime.timedelta(days=1))
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
         .sign(key, hashes.SHA256())
-    )  # fmt: skip
+    )
     key_pem = key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
         serialization.NoEncryption(),
-    )  # fmt: skip
+    )
     return cert.public_bytes(serialization.Encoding.PEM), key_pem
 
 
@@ -115,8 +120,9 @@ def container_env(container: dict, mounts: dict[str, Path]) -> dict[str, str]:
             env[var["name"]] = FIELD_VALUES[source["fieldRef"]["fieldPath"]]
         else:
             value = var["value"]
-            env[var["name"]] = _relocate(value, mounts) if var["name"].startswith("KVSTORE_") \
-                else value  # fmt: skip
+            env[var["name"]] = (
+                _relocate(value, mounts) if var["name"].startswith("KVSTORE_") else value
+            )
     return env
 
 

@@ -35,8 +35,12 @@ def names(path: Path) -> str:
 
 
 def test_there_are_values_files_for_each_shape():
-    assert {names(p) for p in CI_VALUES} >= {"embedded-lmdb", "redis-replicas", "sidecar",
-                                              "tls-auth"}  # fmt: skip
+    assert {names(p) for p in CI_VALUES} >= {
+        "embedded-lmdb",
+        "redis-replicas",
+        "sidecar",
+        "tls-auth",
+    }
 
 
 def test_helm_lint_is_clean():
@@ -133,8 +137,11 @@ def test_secrets_are_files_never_args_or_env():
 
 
 def test_redis_cluster_metadata_gets_its_seeds_and_wait():
-    metadata = [c for obj, c in containers_of(CHART / "ci" / "redis-cluster-values.yaml")
-                if c["name"] == "kvstore-metadata"]  # fmt: skip
+    metadata = [
+        c
+        for obj, c in containers_of(CHART / "ci" / "redis-cluster-values.yaml")
+        if c["name"] == "kvstore-metadata"
+    ]
     args = " ".join(metadata[0]["args"])
     assert "--backend redis-cluster" in args
     assert "--redis-url redis://redis-0.redis:6379,redis-1.redis:6379" in args
@@ -180,8 +187,11 @@ def test_sidecar_examples_share_only_the_socket_directory():
 
     rendered = render(CHART / "ci" / "sidecar-values.yaml")
     assert "DaemonSet" not in {obj["kind"] for obj in rendered}
-    engines = {o["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]: o
-               for o in rendered if o["kind"] == "Deployment"}  # fmt: skip
+    engines = {
+        o["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]: o
+        for o in rendered
+        if o["kind"] == "Deployment"
+    }
     for engine in ("vllm", "sglang"):
         spec = pod_spec(engines[engine])
         agent = spec["initContainers"][0]
@@ -203,10 +213,13 @@ def test_sidecar_examples_share_only_the_socket_directory():
             assert settings.socket_path == socket_path
         else:
             assert config == {
-                "backend_name": "kvstore", "module_path": "connectors.sglang.backend",
-                "class_name": "KVStoreHiCacheStorage", "interface_v1": 1,
-                "socket_path": socket_path, "tenant": "default",
-            }  # fmt: skip
+                "backend_name": "kvstore",
+                "module_path": "connectors.sglang.backend",
+                "class_name": "KVStoreHiCacheStorage",
+                "interface_v1": 1,
+                "socket_path": socket_path,
+                "tenant": "default",
+            }
             assert (
                 worker["args"][worker["args"].index("--hicache-storage-backend") + 1] == "dynamic"
             )
@@ -217,8 +230,9 @@ def test_network_policies_admit_only_agents_to_transfer_ports():
     policies = {o["metadata"]["name"]: o for o in rendered if o["kind"] == "NetworkPolicy"}
     node = policies["kv-kvstore-node"]["spec"]["ingress"]
     transfer = next(rule for rule in node if rule["ports"][0]["port"] == 50060)
-    assert [peer["podSelector"]["matchLabels"]["kvstore.io/agent"] for peer in transfer["from"]] \
-        == ["true"]  # fmt: skip
+    assert [
+        peer["podSelector"]["matchLabels"]["kvstore.io/agent"] for peer in transfer["from"]
+    ] == ["true"]
     metadata = policies["kv-kvstore-metadata"]["spec"]["ingress"][0]
     assert metadata["ports"] == [
         {"port": 50051, "protocol": "TCP"},
@@ -229,8 +243,11 @@ def test_network_policies_admit_only_agents_to_transfer_ports():
 
 
 def test_lmdb_metadata_serves_its_lookup_port_and_redis_metadata_none():
-    lmdb = {o["kind"]: o for o in render(CHART / "ci" / "embedded-lmdb-values.yaml")
-            if o["metadata"]["name"] == "kv-kvstore-metadata"}  # fmt: skip
+    lmdb = {
+        o["kind"]: o
+        for o in render(CHART / "ci" / "embedded-lmdb-values.yaml")
+        if o["metadata"]["name"] == "kv-kvstore-metadata"
+    }
     container = pod_spec(lmdb["StatefulSet"])["containers"][0]
     args = container["args"]
     assert args[args.index("--lookup-listen") + 1] == "0.0.0.0:50052"
@@ -238,8 +255,11 @@ def test_lmdb_metadata_serves_its_lookup_port_and_redis_metadata_none():
     service_ports = {port["name"]: port for port in lmdb["Service"]["spec"]["ports"]}
     assert service_ports["lookup"]["port"] == 50052  # clients dial the gRPC host at this port
     assert service_ports["lookup"]["targetPort"] == "lookup"
-    redis = {o["kind"]: o for o in render(CHART / "ci" / "redis-replicas-values.yaml")
-             if o["metadata"]["name"] == "kv-kvstore-metadata"}  # fmt: skip
+    redis = {
+        o["kind"]: o
+        for o in render(CHART / "ci" / "redis-replicas-values.yaml")
+        if o["metadata"]["name"] == "kv-kvstore-metadata"
+    }
     container = pod_spec(redis["Deployment"])["containers"][0]
     assert container["args"][container["args"].index("--lookup-listen") + 1] == "off"
     assert "lookup" not in {port["name"] for port in container["ports"]}
@@ -274,15 +294,22 @@ def test_checkov_passes_or_each_skip_has_a_reason(tmp_path):
                     resource = f"{obj['kind']}.{meta.get('namespace')}.{meta['name']}"
                     reasons[check_id, resource] = reason
     result = run_tool(
-        "checkov", "--config-file", str(config), "-d", str(tmp_path), "--output", "json",
+        "checkov",
+        "--config-file",
+        str(config),
+        "-d",
+        str(tmp_path),
+        "--output",
+        "json",
         check=False,
-    )  # fmt: skip
+    )
     reports = json.loads(result.stdout)
     reports = reports if isinstance(reports, list) else [reports]
     failed = [
         f"{check['check_id']} {check['resource']} ({check['file_path']})"
-        for report in reports for check in report["results"]["failed_checks"]
-    ]  # fmt: skip
+        for report in reports
+        for check in report["results"]["failed_checks"]
+    ]
     assert not failed, "\n".join(failed)
     assert sum(report["summary"]["passed"] for report in reports) > 100
     for report in reports:
@@ -301,12 +328,22 @@ def test_no_template_leaves_a_value_unset():
 
 def test_worker_credentials_without_a_cluster_secret_are_refused():
     """The agent would refuse them at start (its transfer port would serve any tenant)."""
-    result = helm_template(None, "--set", "node.workerCredentials.existingSecret=creds",
-                           check=False)  # fmt: skip
+    result = helm_template(
+        None, "--set", "node.workerCredentials.existingSecret=creds", check=False
+    )
     assert result.returncode != 0
     assert "keeps tenants apart only with clusterSecret.existingSecret set" in result.stderr
-    assert helm_template(None, "--set", "node.workerCredentials.existingSecret=creds",
-                         "--set", "node.transfer=none", check=False).returncode == 0  # fmt: skip
+    assert (
+        helm_template(
+            None,
+            "--set",
+            "node.workerCredentials.existingSecret=creds",
+            "--set",
+            "node.transfer=none",
+            check=False,
+        ).returncode
+        == 0
+    )
 
 
 def test_without_secrets_the_services_run_open_only_where_they_say_so():

@@ -25,23 +25,56 @@ def files(tmp_path):
 
 def node_args(files: Path, *extra: str) -> list[str]:
     return [
-        "node", "--socket-path", str(files / "run" / "agent.sock"), "--host-capacity-bytes",
-        "64MiB", "--page-size-bytes", "1MiB", "--disk-dir", str(files / "disk"),
-        "--disk-capacity-bytes", "1GiB", "--metadata-address", "meta.kvstore.svc:50051",
-        "--metadata-token-file", str(files / "agent.token"), "--worker-credentials",
-        str(files / "workers.conf"), "--cluster-secret-file", str(files / "cluster.secret"),
-        "--transfer-host", "0.0.0.0", "--transfer-port", "50060", "--advertise-host",
-        "10.0.0.5", "--node-metrics-listen", "0.0.0.0:9101", *extra, "--check",
-    ]  # fmt: skip
+        "node",
+        "--socket-path",
+        str(files / "run" / "agent.sock"),
+        "--host-capacity-bytes",
+        "64MiB",
+        "--page-size-bytes",
+        "1MiB",
+        "--disk-dir",
+        str(files / "disk"),
+        "--disk-capacity-bytes",
+        "1GiB",
+        "--metadata-address",
+        "meta.kvstore.svc:50051",
+        "--metadata-token-file",
+        str(files / "agent.token"),
+        "--worker-credentials",
+        str(files / "workers.conf"),
+        "--cluster-secret-file",
+        str(files / "cluster.secret"),
+        "--transfer-host",
+        "0.0.0.0",
+        "--transfer-port",
+        "50060",
+        "--advertise-host",
+        "10.0.0.5",
+        "--node-metrics-listen",
+        "0.0.0.0:9101",
+        *extra,
+        "--check",
+    ]
 
 
 def metadata_args(files: Path, *extra: str) -> list[str]:
     return [
-        "metadata", "--listen", "0.0.0.0:50051", "--data-dir", str(files / "meta"),
-        "--token-file", str(files / "tokens.txt"), "--tls-cert", str(files / "tls.crt"),
-        "--tls-key", str(files / "tls.key"), "--metrics-listen", "0.0.0.0:9100", *extra,
+        "metadata",
+        "--listen",
+        "0.0.0.0:50051",
+        "--data-dir",
+        str(files / "meta"),
+        "--token-file",
+        str(files / "tokens.txt"),
+        "--tls-cert",
+        str(files / "tls.crt"),
+        "--tls-key",
+        str(files / "tls.key"),
+        "--metrics-listen",
+        "0.0.0.0:9100",
+        *extra,
         "--check",
-    ]  # fmt: skip
+    ]
 
 
 def test_a_valid_node_prints_ok_and_creates_nothing(files, capsys):
@@ -149,8 +182,9 @@ def test_the_cli_check_listens_on_nothing(files):
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     args = node_args(files, "--node-metrics-listen", f"127.0.0.1:{port}")
-    result = subprocess.run([sys.executable, "-m", "kvstore", *args], capture_output=True,
-                            text=True, timeout=120)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "kvstore", *args], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[-1] == "ok"
     with socket.socket() as again:

@@ -16,10 +16,28 @@ from tests.metadata.servers import running_server, wait_until
 from tests.node.agents import running_agent
 
 DASHBOARD = DEPLOY / "grafana" / "kvstore.json"
-SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count",
-            "_created"), "gauge": ("",), "summary": ("", "_sum", "_count", "_created")}  # fmt: skip
-PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and",
-                "or", "unless", "offset", "le", "inf", "nan"}  # fmt: skip
+SUFFIXES = {
+    "counter": ("_total", "_created"),
+    "histogram": ("_bucket", "_sum", "_count", "_created"),
+    "gauge": ("",),
+    "summary": ("", "_sum", "_count", "_created"),
+}
+PROMQL_WORDS = {
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "bool",
+    "and",
+    "or",
+    "unless",
+    "offset",
+    "le",
+    "inf",
+    "nan",
+}
 
 
 def scrape(port: int) -> set[str]:
@@ -37,10 +55,13 @@ def exported(tmp_path_factory) -> set[str]:
     tmp_path = tmp_path_factory.mktemp("metrics")
     with running_server(tmp_path, metrics_listen="127.0.0.1:0") as server:
         with running_agent(
-            tmp_path, metadata_address=f"127.0.0.1:{server.port}", transfer="tcp",
-            metrics_listen="127.0.0.1:0", disk_dir=tmp_path / "disk",
+            tmp_path,
+            metadata_address=f"127.0.0.1:{server.port}",
+            transfer="tcp",
+            metrics_listen="127.0.0.1:0",
+            disk_dir=tmp_path / "disk",
             disk_capacity_bytes=32 << 20,
-        ) as agent:  # fmt: skip
+        ) as agent:
             assert wait_until(lambda: agent.link.connected)
             return scrape(server.metrics_port) | scrape(agent.metrics_port)
 
@@ -49,8 +70,11 @@ def expressions(dashboard: dict) -> list[str]:
     found = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     for variable in dashboard["templating"]["list"]:
         if variable["type"] == "query":
-            found.append(variable["query"] if isinstance(variable["query"], str)
-                         else variable["query"]["query"])  # fmt: skip
+            found.append(
+                variable["query"]
+                if isinstance(variable["query"], str)
+                else variable["query"]["query"]
+            )
     return found
 
 
@@ -90,8 +114,17 @@ def test_every_expression_names_only_exported_metrics(exported):
 def test_the_dashboard_covers_what_operators_watch():
     dashboard = json.loads(DASHBOARD.read_text())
     titles = " | ".join(p["title"].lower() for p in dashboard["panels"])
-    for topic in ("hit ratio", "lookups/s", "latency", "gb/s", "capacity", "evictions",
-                  "checksum", "nodes alive", "transfer"):  # fmt: skip
+    for topic in (
+        "hit ratio",
+        "lookups/s",
+        "latency",
+        "gb/s",
+        "capacity",
+        "evictions",
+        "checksum",
+        "nodes alive",
+        "transfer",
+    ):
         assert topic in titles, topic
     panels = [p for p in dashboard["panels"] if p["type"] != "row"]
     assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
@@ -99,8 +132,11 @@ def test_the_dashboard_covers_what_operators_watch():
 
 
 def test_the_chart_provisions_the_same_dashboard_for_grafanas_sidecar():
-    maps = [o for o in render() if o["kind"] == "ConfigMap" and o["metadata"]["name"].endswith(
-        "-dashboard")]  # fmt: skip
+    maps = [
+        o
+        for o in render()
+        if o["kind"] == "ConfigMap" and o["metadata"]["name"].endswith("-dashboard")
+    ]
     assert maps[0]["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert json.loads(maps[0]["data"]["kvstore.json"]) == json.loads(DASHBOARD.read_text())
     assert (CHART / "dashboards" / "kvstore.json").resolve() == DASHBOARD.resolve()

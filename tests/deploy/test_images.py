@@ -14,8 +14,10 @@ import pytest
 from tests.deploy.tools import DEPLOY, ROOT
 
 DOCKERFILES = sorted((DEPLOY / "docker").glob("Dockerfile*"))
-TRIVIAL_RUN = re.compile(r"^(python3? -m venv( --system-site-packages)? /opt/kvstore|"
-                         r"groupadd .* && useradd .*)$")  # fmt: skip
+TRIVIAL_RUN = re.compile(
+    r"^(python3? -m venv( --system-site-packages)? /opt/kvstore|"
+    r"groupadd .* && useradd .*)$"
+)
 OCI_LABELS = {"title", "description", "version", "licenses", "source"}
 
 
@@ -59,8 +61,9 @@ def test_the_install_invocation_is_one_the_script_accepts(dockerfile):
     install = next(rest for word, rest in dockerfile if word == "RUN" and "install.sh" in rest)
     args = shlex.split(install)[1:]
     args[-1] = str(ROOT)  # the COPY of the project: /src in the image
-    result = subprocess.run([str(DEPLOY / "install.sh"), "--dry-run", *args],
-                            capture_output=True, text=True)  # fmt: skip
+    result = subprocess.run(
+        [str(DEPLOY / "install.sh"), "--dry-run", *args], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stderr
     assert "pip install" in result.stdout and "-e " not in result.stdout
 

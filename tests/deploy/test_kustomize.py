@@ -26,6 +26,11 @@ def test_kubectl_kustomize_builds_every_object():
     committed = objects((BASE / "kvstore.yaml").read_text())
     key = lambda obj: (obj["kind"], obj["metadata"]["name"])  # noqa: E731
     assert sorted(map(key, built)) == sorted(map(key, committed))
-    assert {obj["kind"] for obj in built} >= {"StatefulSet", "DaemonSet", "Service",
-                                               "NetworkPolicy", "PodDisruptionBudget"}  # fmt: skip
+    assert {obj["kind"] for obj in built} >= {
+        "StatefulSet",
+        "DaemonSet",
+        "Service",
+        "NetworkPolicy",
+        "PodDisruptionBudget",
+    }
     assert all(obj["metadata"].get("namespace") == "kvstore" for obj in built)

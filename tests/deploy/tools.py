@@ -66,5 +66,8 @@ def kvstore_containers(obj: dict) -> list[dict]:
     if spec is None:
         return []
     every = spec.get("initContainers", []) + spec["containers"]
-    return [c for c in every if "command" not in c and c.get("args", [""])[0] in
-            ("serve", "node", "metadata")]  # fmt: skip
+    return [
+        c
+        for c in every
+        if "command" not in c and c.get("args", [""])[0] in ("serve", "node", "metadata")
+    ]

@@ -152,8 +152,12 @@ def test_one_hasher_used_by_two_threads_at_once_is_refused(call):
     destination = np.zeros((1 << 21, 1), np.uint8)
     hasher = Hasher()
     started = threading.Event()
-    calls = {"update": lambda: hasher.update(b"x"), "intdigest": hasher.intdigest,
-             "__init__": hasher.__init__, "reset": hasher.reset}  # fmt: skip
+    calls = {
+        "update": lambda: hasher.update(b"x"),
+        "intdigest": hasher.intdigest,
+        "__init__": hasher.__init__,
+        "reset": hasher.reset,
+    }
 
     def copy():
         started.set()
@@ -213,9 +217,21 @@ def test_a_build_with_avx2_vector_code_does_not_assume_an_aligned_object(tmp_pat
     crashed there. A child process with PYTHONMALLOC=malloc hashes many fresh hashers."""
     native = Path(kvstore.__file__).parent / "native"
     built = tmp_path / f"_copyhash{sysconfig.get_config_var('EXT_SUFFIX')}"
-    subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-mavx2", f"-I{native}",
-                    f"-I{sysconfig.get_paths()['include']}", str(native / "copyhash.c"),
-                    "-o", str(built)], check=True)  # fmt: skip
+    subprocess.run(
+        [
+            "gcc",
+            "-shared",
+            "-fPIC",
+            "-O2",
+            "-mavx2",
+            f"-I{native}",
+            f"-I{sysconfig.get_paths()['include']}",
+            str(native / "copyhash.c"),
+            "-o",
+            str(built),
+        ],
+        check=True,
+    )
     child = (
         "import importlib.util, numpy, xxhash\n"
         f"spec = importlib.util.spec_from_file_location('kvstore._copyhash', {str(built)!r})\n"

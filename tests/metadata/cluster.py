@@ -63,24 +63,50 @@ class RedisClusterProcesses:
         for port in self.ports:
             _wait(lambda port=port: self._ping(port), f"node {port} answering")
         subprocess.run(
-            [shutil.which("redis-cli"), "--cluster", "create",
-             *(f"127.0.0.1:{port}" for port in self.ports),
-             "--cluster-replicas", "1", "--cluster-yes"],
-            check=True, stdout=subprocess.DEVNULL, timeout=START_TIMEOUT_S,
-        )  # fmt: skip
+            [
+                shutil.which("redis-cli"),
+                "--cluster",
+                "create",
+                *(f"127.0.0.1:{port}" for port in self.ports),
+                "--cluster-replicas",
+                "1",
+                "--cluster-yes",
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            timeout=START_TIMEOUT_S,
+        )
         self.wait_healthy()
 
     def _spawn(self, port: int) -> None:
         node_dir = self.workdir / str(port)
         node_dir.mkdir(exist_ok=True)
         self.processes[port] = subprocess.Popen(
-            [shutil.which("redis-server"), "--port", str(port), "--bind", "127.0.0.1",
-             "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-             "--cluster-node-timeout", str(NODE_TIMEOUT_MS), "--save", "",
-             "--appendonly", "no", "--repl-diskless-sync-delay", "0", "--dir", str(node_dir),
-             "--logfile", "redis.log"],
+            [
+                shutil.which("redis-server"),
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+                "--cluster-node-timeout",
+                str(NODE_TIMEOUT_MS),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--repl-diskless-sync-delay",
+                "0",
+                "--dir",
+                str(node_dir),
+                "--logfile",
+                "redis.log",
+            ],
             stdout=subprocess.DEVNULL,
-        )  # fmt: skip
+        )
 
     @staticmethod
     def _client(port: int) -> redis.Redis:

@@ -21,8 +21,12 @@ FAST_LIMITS = ServiceLimits(min_lease_ttl_ms=200, watch_poll_s=0.1)
 
 @contextmanager
 def running_server(tmp_path, **settings):
-    settings = {"listen": "127.0.0.1:0", "data_dir": tmp_path / "meta", "limits": FAST_LIMITS,
-                **settings}  # fmt: skip
+    settings = {
+        "listen": "127.0.0.1:0",
+        "data_dir": tmp_path / "meta",
+        "limits": FAST_LIMITS,
+        **settings,
+    }
     config = MetadataConfig(**settings)
     server = MetadataServer(config)
     server.start()
@@ -47,9 +51,12 @@ def start_cli(*args: str, env: dict | None = None, cwd=None) -> tuple[subprocess
     """Run `python -m kvstore ARGS` and wait for its 'listening on HOST:PORT' line."""
     process = subprocess.Popen(
         [sys.executable, "-m", "kvstore", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, **(env or {})}, cwd=cwd,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+        cwd=cwd,
+    )
     line = process.stdout.readline()
     if "listening on" not in line:
         process.kill()

@@ -55,71 +55,136 @@ def publish(lease, entries, node="good-node", tenant="t"):
 
 CASES = {
     "empty lookup": (
-        "Lookup", lambda lease: pb.LookupRequest(tenant="t"), CODE.INVALID_ARGUMENT, "empty"),
+        "Lookup",
+        lambda lease: pb.LookupRequest(tenant="t"),
+        CODE.INVALID_ARGUMENT,
+        "empty",
+    ),
     "oversized lookup": (
-        "Lookup", lambda lease: pb.LookupRequest(tenant="t", keys=[KEY] * 5000),
-        CODE.INVALID_ARGUMENT, "limit is 4096"),
+        "Lookup",
+        lambda lease: pb.LookupRequest(tenant="t", keys=[KEY] * 5000),
+        CODE.INVALID_ARGUMENT,
+        "limit is 4096",
+    ),
     "short key": (
-        "Lookup", lambda lease: pb.LookupRequest(tenant="t", keys=[b"abc"]),
-        CODE.INVALID_ARGUMENT, "keys[0] is 3 bytes"),
+        "Lookup",
+        lambda lease: pb.LookupRequest(tenant="t", keys=[b"abc"]),
+        CODE.INVALID_ARGUMENT,
+        "keys[0] is 3 bytes",
+    ),
     "missing tenant": (
-        "Lookup", lambda lease: pb.LookupRequest(keys=[KEY]), CODE.INVALID_ARGUMENT, "tenant"),
+        "Lookup",
+        lambda lease: pb.LookupRequest(keys=[KEY]),
+        CODE.INVALID_ARGUMENT,
+        "tenant",
+    ),
     "bad tier": (
-        "Publish", lambda lease: publish(lease, [pb.BlockEntry(key=KEY, tier=9)]),
-        CODE.INVALID_ARGUMENT, "tier 9"),
+        "Publish",
+        lambda lease: publish(lease, [pb.BlockEntry(key=KEY, tier=9)]),
+        CODE.INVALID_ARGUMENT,
+        "tier 9",
+    ),
     "empty publish": ("Publish", lambda lease: publish(lease, []), CODE.INVALID_ARGUMENT, "empty"),
     "unknown node": (
-        "Publish", lambda lease: publish(lease, [pb.BlockEntry(key=KEY, tier=2)], node="ghost"),
-        CODE.NOT_FOUND, "unknown node 'ghost'"),
+        "Publish",
+        lambda lease: publish(lease, [pb.BlockEntry(key=KEY, tier=2)], node="ghost"),
+        CODE.NOT_FOUND,
+        "unknown node 'ghost'",
+    ),
     "stale lease": (
-        "Heartbeat", lambda lease: pb.HeartbeatRequest(node_id="good-node", lease_id=lease + 7),
-        CODE.FAILED_PRECONDITION, "not current"),
+        "Heartbeat",
+        lambda lease: pb.HeartbeatRequest(node_id="good-node", lease_id=lease + 7),
+        CODE.FAILED_PRECONDITION,
+        "not current",
+    ),
     "quota": (
         "Publish",
-        lambda lease: publish(lease, [pb.BlockEntry(key=bytes([i]) * 16, tier=2) for i in range(51)]),  # noqa: E501
-        CODE.RESOURCE_EXHAUSTED, "quota of 50"),
+        lambda lease: publish(
+            lease, [pb.BlockEntry(key=bytes([i]) * 16, tier=2) for i in range(51)]
+        ),
+        CODE.RESOURCE_EXHAUSTED,
+        "quota of 50",
+    ),
     "bad node id": (
-        "RegisterNode", lambda lease: pb.RegisterNodeRequest(node=pb.NodeInfo(node_id="a b")),
-        CODE.INVALID_ARGUMENT, "node.node_id"),
+        "RegisterNode",
+        lambda lease: pb.RegisterNodeRequest(node=pb.NodeInfo(node_id="a b")),
+        CODE.INVALID_ARGUMENT,
+        "node.node_id",
+    ),
     "missing node": (
-        "RegisterNode", lambda lease: pb.RegisterNodeRequest(), CODE.INVALID_ARGUMENT, "node"),
+        "RegisterNode",
+        lambda lease: pb.RegisterNodeRequest(),
+        CODE.INVALID_ARGUMENT,
+        "node",
+    ),
     "bad ttl": (
         "RegisterNode",
         lambda lease: pb.RegisterNodeRequest(node=pb.NodeInfo(node_id="x"), lease_ttl_ms=1),
-        CODE.INVALID_ARGUMENT, "lease_ttl_ms"),
+        CODE.INVALID_ARGUMENT,
+        "lease_ttl_ms",
+    ),
     "unknown tier capacity": (
         "RegisterNode",
         lambda lease: pb.RegisterNodeRequest(
-            node=pb.NodeInfo(node_id="x", tier_capacity_bytes={"tape": 1})),
-        CODE.INVALID_ARGUMENT, "tape"),
+            node=pb.NodeInfo(node_id="x", tier_capacity_bytes={"tape": 1})
+        ),
+        CODE.INVALID_ARGUMENT,
+        "tape",
+    ),
     "unknown route candidate": (
-        "Route", lambda lease: pb.RouteRequest(tenant="t", keys=[KEY], candidate_node_ids=["zz"]),
-        CODE.NOT_FOUND, "zz"),
+        "Route",
+        lambda lease: pb.RouteRequest(tenant="t", keys=[KEY], candidate_node_ids=["zz"]),
+        CODE.NOT_FOUND,
+        "zz",
+    ),
     "malformed bytes": (
-        "Lookup", lambda lease: b"\xff\xff\xff", CODE.INVALID_ARGUMENT, "malformed LookupRequest"),
+        "Lookup",
+        lambda lease: b"\xff\xff\xff",
+        CODE.INVALID_ARGUMENT,
+        "malformed LookupRequest",
+    ),
     "oversized message": (
-        "Lookup", lambda lease: pb.LookupRequest(tenant="t", keys=[KEY * 70_000] * 16),
-        CODE.RESOURCE_EXHAUSTED, "larger than max"),
+        "Lookup",
+        lambda lease: pb.LookupRequest(tenant="t", keys=[KEY * 70_000] * 16),
+        CODE.RESOURCE_EXHAUSTED,
+        "larger than max",
+    ),
     "oversized unpublish": (
         "Unpublish",
-        lambda lease: pb.UnpublishRequest(node_id="good-node", lease_id=lease, tenant="t",
-                                          entries=[pb.BlockEntry(key=KEY, tier=2)] * 4097),
-        CODE.INVALID_ARGUMENT, "limit is 4096"),
+        lambda lease: pb.UnpublishRequest(
+            node_id="good-node",
+            lease_id=lease,
+            tenant="t",
+            entries=[pb.BlockEntry(key=KEY, tier=2)] * 4097,
+        ),
+        CODE.INVALID_ARGUMENT,
+        "limit is 4096",
+    ),
     "oversized publish": (
-        "Publish", lambda lease: publish(lease, [pb.BlockEntry(key=KEY, tier=2)] * 4097),
-        CODE.INVALID_ARGUMENT, "limit is 4096"),
+        "Publish",
+        lambda lease: publish(lease, [pb.BlockEntry(key=KEY, tier=2)] * 4097),
+        CODE.INVALID_ARGUMENT,
+        "limit is 4096",
+    ),
     "oversized route keys": (
-        "Route", lambda lease: pb.RouteRequest(tenant="t", keys=[KEY] * 4097),
-        CODE.INVALID_ARGUMENT, "limit is 4096"),
+        "Route",
+        lambda lease: pb.RouteRequest(tenant="t", keys=[KEY] * 4097),
+        CODE.INVALID_ARGUMENT,
+        "limit is 4096",
+    ),
     "oversized route candidates": (
         "Route",
         lambda lease: pb.RouteRequest(tenant="t", keys=[KEY], candidate_node_ids=["a"] * 4097),
-        CODE.INVALID_ARGUMENT, "candidate_node_ids has 4097 entries; the limit is 4096"),
+        CODE.INVALID_ARGUMENT,
+        "candidate_node_ids has 4097 entries; the limit is 4096",
+    ),
     "long address": (
         "RegisterNode",
         lambda lease: pb.RegisterNodeRequest(node=pb.NodeInfo(node_id="x", tcp_address="h" * 300)),
-        CODE.INVALID_ARGUMENT, "node.tcp_address has 300 characters; the limit is 256"),
-}  # fmt: skip
+        CODE.INVALID_ARGUMENT,
+        "node.tcp_address has 300 characters; the limit is 256",
+    ),
+}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -140,15 +205,22 @@ def test_a_valid_request_still_works_after_bad_ones(channel, lease):
 
 
 _METHODS = {
-    "RegisterNode": pb.RegisterNodeRequest, "Heartbeat": pb.HeartbeatRequest,
-    "DeregisterNode": pb.DeregisterNodeRequest, "Publish": pb.PublishRequest,
-    "Unpublish": pb.UnpublishRequest, "Lookup": pb.LookupRequest, "Route": pb.RouteRequest,
+    "RegisterNode": pb.RegisterNodeRequest,
+    "Heartbeat": pb.HeartbeatRequest,
+    "DeregisterNode": pb.DeregisterNodeRequest,
+    "Publish": pb.PublishRequest,
+    "Unpublish": pb.UnpublishRequest,
+    "Lookup": pb.LookupRequest,
+    "Route": pb.RouteRequest,
     "Stats": pb.StatsRequest,
-}  # fmt: skip
+}
 _ALLOWED = {
-    CODE.OK, CODE.INVALID_ARGUMENT, CODE.NOT_FOUND, CODE.FAILED_PRECONDITION,
+    CODE.OK,
+    CODE.INVALID_ARGUMENT,
+    CODE.NOT_FOUND,
+    CODE.FAILED_PRECONDITION,
     CODE.RESOURCE_EXHAUSTED,
-}  # fmt: skip
+}
 _FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 
 

@@ -198,18 +198,20 @@ def _recount(model: set) -> dict:
         per_node.setdefault(node, Counter())[tier] += 1
         tenant_keys.setdefault(tenant, set()).add(key)
     return {
-        "blocks": len(model), "blocks_per_tier": dict(per_tier),
+        "blocks": len(model),
+        "blocks_per_tier": dict(per_tier),
         "blocks_per_node": {n: dict(c) for n, c in per_node.items()},
         "keys_per_tenant": {t: len(k) for t, k in tenant_keys.items()},
-    }  # fmt: skip
+    }
 
 
 def _counted(stats: dict) -> dict:
     return {
-        "blocks": stats["blocks"], "blocks_per_tier": stats["blocks_per_tier"],
+        "blocks": stats["blocks"],
+        "blocks_per_tier": stats["blocks_per_tier"],
         "blocks_per_node": {n: c for n, c in stats["blocks_per_node"].items() if c},
         "keys_per_tenant": stats["keys_per_tenant"],
-    }  # fmt: skip
+    }
 
 
 def test_stats_equal_a_full_recount_after_every_kind_of_change(backend, tmp_path, request):
@@ -223,9 +225,11 @@ def test_stats_equal_a_full_recount_after_every_kind_of_change(backend, tmp_path
             from kvstore.metadata.redis_index import RedisIndex
 
             return RedisIndex(
-                redis_url, prefix=f"{prefix}-{tmp_path.name}", clock=clock,
+                redis_url,
+                prefix=f"{prefix}-{tmp_path.name}",
+                clock=clock,
                 cluster=backend == "redis-cluster",
-            )  # fmt: skip
+            )
         return make_index(backend, tmp_path, clock)
 
     index, rng, model = open_index(), random.Random(7), set()

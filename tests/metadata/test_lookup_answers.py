@@ -19,9 +19,12 @@ from tests.metadata.servers import LOOKUP_KEYS, calls, client_for, running_serve
 
 LENGTH = struct.Struct("<I")
 HELD = pb.LookupResponse(
-    prefix_length=1, nodes=[pb.NodeAddress(node_id="n1", tcp_address="127.0.0.1:1")],
-    holder_counts=[1], holder_nodes=[0], holder_tiers=[pb.TIER_HOST],
-)  # fmt: skip
+    prefix_length=1,
+    nodes=[pb.NodeAddress(node_id="n1", tcp_address="127.0.0.1:1")],
+    holder_counts=[1],
+    holder_nodes=[0],
+    holder_tiers=[pb.TIER_HOST],
+)
 
 
 def framed(message) -> bytes:

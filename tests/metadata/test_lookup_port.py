@@ -135,8 +135,15 @@ def test_pipelined_requests_are_answered_in_order(tmp_path):
             )
             sock.sendall(frames)  # eight requests in one write
             assert [answer(sock).response.prefix_length for _ in range(8)] == [
-                1, 2, 3, 4, 5, 5, 5, 5,
-            ]  # fmt: skip
+                1,
+                2,
+                3,
+                4,
+                5,
+                5,
+                5,
+                5,
+            ]
 
 
 def test_an_oversized_frame_ends_its_connection_with_its_status_and_nothing_else(tmp_path):
@@ -205,9 +212,7 @@ def test_a_silent_connection_is_ended_and_silent_ones_are_bounded(tmp_path, monk
 def test_connections_hold_the_lookup_stream_slots_of_their_tenant(tmp_path):
     token_file = tmp_path / "tokens"
     token_file.write_text(f"{ADMIN} *\n{ALICE} alice\n")
-    with running_server(
-        tmp_path, token_file=token_file, max_lookup_streams_per_tenant=2
-    ) as server:  # fmt: skip
+    with running_server(tmp_path, token_file=token_file, max_lookup_streams_per_tenant=2) as server:
         held = [connect(server), connect(server)]
         for sock in held:
             assert hello(sock, server, ALICE).status_code == OK

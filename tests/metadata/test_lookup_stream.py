@@ -290,9 +290,12 @@ def test_unflattening_keeps_each_keys_holders_when_counts_are_not_all_one():
     from kvstore.metadata.client import lookup_result
 
     response = pb.LookupResponse(
-        prefix_length=2, nodes=[pb.NodeAddress(node_id="a"), pb.NodeAddress(node_id="b")],
-        holder_counts=[0, 2], holder_nodes=[0, 1], holder_tiers=[pb.TIER_HOST, pb.TIER_DISK],
-    )  # fmt: skip
+        prefix_length=2,
+        nodes=[pb.NodeAddress(node_id="a"), pb.NodeAddress(node_id="b")],
+        holder_counts=[0, 2],
+        holder_nodes=[0, 1],
+        holder_tiers=[pb.TIER_HOST, pb.TIER_DISK],
+    )
     holders = lookup_result(response).holders
     assert [[(h.node_id, h.tier) for h in key] for key in holders] == [
         [],

@@ -75,9 +75,9 @@ def _register_once_replicas_caught_up(client) -> int:
     deadline = time.monotonic() + FAILOVER_BUDGET_S
     while True:
         try:
-            return client.register_node(
-                NodeRecord("n1", tcp_address="n1:1"), lease_ttl_ms=120_000
-            )[0]  # fmt: skip
+            return client.register_node(NodeRecord("n1", tcp_address="n1:1"), lease_ttl_ms=120_000)[
+                0
+            ]
         except UnavailableError:
             if time.monotonic() > deadline:
                 raise
@@ -87,10 +87,13 @@ def _register_once_replicas_caught_up(client) -> int:
 def _drill(tmp_path, cluster, wait_replicas: int, replica_lag_s: float) -> dict:
     prefix = f"drill-{uuid.uuid4().hex[:8]}"
     settings = dict(
-        backend="redis-cluster", redis_url=cluster.url, redis_prefix=prefix,
-        redis_wait_replicas=wait_replicas, redis_wait_timeout_ms=500,
+        backend="redis-cluster",
+        redis_url=cluster.url,
+        redis_prefix=prefix,
+        redis_wait_replicas=wait_replicas,
+        redis_wait_timeout_ms=500,
         redis_failover_timeout_s=FAILOVER_BUDGET_S,
-    )  # fmt: skip
+    )
     with running_server(tmp_path, **settings) as server, client_for(server, timeout_s=30) as c:
         lease = _register_once_replicas_caught_up(c)
         writer = Writer(c, lease)
@@ -113,8 +116,9 @@ def _drill(tmp_path, cluster, wait_replicas: int, replica_lag_s: float) -> dict:
                 cluster.restart(master)
                 rejoined = True
             resumed = _wait_for(lambda: writer.acked_after(killed_by) > 0, FAILOVER_BUDGET_S)
-            first_ack = min((done for sent, done, _ in writer.acked if sent > killed_by),
-                            default=killed_at)  # fmt: skip
+            first_ack = min(
+                (done for sent, done, _ in writer.acked if sent > killed_by), default=killed_at
+            )
             time.sleep(LOAD_AFTER_FAILOVER_S)
             writer.stop.set()
             writer.thread.join(timeout=FAILOVER_BUDGET_S)
@@ -130,15 +134,20 @@ def _drill(tmp_path, cluster, wait_replicas: int, replica_lag_s: float) -> dict:
                 cluster.restart(master)
     before_latencies = writer.latencies_s[: len(before)]
     return {
-        "wait_replicas": wait_replicas, "replica_lag_s": replica_lag_s,
-        "promoted": promoted, "resumed": resumed,
+        "wait_replicas": wait_replicas,
+        "replica_lag_s": replica_lag_s,
+        "promoted": promoted,
+        "resumed": resumed,
         "write_stall_s": round(first_ack - killed_at, 3),
-        "acked_before_kill": len(before), "kept": kept, "lost": len(before) - kept,
-        "acked_after_failover": len(after), "kept_after_failover": kept_after,
+        "acked_before_kill": len(before),
+        "kept": kept,
+        "lost": len(before) - kept,
+        "acked_after_failover": len(after),
+        "kept_after_failover": kept_after,
         "publish_p50_us": round(statistics.median(before_latencies) * 1e6),
         "publish_p99_us": round(statistics.quantiles(before_latencies, n=100)[98] * 1e6),
         "unavailable_calls": writer.failures,
-    }  # fmt: skip
+    }
 
 
 @pytest.mark.parametrize(("wait_replicas", "replica_lag_s"), [(0, 0.0), (0, 0.5), (1, 0.5)])
@@ -166,9 +175,11 @@ def test_wait_costs_a_replica_round_trip_per_write(redis_cluster):
     p50_us = {}
     for wait in (0, 1):
         index = RedisIndex(
-            redis_cluster.url, prefix=f"wait-{wait}-{uuid.uuid4().hex[:6]}", cluster=True,
+            redis_cluster.url,
+            prefix=f"wait-{wait}-{uuid.uuid4().hex[:6]}",
+            cluster=True,
             durability=Durability(wait, 500),
-        )  # fmt: skip
+        )
         lease = index.register_node(NodeRecord("n1"), 60_000).lease_id
         latencies = []
         for batch in range(300):
@@ -240,8 +251,9 @@ def test_a_heartbeat_retried_through_a_failover_cannot_revive_an_expired_lease(r
     from tests.metadata.conftest import FakeClock
 
     clock = FakeClock()
-    index = RedisIndex(redis_cluster.url, prefix=f"retry-{uuid.uuid4().hex[:6]}", cluster=True,
-                       clock=clock)  # fmt: skip
+    index = RedisIndex(
+        redis_cluster.url, prefix=f"retry-{uuid.uuid4().hex[:6]}", cluster=True, clock=clock
+    )
     lease = index.register_node(NodeRecord("n1"), 1_000).lease_id
     link, failures = index._link, []
     master = link.client

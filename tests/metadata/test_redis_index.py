@@ -91,8 +91,9 @@ def test_a_user_without_the_dangerous_commands_still_serves_stats_and_streams(re
     P:inc's alone (a warning says a lossy failover is then not detected)."""
     admin = redis.Redis.from_url(redis_url)
     user = f"limited-{uuid.uuid4().hex[:6]}"
-    admin.acl_setuser(user, enabled=True, passwords=["+limited-pw"], keys=["*"],
-                      commands=["+@all", "-@dangerous"])  # fmt: skip
+    admin.acl_setuser(
+        user, enabled=True, passwords=["+limited-pw"], keys=["*"], commands=["+@all", "-@dangerous"]
+    )
     host_port = redis_url.split("//", 1)[1]
     limited = RedisIndex(f"redis://{user}:limited-pw@{host_port}", prefix=f"acl-{user}")
     try:

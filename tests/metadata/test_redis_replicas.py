@@ -144,11 +144,26 @@ def test_a_promoted_replica_that_lost_the_newest_events_is_another_incarnation(t
     import redis
 
     master_port, replica_port = free_port(), free_port()
-    servers = [subprocess.Popen(
-        ["redis-server", "--port", str(port), "--save", "", "--appendonly", "no", "--dir",
-         str(tmp_path), "--dbfilename", f"{port}.rdb",
-         *(["--replicaof", "127.0.0.1", str(master_port)] if port == replica_port else [])],
-        stdout=subprocess.DEVNULL) for port in (master_port, replica_port)]  # fmt: skip
+    servers = [
+        subprocess.Popen(
+            [
+                "redis-server",
+                "--port",
+                str(port),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(tmp_path),
+                "--dbfilename",
+                f"{port}.rdb",
+                *(["--replicaof", "127.0.0.1", str(master_port)] if port == replica_port else []),
+            ],
+            stdout=subprocess.DEVNULL,
+        )
+        for port in (master_port, replica_port)
+    ]
     try:
         replica = redis.Redis(port=replica_port)
         deadline = time.monotonic() + 10

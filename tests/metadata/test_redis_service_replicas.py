@@ -66,11 +66,18 @@ def test_snapshot_streams_leave_the_heartbeats_their_threads(redis_url, tmp_path
     filler = RedisIndex(redis_url, prefix=prefix)
     lease = filler.register_node(NodeRecord("filler"), 600_000).lease_id
     for _ in range(15):
-        filler.publish("filler", lease, "t", [BlockEntry(os.urandom(16), "host")
-                                             for _ in range(4096)])  # fmt: skip
+        filler.publish(
+            "filler", lease, "t", [BlockEntry(os.urandom(16), "host") for _ in range(4096)]
+        )
     filler.close()
-    config = MetadataConfig(listen="127.0.0.1:0", backend="redis", redis_url=redis_url,
-                            redis_prefix=prefix, max_workers=4, data_dir=tmp_path)  # fmt: skip
+    config = MetadataConfig(
+        listen="127.0.0.1:0",
+        backend="redis",
+        redis_url=redis_url,
+        redis_prefix=prefix,
+        max_workers=4,
+        data_dir=tmp_path,
+    )
     server = MetadataServer(config)
     server.start()
     address = f"127.0.0.1:{server.port}"

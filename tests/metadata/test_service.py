@@ -29,8 +29,9 @@ def test_lookup_prefers_the_callers_node_then_faster_tiers(tmp_path):
         result = client.lookup("t", KEYS, caller_node_id="node-a")
         assert result.prefix_length == 4
         assert [(h.node_id, h.tier) for h in result.holders[0]] == [
-            ("node-a", "disk"), ("node-b", "host"),
-        ]  # fmt: skip
+            ("node-a", "disk"),
+            ("node-b", "host"),
+        ]
         other = client.lookup("t", KEYS, caller_node_id="node-c")
         assert [(h.node_id, h.tier) for h in other.holders[0]][0] == ("node-b", "host")
         assert other.addresses["node-b"] == ("10.0.0.2:7000", "")

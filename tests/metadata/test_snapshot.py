@@ -149,8 +149,12 @@ def test_redis_replicas_agree_on_the_incarnation_and_a_redis_that_lost_the_index
     try:
         incarnation = first.incarnation
         assert incarnation != 0 and second.incarnation == incarnation == first.incarnation
-        first.publish("n1", first.register_node(NodeRecord("n1"), 60_000).lease_id, "t",
-                      [BlockEntry(KEYS[0], "host")])  # fmt: skip
+        first.publish(
+            "n1",
+            first.register_node(NodeRecord("n1"), 60_000).lease_id,
+            "t",
+            [BlockEntry(KEYS[0], "host")],
+        )
         lose_everything(first)  # as FLUSHALL, or a restart without persistence, would
         assert second.incarnation not in (0, incarnation)
         assert first.incarnation == second.incarnation

@@ -80,8 +80,13 @@ async def _watch_through_a_failover() -> dict:
         loop = asyncio.get_running_loop()
         started = loop.time()
         event = await asyncio.wait_for(pending, 3 * POLL_S)
-        return {"idle_before": idle_before, "idle_after": idle_after, "gap": gap,
-                "event": event, "delivered_s": loop.time() - started}  # fmt: skip
+        return {
+            "idle_before": idle_before,
+            "idle_after": idle_after,
+            "gap": gap,
+            "event": event,
+            "delivered_s": loop.time() - started,
+        }
 
 
 def test_an_idle_stream_neither_spins_nor_misses_events_after_the_index_went_back():

@@ -46,14 +46,28 @@ def start_node_process(tmp_path: Path, name: str, *args: str, env: dict | None =
     """`python -m kvstore node ...`; returns (process, socket path) once it announced itself."""
     socket_path = tmp_path / f"{name}.sock"
     command = [
-        sys.executable, "-m", "kvstore", "node", "--node-id", name,
-        "--socket-path", str(socket_path), "--host-capacity-bytes", "16MiB",
-        "--page-size-bytes", "1MiB", *args, *_secret_flags(tmp_path, args),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "kvstore",
+        "node",
+        "--node-id",
+        name,
+        "--socket-path",
+        str(socket_path),
+        "--host-capacity-bytes",
+        "16MiB",
+        "--page-size-bytes",
+        "1MiB",
+        *args,
+        *_secret_flags(tmp_path, args),
+    ]
     process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         env={**os.environ, **UCX_ENV, **(env or {})},
-    )  # fmt: skip
+    )
     line = process.stdout.readline()
     if "serving workers on" not in line:
         process.kill()

@@ -25,8 +25,12 @@ def published(metadata: MetadataClient, keys, tenant="t") -> int:
 def test_saved_blocks_are_published_and_evicted_ones_move_to_disk(tmp_path):
     with running_server(tmp_path) as server, client_for(server) as metadata:
         address = f"127.0.0.1:{server.port}"
-        settings = {"metadata_address": address, "disk_dir": tmp_path / "disk",
-                    "host_capacity_bytes": 8 << 20, "host_policy": "lru"}  # fmt: skip
+        settings = {
+            "metadata_address": address,
+            "disk_dir": tmp_path / "disk",
+            "host_capacity_bytes": 8 << 20,
+            "host_policy": "lru",
+        }
         with running_agent(tmp_path, **settings) as agent:
             with KVStoreClient(agent.config.socket_path) as client:
                 for start in (0, 4, 8):  # 8 host pages: the first 4 blocks go down to disk
@@ -44,14 +48,18 @@ def test_saved_blocks_are_published_and_evicted_ones_move_to_disk(tmp_path):
 
 def test_a_restarted_agent_finds_its_disk_blocks_and_publishes_them_again(tmp_path):
     with running_server(tmp_path) as server, client_for(server) as metadata:
-        settings = {"metadata_address": f"127.0.0.1:{server.port}",
-                    "disk_dir": tmp_path / "disk", "host_capacity_bytes": 4 << 20,
-                    "host_policy": "lru"}  # fmt: skip
+        settings = {
+            "metadata_address": f"127.0.0.1:{server.port}",
+            "disk_dir": tmp_path / "disk",
+            "host_capacity_bytes": 4 << 20,
+            "host_policy": "lru",
+        }
         with running_agent(tmp_path, **settings) as agent:
             with KVStoreClient(agent.config.socket_path) as client:
                 for start in (0, 4, 8):
-                    save_chain(client, KEYS[start : min(start + 4, 10)],
-                               fill=lambda i, s=start: s + i + 1)  # fmt: skip
+                    save_chain(
+                        client, KEYS[start : min(start + 4, 10)], fill=lambda i, s=start: s + i + 1
+                    )
             assert wait_until(lambda: published(metadata, KEYS) == 10)
         assert published(metadata, KEYS) == 0, "a clean stop deregisters the node"
         with running_agent(tmp_path, **settings) as agent:

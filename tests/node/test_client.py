@@ -212,8 +212,9 @@ def test_a_worker_killed_holding_pins_and_reservations_leaks_nothing(tmp_path):
             save_chain(client, KEYS[:5])
         worker = subprocess.Popen(
             [sys.executable, "-c", _DYING_WORKER, str(agent.config.socket_path)],
-            stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert worker.stdout.readline().strip() == "5"
         assert agent.store.pins_held() == 5
         assert agent.store.usage()["host"]["used_pages"] == 7

@@ -22,25 +22,49 @@ key = st.one_of(st.binary(min_size=16, max_size=16), st.binary(max_size=20))
 keys = st.lists(key, max_size=6)
 tenants = st.text(max_size=70)
 requests = st.one_of(
-    st.builds(lambda w, c: pb.AgentRequest(hello=pb.HelloRequest(worker=w, credential=c)),
-              st.text(max_size=30), st.text(max_size=30)),
-    st.builds(lambda t, k, lo: pb.AgentRequest(lookup=pb.LookupKeysRequest(
-        tenant=t, keys=k, local_only=lo)), tenants, keys, st.booleans()),
-    st.builds(lambda t, k, ms: pb.AgentRequest(load=pb.LoadRequest(tenant=t, keys=k,
-              timeout_ms=ms)), tenants, keys, st.integers(0, 50)),
-    st.builds(lambda i: pb.AgentRequest(release=pb.ReleaseRequest(load_id=i)),
-              st.integers(0, 2**64 - 1)),
-    st.builds(lambda t, k, p, n: pb.AgentRequest(save=pb.SaveRequest(
-        tenant=t, keys=k, first_parent=p, payload_bytes=n)), tenants, keys,
-        st.binary(max_size=20), st.integers(0, 2**64 - 1)),
-    st.builds(lambda i, k, c: pb.AgentRequest(commit=pb.CommitRequest(save_id=i, keys=k,
-              checksums=c)), st.integers(0, 2**64 - 1), keys,
-              st.lists(st.integers(0, 2**64 - 1), max_size=3)),
-    st.builds(lambda i: pb.AgentRequest(abort=pb.AbortRequest(save_id=i)),
-              st.integers(0, 2**64 - 1)),
+    st.builds(
+        lambda w, c: pb.AgentRequest(hello=pb.HelloRequest(worker=w, credential=c)),
+        st.text(max_size=30),
+        st.text(max_size=30),
+    ),
+    st.builds(
+        lambda t, k, lo: pb.AgentRequest(
+            lookup=pb.LookupKeysRequest(tenant=t, keys=k, local_only=lo)
+        ),
+        tenants,
+        keys,
+        st.booleans(),
+    ),
+    st.builds(
+        lambda t, k, ms: pb.AgentRequest(load=pb.LoadRequest(tenant=t, keys=k, timeout_ms=ms)),
+        tenants,
+        keys,
+        st.integers(0, 50),
+    ),
+    st.builds(
+        lambda i: pb.AgentRequest(release=pb.ReleaseRequest(load_id=i)), st.integers(0, 2**64 - 1)
+    ),
+    st.builds(
+        lambda t, k, p, n: pb.AgentRequest(
+            save=pb.SaveRequest(tenant=t, keys=k, first_parent=p, payload_bytes=n)
+        ),
+        tenants,
+        keys,
+        st.binary(max_size=20),
+        st.integers(0, 2**64 - 1),
+    ),
+    st.builds(
+        lambda i, k, c: pb.AgentRequest(commit=pb.CommitRequest(save_id=i, keys=k, checksums=c)),
+        st.integers(0, 2**64 - 1),
+        keys,
+        st.lists(st.integers(0, 2**64 - 1), max_size=3),
+    ),
+    st.builds(
+        lambda i: pb.AgentRequest(abort=pb.AbortRequest(save_id=i)), st.integers(0, 2**64 - 1)
+    ),
     st.just(pb.AgentRequest(stats=pb.AgentStatsRequest())),
     st.just(pb.AgentRequest()),
-)  # fmt: skip
+)
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +119,10 @@ def test_random_frame_lengths(agent, length, body):
 @given(calls=st.lists(requests, min_size=1, max_size=6), hello_first=st.booleans())
 # always one lookup a session answers: random lists rarely hold one (all keys 16 bytes, after
 # a hello), and the last test checks that the fuzzing reached the sessions
-@example(calls=[pb.AgentRequest(lookup=pb.LookupKeysRequest(tenant="t", keys=[bytes(16)]))],
-         hello_first=True)  # fmt: skip
+@example(
+    calls=[pb.AgentRequest(lookup=pb.LookupKeysRequest(tenant="t", keys=[bytes(16)]))],
+    hello_first=True,
+)
 def test_every_request_type_with_random_fields(agent, calls, hello_first):
     hello = _frame(pb.AgentRequest(hello=pb.HelloRequest(worker="fuzz"))) if hello_first else b""
     _exchange(agent, hello + b"".join(_frame(call) for call in calls))

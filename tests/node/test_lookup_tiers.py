@@ -39,9 +39,10 @@ def test_a_lookup_names_host_and_disk_per_key(tmp_path):
 def test_a_lookup_names_remote_keys_after_local_ones(tmp_path):
     with running_server(tmp_path) as server:
         common = {"metadata_address": f"127.0.0.1:{server.port}", "transfer": "tcp"}
-        with running_agent(tmp_path, "node-a", **common) as holder, running_agent(
-            tmp_path, "node-b", **common
-        ) as reader:  # fmt: skip
+        with (
+            running_agent(tmp_path, "node-a", **common) as holder,
+            running_agent(tmp_path, "node-b", **common) as reader,
+        ):
             with KVStoreClient(holder.config.socket_path) as client:
                 save_chain(client, KEYS[:4])
             with KVStoreClient(reader.config.socket_path) as client:

@@ -29,10 +29,18 @@ def cluster(tmp_path, request):
     try:
         for index in (1, 2, 3):
             node, path = start_node_process(
-                tmp_path, f"node-{index}", "--metadata-address", address,
-                "--transfer", transport, "--disk-dir", str(tmp_path / f"disk-{index}"),
-                "--disk-capacity-bytes", "64MiB", *_secret_flags(tmp_path, secrets, index),
-            )  # fmt: skip
+                tmp_path,
+                f"node-{index}",
+                "--metadata-address",
+                address,
+                "--transfer",
+                transport,
+                "--disk-dir",
+                str(tmp_path / f"disk-{index}"),
+                "--disk-capacity-bytes",
+                "64MiB",
+                *_secret_flags(tmp_path, secrets, index),
+            )
             processes.append(node)
             sockets[index] = path
         yield address, sockets, processes
@@ -54,8 +62,9 @@ def _secret_flags(tmp_path, secrets: str, index: int) -> list[str]:
 
 def write_prefix(socket_path, keys) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(7)
-    payloads = [torch.randint(0, 256, (PAYLOAD,), dtype=torch.uint8, generator=generator)
-                for _ in keys]  # fmt: skip
+    payloads = [
+        torch.randint(0, 256, (PAYLOAD,), dtype=torch.uint8, generator=generator) for _ in keys
+    ]
     with KVStoreClient(socket_path, "writer") as client:
         reservation = client.save("t", keys, PAYLOAD)
         for view, payload in zip(reservation.payloads, payloads, strict=True):

@@ -19,11 +19,17 @@ READ_S = 0.8  # one block from the disk
 
 
 def test_a_load_from_a_slow_disk_does_not_stall_other_workers(tmp_path):
-    settings = {"disk_dir": tmp_path / "disk", "host_capacity_bytes": 8 << 20,
-                "host_policy": "lru", "disk_read_bytes_per_s": int(PAYLOAD / READ_S)}  # fmt: skip
+    settings = {
+        "disk_dir": tmp_path / "disk",
+        "host_capacity_bytes": 8 << 20,
+        "host_policy": "lru",
+        "disk_read_bytes_per_s": int(PAYLOAD / READ_S),
+    }
     with running_agent(tmp_path, **settings) as agent:
-        with KVStoreClient(agent.config.socket_path, "slow") as slow, \
-                KVStoreClient(agent.config.socket_path, "other") as other:  # fmt: skip
+        with (
+            KVStoreClient(agent.config.socket_path, "slow") as slow,
+            KVStoreClient(agent.config.socket_path, "other") as other,
+        ):
             for start in (0, 4, 8):  # 8 host pages: the first 4 blocks go down to disk
                 save_chain(slow, KEYS[start : start + 4], fill=lambda i, s=start: s + i + 1)
             assert agent.store.tier_of(owned_key("t", KEYS[0])) == "disk"
@@ -49,9 +55,13 @@ def test_a_load_from_a_slow_disk_does_not_stall_other_workers(tmp_path):
 def test_a_save_into_a_full_arena_does_not_wait_for_a_slow_disk_write(tmp_path):
     """The demotion thread keeps 2 of the 8 arena pages free, writing victims down at its own
     pace; a save takes those pages at once instead of evicting through the slow disk."""
-    settings = {"disk_dir": tmp_path / "disk", "host_capacity_bytes": 8 << 20,
-                "host_policy": "lru", "host_free_pages": 2,
-                "disk_write_bytes_per_s": int(PAYLOAD / READ_S)}  # fmt: skip
+    settings = {
+        "disk_dir": tmp_path / "disk",
+        "host_capacity_bytes": 8 << 20,
+        "host_policy": "lru",
+        "host_free_pages": 2,
+        "disk_write_bytes_per_s": int(PAYLOAD / READ_S),
+    }
     with running_agent(tmp_path, **settings) as agent:
         host = agent.store.slots[0].tier
         with KVStoreClient(agent.config.socket_path, "writer") as writer:
@@ -84,16 +94,20 @@ def test_a_load_joins_the_fetch_another_worker_has_under_way(tmp_path):
     }
     with running_server(tmp_path) as server:
         address = f"127.0.0.1:{server.port}"
-        with running_agent(tmp_path, "holder", metadata_address=address, transfer="tcp",
-                           **holder_settings) as holder, \
-                running_agent(tmp_path, "reader", metadata_address=address,
-                              transfer="tcp") as reader:  # fmt: skip
+        with (
+            running_agent(
+                tmp_path, "holder", metadata_address=address, transfer="tcp", **holder_settings
+            ) as holder,
+            running_agent(tmp_path, "reader", metadata_address=address, transfer="tcp") as reader,
+        ):
             with KVStoreClient(holder.config.socket_path, "w") as writer:
                 for start in (0, 4, 8):  # the first 4 blocks go down to the holder's disk
                     save_chain(writer, KEYS[start : start + 4], fill=lambda i, s=start: s + i + 1)
             assert holder.store.tier_of(owned_key("t", KEYS[0])) == "disk"
-            with KVStoreClient(reader.config.socket_path, "first") as first, \
-                    KVStoreClient(reader.config.socket_path, "second") as second:  # fmt: skip
+            with (
+                KVStoreClient(reader.config.socket_path, "first") as first,
+                KVStoreClient(reader.config.socket_path, "second") as second,
+            ):
                 assert wait_until(lambda: second.lookup("t", KEYS[:2]).remote == 2, timeout_s=10)
                 loads = []
                 thread = threading.Thread(target=lambda: loads.append(first.load("t", KEYS[:2])))
@@ -118,9 +132,16 @@ def test_an_agent_stops_promptly_while_the_disk_hangs_in_a_demotion(tmp_path, mo
         "host_policy": "lru",
         "host_free_pages": 2,
         "disk_write_bytes_per_s": int(PAYLOAD / 4),
-    }  # fmt: skip: 4 s a block
-    agent = NodeAgent(NodeConfig(node_id="hung", socket_path=tmp_path / "hung.sock",
-                                 transfer="none", page_size_bytes=1 << 20, **settings))  # fmt: skip
+    }  # 4 s a block
+    agent = NodeAgent(
+        NodeConfig(
+            node_id="hung",
+            socket_path=tmp_path / "hung.sock",
+            transfer="none",
+            page_size_bytes=1 << 20,
+            **settings,
+        )
+    )
     agent.start()
     with KVStoreClient(agent.config.socket_path, "writer") as writer:
         save_chain(writer, KEYS[:8], fill=lambda i: i + 1)  # a full arena: demotion starts

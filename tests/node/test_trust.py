@@ -50,10 +50,14 @@ def save(client, tenant, keys, fill=7):
 def two_tenants(tmp_path):
     table = credentials(tmp_path, f"token:{ALICE_TOKEN} alice", f"token:{BOB_TOKEN} bob")
     with running_agent(tmp_path, worker_credentials=table) as agent:
-        alice = KVStoreClient(agent.config.socket_path, "a", credential_file=token_file(
-            tmp_path, "alice", ALICE_TOKEN))  # fmt: skip
-        bob = KVStoreClient(agent.config.socket_path, "b", credential_file=token_file(
-            tmp_path, "bob", BOB_TOKEN))  # fmt: skip
+        alice = KVStoreClient(
+            agent.config.socket_path,
+            "a",
+            credential_file=token_file(tmp_path, "alice", ALICE_TOKEN),
+        )
+        bob = KVStoreClient(
+            agent.config.socket_path, "b", credential_file=token_file(tmp_path, "bob", BOB_TOKEN)
+        )
         yield agent, alice, bob
         alice.close()
         bob.close()
@@ -63,8 +67,11 @@ def test_a_worker_cannot_look_up_load_or_save_another_tenants_keys(two_tenants):
     agent, alice, bob = two_tenants
     assert save(alice, "alice", KEYS) == len(KEYS)
     assert list(alice.info.tenants) == ["alice"]
-    for call in (lambda: bob.lookup("alice", KEYS), lambda: bob.load("alice", KEYS),
-                 lambda: bob.save("alice", KEYS, PAYLOAD)):  # fmt: skip
+    for call in (
+        lambda: bob.lookup("alice", KEYS),
+        lambda: bob.load("alice", KEYS),
+        lambda: bob.save("alice", KEYS, PAYLOAD),
+    ):
         with pytest.raises(PermissionDeniedError, match="not 'alice'"):
             call()
     # Under its own tenant, bob's worker sees alice's blocks as absent, not as present.
@@ -135,8 +142,9 @@ def _spawn_loader(socket_path):
         f" KEYS; c = KVStoreClient({str(socket_path)!r}); c.load('t', KEYS); print('loaded',"
         " flush=True); sys.stdin.read()"
     )
-    return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
 
 
 def test_workers_and_pins_per_worker_are_capped(tmp_path):
@@ -219,16 +227,18 @@ def test_a_socket_directory_others_could_write_is_refused(tmp_path):
     shared = tmp_path / "shared"
     shared.mkdir()
     os.chmod(shared, 0o777)
-    agent = NodeAgent(NodeConfig(node_id="n", socket_path=shared / "agent.sock", **SMALL,
-                                 transfer="none"))  # fmt: skip
+    agent = NodeAgent(
+        NodeConfig(node_id="n", socket_path=shared / "agent.sock", **SMALL, transfer="none")
+    )
     with pytest.raises(ConfigError, match="writable by group or others"):
         agent.start()
     agent.stop()
     foreign = tmp_path / "foreign"
     foreign.mkdir(mode=0o750)
     os.chown(foreign, 4242, 4242)
-    agent = NodeAgent(NodeConfig(node_id="n", socket_path=foreign / "agent.sock", **SMALL,
-                                 transfer="none"))  # fmt: skip
+    agent = NodeAgent(
+        NodeConfig(node_id="n", socket_path=foreign / "agent.sock", **SMALL, transfer="none")
+    )
     with pytest.raises(ConfigError, match="belongs to uid 4242"):
         agent.start()
     agent.stop()
@@ -278,8 +288,13 @@ def test_a_worker_of_another_user_works_only_through_private_copies(tmp_path):
     os.chmod(directory, 0o755)  # other users may reach the socket; the agent decides the rest
     table = credentials(tmp_path, "uid:0 alice shared", f"uid:{nobody} bob")
     try:
-        config = NodeConfig(node_id="n", socket_path=directory / "agent.sock", **SMALL,
-                            transfer="none", worker_credentials=table)  # fmt: skip
+        config = NodeConfig(
+            node_id="n",
+            socket_path=directory / "agent.sock",
+            **SMALL,
+            transfer="none",
+            worker_credentials=table,
+        )
         agent = NodeAgent(config)
         agent.start()
         os.chmod(config.socket_path, 0o666)  # in production: a group both users share
@@ -288,15 +303,22 @@ def test_a_worker_of_another_user_works_only_through_private_copies(tmp_path):
             save(alice, "alice", KEYS, fill=0xA1)
         arena = f"/dev/shm/{agent.store.slots[0].tier.arena_name}"
         worker = subprocess.run(
-            [sys.executable, "-c", _OTHER_USER_WORKER, str(config.socket_path), arena,
-             str(nobody)],
-            capture_output=True, text=True, timeout=60, cwd=Path(__file__).parents[2],
-        )  # fmt: skip
+            [sys.executable, "-c", _OTHER_USER_WORKER, str(config.socket_path), arena, str(nobody)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=Path(__file__).parents[2],
+        )
         assert worker.returncode == 0, worker.stderr
         assert json.loads(worker.stdout) == {
-            "uid": nobody, "arena": "denied", "access": "private", "sees_alice": False,
-            "alice_lookup": "denied", "saved": 2, "loaded_ok": True,
-        }  # fmt: skip
+            "uid": nobody,
+            "arena": "denied",
+            "access": "private",
+            "sees_alice": False,
+            "alice_lookup": "denied",
+            "saved": 2,
+            "loaded_ok": True,
+        }
         assert agent.store.pins_held() == 0
         agent.stop()
     finally:
@@ -336,12 +358,21 @@ def test_worker_credentials_with_an_open_transfer_port_are_refused_at_start(tmp_
     table = credentials(tmp_path, f"token:{ALICE_TOKEN} alice")
     for transfer in ("tcp", "ucx"):
         with pytest.raises(ConfigError, match="give --cluster-secret-file"):
-            NodeConfig(node_id="n", socket_path=tmp_path / "n.sock", transfer=transfer,
-                       worker_credentials=table)  # fmt: skip
+            NodeConfig(
+                node_id="n",
+                socket_path=tmp_path / "n.sock",
+                transfer=transfer,
+                worker_credentials=table,
+            )
     secret = tmp_path / "cluster.secret"
     secret.write_text("s" * 32)
-    NodeConfig(node_id="n", socket_path=tmp_path / "n.sock", transfer="tcp",
-               worker_credentials=table, cluster_secret_file=secret)  # fmt: skip
+    NodeConfig(
+        node_id="n",
+        socket_path=tmp_path / "n.sock",
+        transfer="tcp",
+        worker_credentials=table,
+        cluster_secret_file=secret,
+    )
 
 
 def test_a_worker_whose_broken_connections_hold_its_pin_limit_is_refused_until_freed(tmp_path):

@@ -95,9 +95,10 @@ def test_the_view_follows_publishes_evictions_and_node_expiry(tmp_path):
 
 
 def test_lookups_are_answered_by_the_view_while_the_service_is_frozen(tmp_path):
-    with metadata_process("--backend", "memory") as (service, address), agent_at(
-        tmp_path, address
-    ) as a:  # fmt: skip
+    with (
+        metadata_process("--backend", "memory") as (service, address),
+        agent_at(tmp_path, address) as a,
+    ):
         FakePeer(address, "node-b").publish(KEYS[:5])
         assert converges(a, KEYS, 5)  # which the service may have answered: wait for the view
         assert wait_until(lambda: a.view.remote_prefix("t", KEYS) == 5, timeout_s=30)
@@ -139,8 +140,9 @@ def test_events_lost_by_a_slow_view_are_a_gap_and_a_resync(tmp_path):
     """The service keeps 200 events; the view is held while 20,000 are published, so the
     stream falls behind the ring: a KIND_GAP, then a snapshot, then events again."""
     env = {"KVSTORE_METADATA_MAX_EVENTS": "200"}
-    process, address = start_cli("metadata", "--backend", "memory", "--listen", "127.0.0.1:0",
-                                 env=env)  # fmt: skip
+    process, address = start_cli(
+        "metadata", "--backend", "memory", "--listen", "127.0.0.1:0", env=env
+    )
     try:
         with agent_at(tmp_path, address) as a:
             b = FakePeer(address, "node-b")
@@ -193,9 +195,10 @@ def test_a_stale_entry_costs_one_failed_fetch_then_a_miss_then_the_view_is_corre
 
 
 def test_past_its_size_cap_the_agent_asks_the_service(tmp_path):
-    with metadata_process("--backend", "memory") as (_, address), agent_at(
-        tmp_path, address, view_max_keys=4
-    ) as a:  # fmt: skip
+    with (
+        metadata_process("--backend", "memory") as (_, address),
+        agent_at(tmp_path, address, view_max_keys=4) as a,
+    ):
         assert wait_until(lambda: a.view.ready)
         FakePeer(address, "node-b").publish(KEYS[:6])
         assert converges(a, KEYS, 6), "the service answers what the view left out"
@@ -208,9 +211,15 @@ def test_past_its_size_cap_the_agent_asks_the_service(tmp_path):
 
 
 def test_on_a_redis_backend_the_view_converges_and_answers_with_the_service_frozen(tmp_path):
-    with redis_server() as redis, metadata_process(
-        "--backend", "redis", "--redis-url", f"redis://127.0.0.1:{redis.connection_pool.connection_kwargs['port']}/0"
-    ) as (service, address):  # fmt: skip
+    with (
+        redis_server() as redis,
+        metadata_process(
+            "--backend",
+            "redis",
+            "--redis-url",
+            f"redis://127.0.0.1:{redis.connection_pool.connection_kwargs['port']}/0",
+        ) as (service, address),
+    ):
         peer = FakePeer(address, "node-r")
         peer.publish(KEYS[:4])  # before the agent: its snapshot carries them
         with agent_at(tmp_path, address) as a:

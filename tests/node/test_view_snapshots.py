@@ -18,8 +18,16 @@ def load_snapshot(view: ClusterView, index: MemoryIndex, max_keys: int) -> None:
     view.reset()
     for page in wire.snapshot_pages(index.snapshot(""), max_keys, 1024, index.incarnation):
         holders = lookup_result(page.holders)
-        view.load(SnapshotPage(page.last_seq, page.tenant, list(page.keys), holders,
-                               page.truncated, page.incarnation))  # fmt: skip
+        view.load(
+            SnapshotPage(
+                page.last_seq,
+                page.tenant,
+                list(page.keys),
+                holders,
+                page.truncated,
+                page.incarnation,
+            )
+        )
     view.synced()
 
 

@@ -51,10 +51,12 @@ def test_calibration_follows_the_machine_speed_through_a_load_burst():
     )  # one chunk's load, what most trace requests pay
     assert np.median(fitted.slowdown[150:240]) == pytest.approx(4, rel=0.05)
     assert np.median(fitted.slowdown[:100]) == pytest.approx(1, rel=0.05)
-    steady = np.array([
-        fitted.ttft_s(int(n), int(c) // 64, 64, CHUNK_BYTES)
-        for n, c in zip(lengths, cached, strict=True)
-    ])  # fmt: skip
+    steady = np.array(
+        [
+            fitted.ttft_s(int(n), int(c) // 64, 64, CHUNK_BYTES)
+            for n, c in zip(lengths, cached, strict=True)
+        ]
+    )
     predicted = steady * fitted.slowdown
     trace = ~cold & ~hit
     assert np.median(predicted[trace] / truth[trace]) == pytest.approx(1, abs=0.03)

@@ -13,8 +13,10 @@ def test_requests_logged_at_one_timestamp_spread_to_the_next():
 
 def test_a_fifo_queue_makes_the_second_of_two_requests_wait():
     assert queue_ttft_s(np.array([0.0, 0.0, 5.0]), np.array([1.0, 1.0, 1.0])).tolist() == [
-        1.0, 2.0, 1.0,
-    ]  # fmt: skip
+        1.0,
+        2.0,
+        1.0,
+    ]
 
 
 def test_the_load_at_the_sla_is_the_largest_that_meets_it():

@@ -7,8 +7,11 @@ from kvstore.costmodel import OnlineLoadPlanner
 MS = 1e-3
 
 
-def measured_planner(disk_chunk_s: float | None, host_chunk_s: float = 1 * MS,
-                     free_tiers: frozenset[str] = frozenset()) -> OnlineLoadPlanner:  # fmt: skip
+def measured_planner(
+    disk_chunk_s: float | None,
+    host_chunk_s: float = 1 * MS,
+    free_tiers: frozenset[str] = frozenset(),
+) -> OnlineLoadPlanner:
     """Three plain steps at 1 ms a token (a 128-token chunk: 128 ms to compute), one step that
     loaded 4 host chunks, and one timed promotion of 4 disk chunks (None: none yet)."""
     planner = OnlineLoadPlanner(chunk_tokens=128, probe_every=1000, free_tiers=free_tiers)
@@ -62,8 +65,9 @@ def test_a_free_host_tier_is_loaded_whatever_its_step_residual():
     priced = measured_planner(disk_chunk_s=100 * MS, host_chunk_s=300 * MS)
     assert priced.chunks_to_load("priced", ["host"] * 4, 600, loaded_from="host") == 0
     assert priced.chunks_to_load("staged", ["disk"] * 4, 600, loaded_from="host") == 0
-    free = measured_planner(disk_chunk_s=100 * MS, host_chunk_s=300 * MS,
-                            free_tiers=frozenset({"host"}))  # fmt: skip
+    free = measured_planner(
+        disk_chunk_s=100 * MS, host_chunk_s=300 * MS, free_tiers=frozenset({"host"})
+    )
     assert free.estimates()[1]["host"] > 200 * MS  # measured, and ignored
     assert free.chunks_to_load("free", ["host"] * 4, 600, loaded_from="host") == 4
     assert free.chunks_to_load("staged", ["disk"] * 4, 600, loaded_from="host") == 4

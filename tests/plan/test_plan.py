@@ -70,8 +70,9 @@ def test_the_table_marks_the_cheapest_config_meeting_the_sla(tmp_path, capsys):
 
 def test_plot_writes_three_pngs(tmp_path, capsys):
     trace = write_mooncake(tmp_path / "trace.jsonl", requests=150)
-    result = plan_json(capsys, trace, "--tiers", "dram=0,8GiB;nvme=0,32GiB",
-                       "--plot", str(tmp_path / "plots"))  # fmt: skip
+    result = plan_json(
+        capsys, trace, "--tiers", "dram=0,8GiB;nvme=0,32GiB", "--plot", str(tmp_path / "plots")
+    )
     assert len(result["plots"]) == 3
     for path in result["plots"]:
         with open(path, "rb") as png:
@@ -81,10 +82,12 @@ def test_plot_writes_three_pngs(tmp_path, capsys):
 
 def test_azure_trace_shares_nothing_and_says_so(tmp_path, capsys):
     path = tmp_path / "azure.csv"
-    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
-                    "2023-11-16 18:15:46.6805900,374,44\n"
-                    "2023-11-16 18:15:50.9951690,1396,109\n"
-                    "2023-11-16 18:15:51.1000000,374,9\n")  # fmt: skip
+    path.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:15:46.6805900,374,44\n"
+        "2023-11-16 18:15:50.9951690,1396,109\n"
+        "2023-11-16 18:15:51.1000000,374,9\n"
+    )
     result = plan_json(capsys, str(path), "--tiers", "dram=64GiB;nvme=0")
     assert "no prefix information" in result["sharing"]
     assert all(row["token_hit_ratio"] == 0 for row in result["configs"])
@@ -92,8 +95,10 @@ def test_azure_trace_shares_nothing_and_says_so(tmp_path, capsys):
 
 def test_a_trace_line_without_hash_ids_names_the_line(tmp_path, capsys):
     path = tmp_path / "bad.jsonl"
-    path.write_text('{"timestamp": 0, "input_length": 10, "hash_ids": [1]}\n'
-                    '{"timestamp": 1, "input_length": 10}\n')  # fmt: skip
+    path.write_text(
+        '{"timestamp": 0, "input_length": 10, "hash_ids": [1]}\n'
+        '{"timestamp": 1, "input_length": 10}\n'
+    )
     assert main(["plan", str(path)]) == 2
     error = capsys.readouterr().err
     assert f"{path}:2" in error and "hash_ids" in error
@@ -111,8 +116,10 @@ def test_a_config_without_num_key_value_heads_names_the_field(tmp_path, capsys):
 
 def test_a_trace_line_with_a_negative_length_names_the_line(tmp_path, capsys):
     path = tmp_path / "bad.jsonl"
-    path.write_text('{"timestamp": 0, "input_length": 10, "hash_ids": [1]}\n'
-                    '{"timestamp": 1, "input_length": -10, "hash_ids": [1]}\n')  # fmt: skip
+    path.write_text(
+        '{"timestamp": 0, "input_length": 10, "hash_ids": [1]}\n'
+        '{"timestamp": 1, "input_length": -10, "hash_ids": [1]}\n'
+    )
     assert main(["plan", str(path)]) == 2
     error = capsys.readouterr().err
     assert f"{path}:2" in error and "-10" in error

@@ -34,8 +34,10 @@ PROMPT_TOKENS = 600
 PROXY_BYTES_PER_S = 256 << 10
 DISK_BYTES_PER_S = 256 << 10
 SHARED = [[(i * 7 + 11 * n) % 500 + 5 for i in range(PROMPT_TOKENS)] for n in range(8)]
-COLD = [[(i * 13 + 17 * n) % 500 + 5 for i in range(length)]
-        for n, length in enumerate((200, 400, 600, 800))]  # fmt: skip
+COLD = [
+    [(i * 13 + 17 * n) % 500 + 5 for i in range(length)]
+    for n, length in enumerate((200, 400, 600, 800))
+]
 
 
 class ThrottlingProxy:
@@ -55,8 +57,9 @@ class ThrottlingProxy:
                 return
             server = socket.create_connection(self.target)
             threading.Thread(target=self._pipe, args=(client, server, None), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(server, client, self.bytes_per_s),
-                             daemon=True).start()  # fmt: skip
+            threading.Thread(
+                target=self._pipe, args=(server, client, self.bytes_per_s), daemon=True
+            ).start()
 
     @staticmethod
     def _pipe(source: socket.socket, sink: socket.socket, bytes_per_s: int | None) -> None:
@@ -88,12 +91,20 @@ def free_port() -> int:
 def run_prompts(tmp_path: Path, model: Path, prompts, socket_path=None) -> tuple[list, dict]:
     prompts_file = tmp_path / f"prompts-{os.urandom(4).hex()}.json"
     prompts_file.write_text(json.dumps(prompts))
-    command = [sys.executable, "-m", "tests.plan.ttft_runner", "--model", str(model),
-               "--prompts", str(prompts_file)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "tests.plan.ttft_runner",
+        "--model",
+        str(model),
+        "--prompts",
+        str(prompts_file),
+    ]
     if socket_path is not None:
         command += ["--socket", str(socket_path)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                          cwd=Path(__file__).parents[2])  # fmt: skip
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[2]
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     lines = [json.loads(x[len(MARK) :]) for x in done.stdout.splitlines() if x.startswith(MARK)]
     return lines[:-1], lines[-1]["scheduler"]
@@ -108,11 +119,27 @@ def slow_remote(tmp_path):
     proxy = ThrottlingProxy(("127.0.0.2", port), ("127.0.0.1", port), PROXY_BYTES_PER_S)
     nodes = []
     try:
-        common = ("--metadata-address", address, "--transfer", "tcp",
-                  "--page-size-bytes", str(256 << 10))  # fmt: skip
-        nodes.append(start_node_process(tmp_path, "host-1", *common, "--transfer-host",
-                                        "127.0.0.1", "--transfer-port", str(port),
-                                        "--advertise-host", "127.0.0.2"))  # fmt: skip
+        common = (
+            "--metadata-address",
+            address,
+            "--transfer",
+            "tcp",
+            "--page-size-bytes",
+            str(256 << 10),
+        )
+        nodes.append(
+            start_node_process(
+                tmp_path,
+                "host-1",
+                *common,
+                "--transfer-host",
+                "127.0.0.1",
+                "--transfer-port",
+                str(port),
+                "--advertise-host",
+                "127.0.0.2",
+            )
+        )
         nodes.append(start_node_process(tmp_path, "host-2", *common))
         yield [path for _, path in nodes]
     finally:
@@ -168,10 +195,18 @@ def slow_disk(tmp_path):
     """One host whose arena holds 8 blocks and whose disk tier reads at DISK_BYTES_PER_S;
     yields its socket."""
     node, socket_path = start_node_process(
-        tmp_path, "host-1", "--transfer", "none", "--disk-dir", str(tmp_path / "disk"),
-        "--page-size-bytes", str(256 << 10), "--host-capacity-bytes", str(2 << 20),
+        tmp_path,
+        "host-1",
+        "--transfer",
+        "none",
+        "--disk-dir",
+        str(tmp_path / "disk"),
+        "--page-size-bytes",
+        str(256 << 10),
+        "--host-capacity-bytes",
+        str(2 << 20),
         env={"KVSTORE_NODE_DISK_READ_BYTES_PER_S": str(DISK_BYTES_PER_S)},
-    )  # fmt: skip
+    )
     try:
         yield socket_path
     finally:

@@ -29,8 +29,11 @@ CODE = (
 def test_validate_predicts_the_measured_hit_ratio(tmp_path):
     trace = write_mooncake(tmp_path / "trace.jsonl", requests=40, seed=3)
     completed = subprocess.run(
-        [sys.executable, "-c", CODE, trace, "40"], capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [sys.executable, "-c", CODE, trace, "40"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert completed.returncode == 0, completed.stderr[-3000:]
     line = next(x for x in completed.stdout.splitlines() if x.startswith(MARK))
     result = json.loads(line[len(MARK) :])
@@ -44,8 +47,13 @@ def test_validate_predicts_the_measured_hit_ratio(tmp_path):
     # recomputes chunks it would load on a quiet machine (measured 0.014 to 0.2 on CI load).
     # The 2-point goal is measured on the full slice (`kvstore plan --validate`).
     assert 0 <= result["measured_token_hit_ratio"] <= 1
-    for field in ("predicted_ttft_p50_s", "measured_ttft_p50_s", "predicted_ttft_p90_s",
-                  "measured_ttft_p90_s", "predicted_ttft_p50_steady_machine_s"):  # fmt: skip
+    for field in (
+        "predicted_ttft_p50_s",
+        "measured_ttft_p50_s",
+        "predicted_ttft_p90_s",
+        "measured_ttft_p90_s",
+        "predicted_ttft_p50_steady_machine_s",
+    ):
         assert result[field] > 0, field
     slowdown = result["calibration"]["machine_slowdown_p10_p50_p90"]
     assert 0 < slowdown[0] <= slowdown[1] <= slowdown[2], slowdown

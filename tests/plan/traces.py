@@ -19,7 +19,15 @@ def write_mooncake(path, requests: int = 400, seed: int = 0) -> str:
             ids.append(next_id := next_id + 1)
         conversations.append(ids)
         tokens = 512 * (len(ids) - 1) + rng.randint(1, 512)
-        lines.append(json.dumps({"timestamp": number * 200, "input_length": tokens,
-                                 "output_length": 10, "hash_ids": ids}))  # fmt: skip
+        lines.append(
+            json.dumps(
+                {
+                    "timestamp": number * 200,
+                    "input_length": tokens,
+                    "output_length": 10,
+                    "hash_ids": ids,
+                }
+            )
+        )
     path.write_text("\n".join(lines) + "\n")
     return str(path)

@@ -14,9 +14,12 @@ import time
 from pathlib import Path
 
 os.environ.update(
-    VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
-    TOKENIZERS_PARALLELISM="false", VLLM_LOGGING_LEVEL="WARNING",
-)  # fmt: skip
+    VLLM_TARGET_DEVICE="cpu",
+    HF_HUB_OFFLINE="1",
+    VLLM_ENABLE_V1_MULTIPROCESSING="0",
+    TOKENIZERS_PARALLELISM="false",
+    VLLM_LOGGING_LEVEL="WARNING",
+)
 MARK = "TTFT-RESULT "
 CHUNK_TOKENS = 128
 
@@ -33,16 +36,28 @@ def main() -> None:
     transfer = None
     if args.socket:
         transfer = KVTransferConfig(
-            kv_connector="KVStoreConnector", kv_connector_module_path="connectors.vllm.connector",
-            kv_role="kv_both", kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"socket_path": args.socket, "chunk_tokens": CHUNK_TOKENS,
-                                       "load_timeout_s": 30.0},
-        )  # fmt: skip
+            kv_connector="KVStoreConnector",
+            kv_connector_module_path="connectors.vllm.connector",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config={
+                "socket_path": args.socket,
+                "chunk_tokens": CHUNK_TOKENS,
+                "load_timeout_s": 30.0,
+            },
+        )
     llm = LLM(
-        model=args.model, tokenizer=args.model, dtype="float32", enforce_eager=True,
-        gpu_memory_utilization=0.2, kv_cache_memory_bytes=64 << 20, block_size=32,
-        kv_transfer_config=transfer, seed=0, enable_prefix_caching=False,
-    )  # fmt: skip
+        model=args.model,
+        tokenizer=args.model,
+        dtype="float32",
+        enforce_eager=True,
+        gpu_memory_utilization=0.2,
+        kv_cache_memory_bytes=64 << 20,
+        block_size=32,
+        kv_transfer_config=transfer,
+        seed=0,
+        enable_prefix_caching=False,
+    )
     params = SamplingParams(temperature=0, max_tokens=1)
     for prompt in json.loads(Path(args.prompts).read_text()):
         started = time.perf_counter()

@@ -34,8 +34,9 @@ def pages_of(backend, indices: torch.Tensor) -> list[list[np.ndarray]]:
 
 
 def same_pages(a, b) -> bool:
-    return all((x == y).all() for pa, pb in zip(a, b, strict=True)
-               for x, y in zip(pa, pb, strict=True))  # fmt: skip
+    return all(
+        (x == y).all() for pa, pb in zip(a, b, strict=True) for x, y in zip(pa, pb, strict=True)
+    )
 
 
 def page_indices(first_page: int, count: int) -> torch.Tensor:
@@ -85,8 +86,10 @@ def test_layouts_share_blocks(tmp_path):
             host_pool("page_first", 4, **SHAPE),
             host_pool("page_first_direct", 4, **SHAPE),
         )
-        writer, reader = backend_for(agent.config.socket_path, first), backend_for(
-            agent.config.socket_path, direct)  # fmt: skip
+        writer, reader = (
+            backend_for(agent.config.socket_path, first),
+            backend_for(agent.config.socket_path, direct),
+        )
         fill(first, 2)
         assert writer.batch_set_v1(["a", "b"], page_indices(1, 2)) == [True, True]
         assert reader.batch_get_v1(["a", "b"], page_indices(2, 2)) == [True, True]
@@ -98,8 +101,10 @@ def test_layouts_share_blocks(tmp_path):
 def test_tp_ranks_store_their_own_shards(tmp_path):
     with running_agent(tmp_path, **SETTINGS) as agent:
         pools = [host_pool("page_first", 4, **SHAPE) for _ in range(2)]
-        ranks = [backend_for(agent.config.socket_path, p, tp_rank=r, tp_size=2)
-                 for r, p in enumerate(pools)]  # fmt: skip
+        ranks = [
+            backend_for(agent.config.socket_path, p, tp_rank=r, tp_size=2)
+            for r, p in enumerate(pools)
+        ]
         for rank, pool in enumerate(pools):
             fill(pool, 10 + rank)
         assert ranks[0].batch_set_v1(["x", "y"], page_indices(1, 2)) == [True, True]
@@ -118,8 +123,10 @@ def test_mla_one_writer_every_rank_reads(tmp_path, layout):
     shape = {**SHAPE, "heads": 1, "head_dim": 24}
     with running_agent(tmp_path, **SETTINGS) as agent:
         pools = [host_pool(layout, 4, mla=True, **shape) for _ in range(2)]
-        ranks = [backend_for(agent.config.socket_path, p, tp_rank=r, tp_size=2, mla=True)
-                 for r, p in enumerate(pools)]  # fmt: skip
+        ranks = [
+            backend_for(agent.config.socket_path, p, tp_rank=r, tp_size=2, mla=True)
+            for r, p in enumerate(pools)
+        ]
         fill(pools[0], 3)
         fill(pools[1], 4)
         assert ranks[1].batch_set_v1(["m1", "m2"], page_indices(1, 2)) == [True, True]

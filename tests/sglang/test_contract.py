@@ -80,7 +80,7 @@ def test_a_sidecar_pool_fails_the_attach_and_the_kv_pool_registers(tmp_path):
 def test_set_reports_false_for_pages_the_agent_had_no_room_for(tmp_path):
     with running_agent(
         tmp_path, host_capacity_bytes=3 * (64 << 10), page_size_bytes=64 << 10
-    ) as agent:  # fmt: skip: 3 pages of room
+    ) as agent:  # 3 pages of room
         pool = host_pool("page_first", 8, **SHAPE)
         pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape))
         backend = backend_for(agent.config.socket_path, pool)
@@ -119,9 +119,13 @@ def test_the_backend_polls_for_answers_as_its_extra_config_says(tmp_path, answer
 
 
 def test_the_file_storage_path_sglang_adds_is_accepted():
-    settings = BackendSettings.from_extra_config({
-        "backend_name": "kvstore", "module_path": "connectors.sglang.backend",
-        "class_name": "KVStoreHiCacheStorage", "interface_v1": 1,
-        "file_storage_path": "/tmp/hicache",  # from --file-storage-path, to every backend
-    })  # fmt: skip
+    settings = BackendSettings.from_extra_config(
+        {
+            "backend_name": "kvstore",
+            "module_path": "connectors.sglang.backend",
+            "class_name": "KVStoreHiCacheStorage",
+            "interface_v1": 1,
+            "file_storage_path": "/tmp/hicache",  # from --file-storage-path, to every backend
+        }
+    )
     assert settings == BackendSettings()

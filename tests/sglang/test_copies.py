@@ -53,8 +53,9 @@ def test_payloads_are_canonical_and_load_back(layout, group_heads):
     reader = host_pool(layout, 4, **SHAPE)
     reader_fmt = page_format(reader, mla=False, codec="raw", group_heads=group_heads)
     assert copies.load_page(reader_fmt, 1 * TOKENS, payloads, checksums)
-    assert all(canonical(reader, 1, heads, g) == canonical(pool, 2, heads, g)
-               for g in range(fmt.groups))  # fmt: skip
+    assert all(
+        canonical(reader, 1, heads, g) == canonical(pool, 2, heads, g) for g in range(fmt.groups)
+    )
 
 
 @pytest.mark.parametrize(("layout", "group_heads"), CASES)
@@ -73,14 +74,18 @@ def test_a_block_changed_after_it_was_hashed_is_a_miss(layout, group_heads):
 def test_save_skips_blocks_that_were_not_reserved():
     pool = filled_pool("page_first_direct")
     fmt = page_format(pool, mla=False, codec="raw", group_heads=1)
-    payloads = [torch.zeros(fmt.payload_bytes, dtype=torch.uint8) if g % 2 else None
-                for g in range(fmt.groups)]  # fmt: skip
+    payloads = [
+        torch.zeros(fmt.payload_bytes, dtype=torch.uint8) if g % 2 else None
+        for g in range(fmt.groups)
+    ]
     checksums = copies.save_page(fmt, 0, payloads)
     assert [c is None for c in checksums] == [p is None for p in payloads]
 
 
-@pytest.mark.parametrize(("layout", "head_group_size"), [("page_first", 0),
-                         ("page_first_direct", 0), ("page_first_direct", 1)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("layout", "head_group_size"),
+    [("page_first", 0), ("page_first_direct", 0), ("page_first_direct", 1)],
+)
 def test_arena_bytes_that_do_not_verify_end_the_loaded_prefix(tmp_path, layout, head_group_size):
     """A stored block whose arena bytes changed (one bit) loads as False, and so does every
     page after it: SGLang recomputes them; the pages before it are served."""
@@ -102,5 +107,6 @@ def test_arena_bytes_that_do_not_verify_end_the_loaded_prefix(tmp_path, layout, 
         totals = reader.get_stats().totals
         assert (totals["get_pages"], totals["get_failed_pages"]) == (1, 2)
         first = reader._format.page(TOKENS)
-        assert all(np.array_equal(a, b) for a, b in zip(first, writer._format.page(TOKENS),
-                                                        strict=True))  # fmt: skip
+        assert all(
+            np.array_equal(a, b) for a, b in zip(first, writer._format.page(TOKENS), strict=True)
+        )

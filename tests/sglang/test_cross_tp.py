@@ -29,8 +29,10 @@ def heads_of(p) -> torch.Tensor:
 
 def ranks(socket_path, tp_size: int):
     pools = [pool(HEADS // tp_size) for _ in range(tp_size)]
-    backends = [backend_for(socket_path, p, tp_rank=r, tp_size=tp_size, head_group_size=1)
-                for r, p in enumerate(pools)]  # fmt: skip
+    backends = [
+        backend_for(socket_path, p, tp_rank=r, tp_size=tp_size, head_group_size=1)
+        for r, p in enumerate(pools)
+    ]
     return pools, backends
 
 

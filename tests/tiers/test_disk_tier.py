@@ -138,8 +138,12 @@ def test_a_full_disk_refuses_the_write_and_keeps_every_other_block(tmp_path):
     """LMDB wrote through a writable map of a sparse file: a page written when the disk was
     full killed the agent with SIGBUS. It writes through write(2) now: a full disk is an
     OSError (counted as a failed write-down), and every block stored before stays readable."""
-    done = subprocess.run([sys.executable, "-c", _FULL_DISK, str(tmp_path / "disk")],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", _FULL_DISK, str(tmp_path / "disk")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "REFUSED" in done.stdout and int(done.stdout.split("KEPT")[1]) >= 4
 

@@ -45,8 +45,10 @@ def test_another_process_reads_and_writes_pages_in_place():
         row = tier.page_index(key)
         out = subprocess.run(
             [sys.executable, "-c", _READER_WRITER, tier.arena_name, str(row)],
-            capture_output=True, text=True, check=True,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         assert out.stdout.strip() == str(3 * 16)
         assert torch.equal(tier.pages[row + 1, :16], torch.full((16,), 7, dtype=torch.uint8))
         assert (SHM_DIR / tier.arena_name).exists(), "an attached process never unlinks"

@@ -65,7 +65,7 @@ class Pair:
 
     def fetch(
         self, keys: Sequence[BlockKey], timeout_s: float = 10.0, reader=None, tenant=TENANT
-    ) -> list[int]:  # fmt: skip
+    ) -> list[int]:
         reader = reader or self.reader
         pages = [reader.reserve_page(key) for key in keys]
         checksums = [None] * len(keys)
@@ -80,9 +80,11 @@ class Pair:
 
 
 def land(
-    reader: TieredStore, keys: Sequence[BlockKey], received: Sequence[int],
+    reader: TieredStore,
+    keys: Sequence[BlockKey],
+    received: Sequence[int],
     checksums: Sequence[int | None] | None = None,
-) -> list[bool]:  # fmt: skip
+) -> list[bool]:
     """Commit what arrived (verified, against `checksums` where given), abort the rest; True
     per key that became readable."""
     landed = []
@@ -138,9 +140,10 @@ def make_pair(make_store, make_transfer_engine) -> Callable[..., Pair]:
     """Engines are closed before the stores (fixture teardown runs in reverse)."""
 
     def make(
-        page_bytes: int = SMALL_PAGE_BYTES, pages: int = 72,
+        page_bytes: int = SMALL_PAGE_BYTES,
+        pages: int = 72,
         wrap: Callable[[OpenBlock], OpenBlock] | None = None,
-    ) -> Pair:  # fmt: skip
+    ) -> Pair:
         holder, reader = make_store(page_bytes, pages), make_store(page_bytes, pages)
         return Pair(holder, reader, make_transfer_engine(), make_transfer_engine(), wrap)
 

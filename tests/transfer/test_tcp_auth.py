@@ -254,9 +254,14 @@ def test_a_proof_reflected_back_does_not_authenticate_the_server():
 
 @pytest.mark.parametrize(
     ("host", "secret", "warned"),
-    [("10.1.2.3", None, True), ("0.0.0.0", None, True), ("127.0.0.1", None, False),
-     ("::1", None, False), ("10.1.2.3", SECRET, False)],
-)  # fmt: skip
+    [
+        ("10.1.2.3", None, True),
+        ("0.0.0.0", None, True),
+        ("127.0.0.1", None, False),
+        ("::1", None, False),
+        ("10.1.2.3", SECRET, False),
+    ],
+)
 def test_serving_beyond_loopback_without_a_secret_logs_a_warning(caplog, host, secret, warned):
     with caplog.at_level("WARNING", logger="kvstore.transfer.auth"):
         auth.warn_if_open("tcp", host, secret)
@@ -296,8 +301,9 @@ def test_a_relay_that_rewrites_the_requests_tenant_gets_nothing_served(stores):
     page = torch.zeros(SMALL_PAGE_BYTES, dtype=torch.uint8)
     try:
         with contextlib.suppress(TransferError):
-            assert client.fetch(f"127.0.0.1:{listener.getsockname()[1]}", "tenA", [KEYS[0]],
-                                [page], 3.0) == [0]  # fmt: skip
+            assert client.fetch(
+                f"127.0.0.1:{listener.getsockname()[1]}", "tenA", [KEYS[0]], [page], 3.0
+            ) == [0]
     finally:
         listener.close()
         client.close()

@@ -165,8 +165,13 @@ def test_peers_stuck_in_the_handshake_cannot_take_the_authenticated_peers_slots(
     them taken the oldest handshake is dropped for a newcomer."""
     from tests.transfer.conftest import SECRET
 
-    server, address = serving(holder, cluster_secret=SECRET, max_handshakes=4,
-                              max_handshakes_per_peer=2, handshake_timeout_s=30)  # fmt: skip
+    server, address = serving(
+        holder,
+        cluster_secret=SECRET,
+        max_handshakes=4,
+        max_handshakes_per_peer=2,
+        handshake_timeout_s=30,
+    )
     client, reader = TcpEngine(cluster_secret=SECRET), new_store(PAGE_BYTES, 1)
     try:
         silent = [connect(address, source=f"127.0.0.{n}") for n in (2, 2, 2, 3, 3, 4)]

@@ -23,9 +23,11 @@ BOUNDS = {"handshake_timeout_s": 0.3, "batch_deadline_s": 0.3, "idle_timeout_s":
 @pytest.fixture(scope="module")
 def live():
     pair = Pair(
-        new_store(SMALL_PAGE_BYTES, 8), new_store(SMALL_PAGE_BYTES, 8),
-        TcpEngine(cluster_secret=SECRET, **BOUNDS), TcpEngine(cluster_secret=SECRET),
-    )  # fmt: skip
+        new_store(SMALL_PAGE_BYTES, 8),
+        new_store(SMALL_PAGE_BYTES, 8),
+        TcpEngine(cluster_secret=SECRET, **BOUNDS),
+        TcpEngine(cluster_secret=SECRET),
+    )
     pair.put(range(4))
     yield pair
     pair.server.close()
@@ -53,10 +55,13 @@ def requests() -> st.SearchStrategy[bytes]:
 
 
 chunks = st.lists(
-    st.binary(max_size=96) | heads() | requests() | st.builds(lambda h, t: h + t, heads(),
-                                                              st.binary(max_size=64)),
-    min_size=1, max_size=4,
-)  # fmt: skip
+    st.binary(max_size=96)
+    | heads()
+    | requests()
+    | st.builds(lambda h, t: h + t, heads(), st.binary(max_size=64)),
+    min_size=1,
+    max_size=4,
+)
 
 
 def exchange(address: str, handshake: str, payload: list[bytes]) -> None:
@@ -81,9 +86,11 @@ def exchange(address: str, handshake: str, payload: list[bytes]) -> None:
 
 
 @settings(
-    max_examples=60, deadline=3000, derandomize=True,
+    max_examples=60,
+    deadline=3000,
+    derandomize=True,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)  # fmt: skip
+)
 @given(handshake=st.sampled_from(["none", "garbled", "valid"]), payload=chunks)
 def test_garbage_never_breaks_the_server(live, handshake, payload):
     exchange(live.address, handshake, payload)

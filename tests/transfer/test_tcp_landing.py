@@ -24,8 +24,9 @@ from tests.transfer.conftest import KEYS, SECRET, SMALL_PAGE_BYTES, TENANT, Pair
 
 @pytest.fixture(params=[None, SECRET], ids=["open", "secret"])
 def tcp_pair(stores, request):
-    made = Pair(*stores, TcpEngine(cluster_secret=request.param),
-                TcpEngine(cluster_secret=request.param))  # fmt: skip
+    made = Pair(
+        *stores, TcpEngine(cluster_secret=request.param), TcpEngine(cluster_secret=request.param)
+    )
     yield made
     made.server.close()
     made.client.close()
@@ -33,7 +34,7 @@ def tcp_pair(stores, request):
 
 def test_the_reader_gets_each_payloads_xxh3_and_commits_without_hashing_again(
     tcp_pair, monkeypatch
-):  # fmt: skip
+):
     keys = tcp_pair.put(range(3))
     pages = [tcp_pair.reader.reserve_page(key) for key in keys]
     checksums = [None] * 3

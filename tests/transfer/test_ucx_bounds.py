@@ -50,9 +50,7 @@ os.kill(os.getpid(), signal.SIGSTOP)
 
 
 @pytest.mark.parametrize("secret", [None, SECRET], ids=["open", "secret"])
-def test_peers_over_the_caps_are_refused_and_the_admitted_ones_still_served(
-    make_ucx_pair, secret
-):  # fmt: skip
+def test_peers_over_the_caps_are_refused_and_the_admitted_ones_still_served(make_ucx_pair, secret):
     pair = make_ucx_pair(max_connections=2, max_connections_per_peer=1, cluster_secret=secret)
     keys = pair.put(range(2))
     assert pair.fetch(keys[:1]) == [SMALL_PAGE_BYTES]  # 127.0.0.1's one slot, kept pooled
@@ -87,15 +85,17 @@ def test_peers_over_the_caps_are_refused_and_the_admitted_ones_still_served(
 @pytest.mark.parametrize("secret", [None, SECRET], ids=["open", "secret"])
 def test_a_peer_stopped_mid_batch_is_cut_at_the_deadline_and_its_pins_released(
     make_ucx_pair, secret
-):  # fmt: skip
+):
     pair = make_ucx_pair(STALLED_PAGE_BYTES, 3, batch_deadline_s=0.5, cluster_secret=secret)
     holder = pair.holder
     for n in range(3):
         holder.put(KEYS[n], None, payload(n, STALLED_PAGE_BYTES - HEADER_BYTES))
     client = subprocess.Popen(
-        [sys.executable, "-c", STALLING_CLIENT, pair.address, repr(secret)], cwd=REPO_ROOT,
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [sys.executable, "-c", STALLING_CLIENT, pair.address, repr(secret)],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert client.stdout.readline() == "asked\n"
         until(lambda: holder.pins_held() > 0, within_s=3.0)  # sending block 0 (or 1) now
@@ -115,7 +115,7 @@ def test_a_peer_stopped_mid_batch_is_cut_at_the_deadline_and_its_pins_released(
 
 def test_an_accepted_peer_that_never_says_hello_is_dropped_at_the_handshake_deadline(
     make_ucx_pair,
-):  # fmt: skip
+):
     pair = make_ucx_pair(handshake_timeout_s=0.3)
     host, port = pair.address.rsplit(":", 1)
     silent = connect((host, int(port)))
@@ -129,9 +129,10 @@ def test_an_accepted_peer_that_never_says_hello_is_dropped_at_the_handshake_dead
 
 
 @pytest.mark.parametrize(
-    "hello", [struct.pack("<QI", 7, 52) + bytes(52), struct.pack("<QI", 7, 1 << 30)],
+    "hello",
+    [struct.pack("<QI", 7, 52) + bytes(52), struct.pack("<QI", 7, 1 << 30)],
     ids=["garbage-address", "huge-address"],
-)  # fmt: skip
+)
 def test_a_malformed_hello_drops_that_peer_and_the_service_keeps_serving(make_ucx_pair, hello):
     pair = make_ucx_pair()
     keys = pair.put([0])

@@ -241,9 +241,13 @@ def test_a_process_that_never_closes_its_engines_exits_with_a_clean_stdout():
     # UCXX_LOG_LEVEL=ERROR: the refused dial logs an error, which must not reach stdout
     environment |= {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "UCXX_LOG_LEVEL": "ERROR"}
     done = subprocess.run(
-        [sys.executable, "-c", EXIT_SCRIPT], cwd=REPO_ROOT, env=environment,
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [sys.executable, "-c", EXIT_SCRIPT],
+        cwd=REPO_ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
     assert done.returncode == 0, done.stderr
     assert done.stdout == "done\n"  # UCX's and UCXX's logs went to stderr
@@ -279,9 +283,12 @@ def test_the_gate_and_ucx_listen_on_the_configured_host_only(make_ucx_pair):
 def test_serving_picks_the_interface_that_owns_the_host_for_ucx():
     environment = {name: value for name, value in os.environ.items() if name != "UCX_NET_DEVICES"}
     server = subprocess.Popen(
-        [sys.executable, "-c", LISTEN_SCRIPT], cwd=REPO_ROOT, env=environment,
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [sys.executable, "-c", LISTEN_SCRIPT],
+        cwd=REPO_ROOT,
+        env=environment,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         address = server.stdout.readline().strip()
         listening = listening_sockets(server.pid)
@@ -421,9 +428,11 @@ def test_a_fetch_whose_loop_is_wedged_returns_only_once_no_receive_can_land(monk
     completes receives: fetch must not return while one is posted into a page."""
     monkeypatch.setattr(ucx, "_GRACE_S", 0.2)
     holder = subprocess.Popen(
-        [sys.executable, "-c", SLOW_HOLDER_SCRIPT], cwd=REPO_ROOT, stdout=subprocess.PIPE,
+        [sys.executable, "-c", SLOW_HOLDER_SCRIPT],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
         text=True,
-    )  # fmt: skip
+    )
     client = UcxEngine(**LOOPBACK)
     try:
         address = holder.stdout.readline().strip()
@@ -479,7 +488,13 @@ def test_a_foreign_ucx_address_is_refused_and_the_holder_lives():
     (address.c: Assertion `*addr_version == UCP_OBJECT_VERSION_V2'); it is refused now,
     before UCX parses it, and random addresses of the right version are refused by UCX."""
     env = {**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n", "PYTHONPATH": REPO_ROOT}
-    done = subprocess.run([sys.executable, "-c", FOREIGN_ADDRESS_SCRIPT], capture_output=True,
-                          text=True, timeout=120, env=env, cwd=REPO_ROOT)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", FOREIGN_ADDRESS_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=REPO_ROOT,
+    )
     assert done.returncode == 0 and "SURVIVED" in done.stdout, done.stderr[-2000:]
     assert "this UCX packs version" in done.stderr

@@ -15,8 +15,12 @@ def build_tiny_lora(model_dir: Path, directory: Path, seed: int, rank: int = 8) 
 
     torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
-    config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
-                        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])  # fmt: skip
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=2 * rank,
+        lora_dropout=0.0,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+    )
     model = get_peft_model(base, config)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -26,8 +26,9 @@ class DelayProxy:
                 return
             server = socket.create_connection(self.target)
             threading.Thread(target=self._pump, args=(client, server, 0.0), daemon=True).start()
-            threading.Thread(target=self._pump, args=(server, client, self.delay_s),
-                             daemon=True).start()  # fmt: skip
+            threading.Thread(
+                target=self._pump, args=(server, client, self.delay_s), daemon=True
+            ).start()
 
     @staticmethod
     def _pump(source: socket.socket, sink: socket.socket, delay_s: float) -> None:

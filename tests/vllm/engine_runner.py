@@ -16,9 +16,12 @@ import sys
 from pathlib import Path
 
 os.environ.update(
-    VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
-    TOKENIZERS_PARALLELISM="false", VLLM_LOGGING_LEVEL="WARNING",
-)  # fmt: skip
+    VLLM_TARGET_DEVICE="cpu",
+    HF_HUB_OFFLINE="1",
+    VLLM_ENABLE_V1_MULTIPROCESSING="0",
+    TOKENIZERS_PARALLELISM="false",
+    VLLM_LOGGING_LEVEL="WARNING",
+)
 MARK = "KVSTORE-RESULT "  # vLLM logs to stdout too: results are the lines with this mark
 
 
@@ -28,20 +31,37 @@ def build_llm(args):
 
     transfer = None
     if args.socket:
-        extra = {"socket_path": args.socket, "chunk_tokens": args.chunk_tokens,
-                 "load_timeout_s": 5.0, "codec": args.codec, "key_scheme": args.key_scheme,
-                 "head_group_size": args.head_group_size,
-                 **json.loads(args.extra_config)}  # fmt: skip
+        extra = {
+            "socket_path": args.socket,
+            "chunk_tokens": args.chunk_tokens,
+            "load_timeout_s": 5.0,
+            "codec": args.codec,
+            "key_scheme": args.key_scheme,
+            "head_group_size": args.head_group_size,
+            **json.loads(args.extra_config),
+        }
         transfer = KVTransferConfig(
-            kv_connector="KVStoreConnector", kv_connector_module_path="connectors.vllm.connector",
-            kv_role="kv_both", kv_connector_extra_config=extra, kv_load_failure_policy="recompute",
-        )  # fmt: skip
+            kv_connector="KVStoreConnector",
+            kv_connector_module_path="connectors.vllm.connector",
+            kv_role="kv_both",
+            kv_connector_extra_config=extra,
+            kv_load_failure_policy="recompute",
+        )
     return LLM(
-        model=args.model, tokenizer=args.model, dtype=args.dtype, enforce_eager=True,
-        gpu_memory_utilization=0.2, kv_cache_memory_bytes=64 << 20, block_size=args.block_size,
-        kv_transfer_config=transfer, seed=0, disable_log_stats=not args.metrics,
-        **lora_options(args), **batch_options(args), **events_options(args),
-    )  # fmt: skip
+        model=args.model,
+        tokenizer=args.model,
+        dtype=args.dtype,
+        enforce_eager=True,
+        gpu_memory_utilization=0.2,
+        kv_cache_memory_bytes=64 << 20,
+        block_size=args.block_size,
+        kv_transfer_config=transfer,
+        seed=0,
+        disable_log_stats=not args.metrics,
+        **lora_options(args),
+        **batch_options(args),
+        **events_options(args),
+    )
 
 
 def lora_options(args) -> dict:
@@ -88,10 +108,14 @@ def connector_stats(llm) -> dict:
     except Exception:  # no connector configured
         return {}
     bypassed = {f"bypassed_{reason}": n for reason, n in scheduler.bypassed.items()}
-    return {**worker.stats, **scheduler.stats, **bypassed,
-            "longest_match_s": scheduler.longest_match_s,
-            "cache_group_windows": list(scheduler.groups.windows),
-            "requires_kv_delivery": vllm_scheduler.requires_kv_delivery}  # fmt: skip
+    return {
+        **worker.stats,
+        **scheduler.stats,
+        **bypassed,
+        "longest_match_s": scheduler.longest_match_s,
+        "cache_group_windows": list(scheduler.groups.windows),
+        "requires_kv_delivery": vllm_scheduler.requires_kv_delivery,
+    }
 
 
 def vllm_metrics(llm) -> dict:
@@ -124,8 +148,13 @@ def dump_kv(llm, prompt: list[int], path: str) -> None:
     from kvstore.kvcopy.paged import kv_views
 
     core = llm.llm_engine.engine_core.engine_core
-    request = Request("kv-dump", prompt, SamplingParams(max_tokens=1), None,
-                      block_hasher=core.request_block_hasher)  # fmt: skip
+    request = Request(
+        "kv-dump",
+        prompt,
+        SamplingParams(max_tokens=1),
+        None,
+        block_hasher=core.request_block_hasher,
+    )
     blocks, tokens = core.scheduler.kv_cache_manager.get_computed_blocks(request)[:2]
     ids = list(blocks.get_block_ids()[0])
     worker = get_kv_transfer_group().worker
@@ -169,8 +198,10 @@ def main() -> None:
             sys.stdin.readline()
         llm.reset_prefix_cache()  # only the connector may supply a hit
         output = llm.generate(prompt, params, lora_request=lora, use_tqdm=False)[0]
-        result = {"tokens": list(output.outputs[0].token_ids),
-                  "num_cached_tokens": output.num_cached_tokens}  # fmt: skip
+        result = {
+            "tokens": list(output.outputs[0].token_ids),
+            "num_cached_tokens": output.num_cached_tokens,
+        }
         print(MARK + json.dumps(result), flush=True)
     if args.dump_kv:
         dump_kv(llm, json.loads(Path(args.prompts).read_text())[0], args.dump_kv)

@@ -19,23 +19,37 @@ ENV = {"UCX_WARN_UNUSED_ENV_VARS": "n", "VLLM_LOGGING_LEVEL": "WARNING"}
 
 
 def engine_command(model: Path, prompts_file: Path, socket: Path | None, *extra: str) -> list[str]:
-    command = [sys.executable, "-m", "tests.vllm.engine_runner", "--model", str(model),
-               "--prompts", str(prompts_file), "--chunk-tokens", str(CHUNK_TOKENS),
-               *extra]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "tests.vllm.engine_runner",
+        "--model",
+        str(model),
+        "--prompts",
+        str(prompts_file),
+        "--chunk-tokens",
+        str(CHUNK_TOKENS),
+        *extra,
+    ]
     if socket is not None:
         command += ["--socket", str(socket)]
     return command
 
 
-def run_engine(tmp_path: Path, model: Path, prompts: list[list[int]], socket: Path | None = None,
-               *extra: str) -> tuple[list[dict], dict]:  # fmt: skip
+def run_engine(
+    tmp_path: Path, model: Path, prompts: list[list[int]], socket: Path | None = None, *extra: str
+) -> tuple[list[dict], dict]:
     """Generate for each prompt in a fresh engine process: (per-prompt results, connector stats)."""
     prompts_file = tmp_path / f"prompts-{os.urandom(4).hex()}.json"
     prompts_file.write_text(json.dumps(prompts))
     completed = subprocess.run(
-        engine_command(model, prompts_file, socket, *extra), capture_output=True, text=True,
-        timeout=600, env={**os.environ, **ENV}, cwd=Path(__file__).parents[2],
-    )  # fmt: skip
+        engine_command(model, prompts_file, socket, *extra),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **ENV},
+        cwd=Path(__file__).parents[2],
+    )
     assert completed.returncode == 0, completed.stderr[-4000:]
     return parse(completed.stdout)
 
@@ -52,10 +66,14 @@ def start_engine(tmp_path: Path, model: Path, prompts, socket: Path) -> subproce
     prompts_file = tmp_path / f"prompts-{os.urandom(4).hex()}.json"
     prompts_file.write_text(json.dumps(prompts))
     return subprocess.Popen(
-        engine_command(model, prompts_file, socket, "--pause"), stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-        env={**os.environ, **ENV}, cwd=Path(__file__).parents[2],
-    )  # fmt: skip
+        engine_command(model, prompts_file, socket, "--pause"),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, **ENV},
+        cwd=Path(__file__).parents[2],
+    )
 
 
 def next_result(process: subprocess.Popen) -> dict:

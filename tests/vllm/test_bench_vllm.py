@@ -10,15 +10,35 @@ import sys
 
 def test_vllm_benchmark_reports_ttft_and_speedups():
     completed = subprocess.run(
-        [sys.executable, "-m", "kvstore", "bench", "vllm", "--runs", "1",
-         "--prompt-tokens", "1024", "--json"],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "kvstore",
+            "bench",
+            "vllm",
+            "--runs",
+            "1",
+            "--prompt-tokens",
+            "1024",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert completed.returncode == 0, completed.stderr[-3000:]
     result = json.loads(completed.stdout)  # exactly one JSON object: vLLM's logs go to stderr
-    for field in ("ttft_cold_s", "ttft_cached50_s", "ttft_cached90_s", "speedup50", "speedup90",
-                  "ttft_cold_no_connector_s", "ttft_cached90_engine_s",
-                  "speedup90_limit", "ttft_cold_paired_s"):  # fmt: skip
+    for field in (
+        "ttft_cold_s",
+        "ttft_cached50_s",
+        "ttft_cached90_s",
+        "speedup50",
+        "speedup90",
+        "ttft_cold_no_connector_s",
+        "ttft_cached90_engine_s",
+        "speedup90_limit",
+        "ttft_cold_paired_s",
+    ):
         assert math.isfinite(result[field]) and result[field] > 0, field
     assert math.isfinite(result["save_overhead"])
     assert result["cached_tokens_cold"] == 0

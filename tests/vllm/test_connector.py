@@ -15,7 +15,7 @@ from tests.vllm.engines import (
     next_result,
     run_engine,
     start_engine,
-)  # fmt: skip
+)
 from tests.vllm.stored import alter, stored_chain
 
 AGENT = {"host_capacity_bytes": 64 << 20, "page_size_bytes": 256 << 10}
@@ -79,8 +79,9 @@ def test_no_agent_means_recompute_with_the_same_answer(tmp_path, baselines, tiny
 
 
 def test_an_agent_killed_mid_run_costs_recomputes_not_answers(tmp_path, baselines, tiny_llama_fp32):
-    agent, socket = start_node_process(tmp_path, "doomed", "--transfer", "none",
-                                       "--page-size-bytes", str(256 << 10))  # fmt: skip
+    agent, socket = start_node_process(
+        tmp_path, "doomed", "--transfer", "none", "--page-size-bytes", str(256 << 10)
+    )
     engine = start_engine(tmp_path, tiny_llama_fp32, [PROMPT_A, PROMPT_B], socket)
     try:
         first = next_result(engine)

@@ -24,10 +24,18 @@ def two_hosts(tmp_path):
     nodes = []
     try:
         for name in ("host-1", "host-2"):
-            nodes.append(start_node_process(
-                tmp_path, name, "--metadata-address", address, "--transfer", "tcp",
-                "--page-size-bytes", str(256 << 10),
-            ))  # fmt: skip
+            nodes.append(
+                start_node_process(
+                    tmp_path,
+                    name,
+                    "--metadata-address",
+                    address,
+                    "--transfer",
+                    "tcp",
+                    "--page-size-bytes",
+                    str(256 << 10),
+                )
+            )
         yield address, [socket for _, socket in nodes]
     finally:
         for process in [node for node, _ in nodes] + [metadata]:
@@ -60,19 +68,44 @@ def test_two_engines_on_two_hosts_share_a_prefix(tmp_path, two_hosts, baselines,
 
 def start_api_server(model, socket, port: int, log) -> subprocess.Popen:
     transfer = {
-        "kv_connector": "KVStoreConnector", "kv_connector_module_path": "connectors.vllm.connector",
-        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+        "kv_connector": "KVStoreConnector",
+        "kv_connector_module_path": "connectors.vllm.connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"socket_path": str(socket), "chunk_tokens": CHUNK_TOKENS},
-    }  # fmt: skip
+    }
     command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-        "--tokenizer", str(model), "--dtype", "float32", "--enforce-eager", "--block-size", "32",
-        "--gpu-memory-utilization", "0.2", "--kv-cache-memory-bytes", str(64 << 20),
-        "--host", "127.0.0.1", "--port", str(port), "--kv-transfer-config", json.dumps(transfer),
-        "--served-model-name", "tiny",
-    ]  # fmt: skip
-    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1",
-           "UCX_WARN_UNUSED_ENV_VARS": "n"}  # fmt: skip
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--tokenizer",
+        str(model),
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--block-size",
+        "32",
+        "--gpu-memory-utilization",
+        "0.2",
+        "--kv-cache-memory-bytes",
+        str(64 << 20),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--kv-transfer-config",
+        json.dumps(transfer),
+        "--served-model-name",
+        "tiny",
+    ]
+    env = {
+        **os.environ,
+        "VLLM_TARGET_DEVICE": "cpu",
+        "HF_HUB_OFFLINE": "1",
+        "UCX_WARN_UNUSED_ENV_VARS": "n",
+    }
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
@@ -89,8 +122,15 @@ def wait_healthy(port: int, process, timeout_s: float = 240) -> None:
 
 
 def complete(port: int, prompt: list[int]) -> list[int]:
-    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0,
-                       "return_token_ids": True}).encode()  # fmt: skip
+    body = json.dumps(
+        {
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": 8,
+            "temperature": 0,
+            "return_token_ids": True,
+        }
+    ).encode()
     request = urllib.request.Request(
         f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"}
     )
@@ -138,9 +178,11 @@ def test_two_openai_servers_share_a_prefix_over_http(
             assert complete(ports[1], PROMPT_B) == baselines["float32"][1]
             assert agent_stats(socket_2)["requests"]["load_remote"] == SHARED_CHUNKS
             shared_tokens = SHARED_CHUNKS * CHUNK_TOKENS
-            expected = {"vllm:kvstore_hit_tokens_total": shared_tokens,
-                        'vllm:prompt_tokens_cached_by_source_total{source="p2p"}': shared_tokens,
-                        "vllm:kvstore_loaded_blocks_total": SHARED_CHUNKS}  # fmt: skip
+            expected = {
+                "vllm:kvstore_hit_tokens_total": shared_tokens,
+                'vllm:prompt_tokens_cached_by_source_total{source="p2p"}': shared_tokens,
+                "vllm:kvstore_loaded_blocks_total": SHARED_CHUNKS,
+            }
             assert wait_until(lambda: metrics(ports[1], expected) == expected, 10), metrics(
                 ports[1], expected
             )

@@ -51,8 +51,11 @@ def transformers_kv(model_dir, tokens: list[int]) -> torch.Tensor:
         cache = model(torch.tensor([tokens]), use_cache=True).past_key_values
     layers = []
     for layer in range(model.config.num_hidden_layers):
-        keys, values = (cache.layers[layer].keys, cache.layers[layer].values) if hasattr(
-            cache, "layers") else cache[layer]  # fmt: skip
+        keys, values = (
+            (cache.layers[layer].keys, cache.layers[layer].values)
+            if hasattr(cache, "layers")
+            else cache[layer]
+        )
         layers.append(torch.stack([keys[0], values[0]]).transpose(1, 2))
     return torch.stack(layers)
 
@@ -62,15 +65,15 @@ def test_a_sglang_loads_the_pages_vllm_prefilled(tmp_path, tiny_llama_fp32, reco
     with running_agent(tmp_path, **AGENT) as agent:
         dump = tmp_path / "vllm-kv.pt"
         options = (*SCHEME, "--head-group-size", "1", "--dump-kv", str(dump))
-        _, saved = run_engine(tmp_path, tiny_llama_fp32, [prompt], agent.config.socket_path,
-                              *options)  # fmt: skip
+        _, saved = run_engine(
+            tmp_path, tiny_llama_fp32, [prompt], agent.config.socket_path, *options
+        )
         assert saved["saved_blocks"] == PAGES * 2, "one block per kv head of each page"
         held = torch.load(dump)
         vllm_kv = held["kv"][:, :, : PAGES * PAGE_TOKENS]
         assert held["tokens"] >= PAGES * PAGE_TOKENS
 
-        pool, backend = sglang_backend(agent.config.socket_path, tiny_llama_fp32,
-                                       head_group_size=1)  # fmt: skip
+        pool, backend = sglang_backend(agent.config.socket_path, tiny_llama_fp32, head_group_size=1)
         keys = sglang_keys(prompt)
         assert backend.batch_exists(keys) == PAGES
         indices = torch.arange(PAGE_TOKENS, (PAGES + 1) * PAGE_TOKENS)
@@ -100,8 +103,9 @@ def test_b_vllm_answers_from_pages_sglang_stored(
         assert stored_bytes == kv.numel() * 4
         backend.close()
 
-        results, stats = run_engine(tmp_path, tiny_llama_fp32, [prompt],
-                                    agent.config.socket_path, *SCHEME)  # fmt: skip
+        results, stats = run_engine(
+            tmp_path, tiny_llama_fp32, [prompt], agent.config.socket_path, *SCHEME
+        )
         assert results[0]["num_cached_tokens"] == PAGES * PAGE_TOKENS
         assert stats["loaded_blocks"] == PAGES and stats["load_failures"] == 0
         assert results[0]["tokens"] == baselines["float32"][0], "the same greedy tokens"

@@ -32,8 +32,9 @@ def engine(model_dir, tp_size: int, tp_rank: int, head_group_size: int = 1) -> E
     """What engine_kv derives for one rank with key_scheme sglang on the CPU ('vec' ISA)."""
     groups = head_groups(HEADS, tp_size, tp_rank, head_group_size)
     layout = KVLayout(LAYERS, groups.group_heads, HEAD_DIM, "float32", CHUNK)
-    namespace = shared_namespace(model_fingerprint(model_dir), layout, HEADS, (0, LAYERS),
-                                 "default", "")  # fmt: skip
+    namespace = shared_namespace(
+        model_fingerprint(model_dir), layout, HEADS, (0, LAYERS), "default", ""
+    )
     every = head_groups(HEADS, 1, 0, groups.group_heads)
     return EngineKV(layout, namespace, BLOCK, groups, every, "sglang", "vec")
 
@@ -56,9 +57,17 @@ def caches_written_by_vllm(kv: torch.Tensor, heads: slice) -> dict[str, torch.Te
         key_cache, value_cache = cache.view(NUM_BLOCKS, key.shape[1], 2 * BLOCK, HEAD_DIM).chunk(
             2, dim=2
         )
-        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache,
-                                       torch.arange(key.shape[0]), "vec", k_scale=1.0,
-                                       v_scale=1.0, kv_cache_dtype="auto")  # fmt: skip
+        ops.cpu_attn_reshape_and_cache(
+            key,
+            value,
+            key_cache,
+            value_cache,
+            torch.arange(key.shape[0]),
+            "vec",
+            k_scale=1.0,
+            v_scale=1.0,
+            kv_cache_dtype="auto",
+        )
         caches[f"model.layers.{layer}.self_attn.attn"] = cache
     return caches
 
@@ -117,28 +126,43 @@ def test_tp2_halves_write_what_tp1_reads_and_a_tp1_writer_stores(tmp_path, model
     halves = [slice(0, 1), slice(1, 2)]
     target = list(range(NUM_BLOCKS // 2, NUM_BLOCKS))
     with running_agent(tmp_path, "tp2", **AGENT) as tp2_agent:
-        ranks = [worker(tp2_agent.config.socket_path, engine(model_dir, 2, r),
-                        caches_written_by_vllm(kv, halves[r])) for r in range(2)]  # fmt: skip
+        ranks = [
+            worker(
+                tp2_agent.config.socket_path,
+                engine(model_dir, 2, r),
+                caches_written_by_vllm(kv, halves[r]),
+            )
+            for r in range(2)
+        ]
         for rank in ranks:
             save_prompt(rank, rank.kv_caches)
         assert [r.stats["saved_blocks"] for r in ranks] == [CHUNKS, CHUNKS]
 
-        reader = worker(tp2_agent.config.socket_path, engine(model_dir, 1, 0),
-                        caches_written_by_vllm(torch.zeros_like(kv), slice(0, HEADS)))  # fmt: skip
+        reader = worker(
+            tp2_agent.config.socket_path,
+            engine(model_dir, 1, 0),
+            caches_written_by_vllm(torch.zeros_like(kv), slice(0, HEADS)),
+        )
         load_prompt(reader, target)
         assert reader.stats["loaded_blocks"] == CHUNKS * HEADS
         assert torch.equal(held_kv(reader.kv_caches, target), kv), "TP=1 holds the model's K/V"
         from_tp2 = stored(tp2_agent)
 
     with running_agent(tmp_path, "tp1", **AGENT) as tp1_agent:
-        writer = worker(tp1_agent.config.socket_path, engine(model_dir, 1, 0),
-                        caches_written_by_vllm(kv, slice(0, HEADS)))  # fmt: skip
+        writer = worker(
+            tp1_agent.config.socket_path,
+            engine(model_dir, 1, 0),
+            caches_written_by_vllm(kv, slice(0, HEADS)),
+        )
         save_prompt(writer, writer.kv_caches)
         assert stored(tp1_agent) == from_tp2, "the same keys and bytes, whoever wrote them"
 
         for rank, heads in enumerate(halves):  # and the reverse: TP=2 ranks read TP=1's blocks
-            side = worker(tp1_agent.config.socket_path, engine(model_dir, 2, rank),
-                          caches_written_by_vllm(torch.zeros_like(kv), heads))  # fmt: skip
+            side = worker(
+                tp1_agent.config.socket_path,
+                engine(model_dir, 2, rank),
+                caches_written_by_vllm(torch.zeros_like(kv), heads),
+            )
             load_prompt(side, target)
             assert torch.equal(held_kv(side.kv_caches, target), kv[:, :, :, heads])
             side.close()
@@ -153,14 +177,19 @@ def test_sglang_tp1_reads_the_tp2_halves_vllm_wrote(tmp_path, model_dir):
     kv = model_kv()
     with running_agent(tmp_path, **AGENT) as agent:
         for rank, heads in enumerate((slice(0, 1), slice(1, 2))):
-            side = worker(agent.config.socket_path, engine(model_dir, 2, rank),
-                          caches_written_by_vllm(kv, heads))  # fmt: skip
+            side = worker(
+                agent.config.socket_path,
+                engine(model_dir, 2, rank),
+                caches_written_by_vllm(kv, heads),
+            )
             save_prompt(side, side.kv_caches)
             side.close()
-        pool = host_pool("page_first_direct", CHUNKS + 1, LAYERS, HEADS, HEAD_DIM, CHUNK,
-                         dtype=torch.float32)  # fmt: skip
-        backend = backend_for(agent.config.socket_path, pool, model_path=str(model_dir),
-                              head_group_size=1)  # fmt: skip
+        pool = host_pool(
+            "page_first_direct", CHUNKS + 1, LAYERS, HEADS, HEAD_DIM, CHUNK, dtype=torch.float32
+        )
+        backend = backend_for(
+            agent.config.socket_path, pool, model_path=str(model_dir), head_group_size=1
+        )
         keys = [k.decode() for k in CHAIN]
         assert backend.batch_exists(keys) == CHUNKS
         indices = torch.arange(CHUNK, (CHUNKS + 1) * CHUNK)

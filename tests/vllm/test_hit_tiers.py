@@ -29,8 +29,13 @@ def test_hit_tokens_split_by_the_chunks_they_fall_in():
 
 def test_disk_hits_are_counted_as_disk_by_vllm(tmp_path, tiny_llama_fp32, baselines):
     with running_agent(tmp_path, disk_dir=tmp_path / "disk", **AGENT) as agent:
-        results, stats = run_engine(tmp_path, tiny_llama_fp32, [PROMPT_A, *FILLERS, PROMPT_B],
-                                    agent.config.socket_path, "--metrics")  # fmt: skip
+        results, stats = run_engine(
+            tmp_path,
+            tiny_llama_fp32,
+            [PROMPT_A, *FILLERS, PROMPT_B],
+            agent.config.socket_path,
+            "--metrics",
+        )
     shared_tokens = SHARED_CHUNKS * CHUNK_TOKENS
     assert results[0]["tokens"] == baselines["float32"][0]
     assert results[-1]["tokens"] == baselines["float32"][1]

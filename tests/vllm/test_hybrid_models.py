@@ -17,7 +17,7 @@ from vllm.v1.kv_cache_interface import (
     MambaSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
-)  # fmt: skip
+)
 
 from connectors.vllm import compat
 from kvstore.errors import ConfigError
@@ -30,7 +30,7 @@ from tests.vllm.engines import (
     SHARED_CHUNKS,
     engine_command,
     run_engine,
-)  # fmt: skip
+)
 from tests.vllm.stored import alter, stored_chain
 
 AGENT = {"host_capacity_bytes": 64 << 20, "page_size_bytes": 512 << 10}  # 4 layers a chunk
@@ -42,8 +42,9 @@ BLOCK_TOKENS = 32  # the runner's vLLM block size
 def tiny_gemma2(tmp_path_factory):
     from kvstore.bench.tiny_hybrid import build_tiny_gemma2
 
-    return build_tiny_gemma2(tmp_path_factory.mktemp("tiny-gemma2"),
-                             sliding_window_tokens=WINDOW_TOKENS)  # fmt: skip
+    return build_tiny_gemma2(
+        tmp_path_factory.mktemp("tiny-gemma2"), sliding_window_tokens=WINDOW_TOKENS
+    )
 
 
 def test_a_sliding_window_model_shares_prefixes_with_the_hybrid_manager_on(tmp_path, tiny_gemma2):
@@ -79,8 +80,9 @@ def test_a_failed_load_of_a_hybrid_model_is_recomputed_and_the_engine_serves_on(
     with running_agent(tmp_path, **AGENT) as agent:
         run_engine(tmp_path, tiny_gemma2, [PROMPT_A], agent.config.socket_path)
         alter(agent, stored_chain(agent)[1], reseal=False)  # chunk 1: a checksum mismatch
-        results, stats = run_engine(tmp_path, tiny_gemma2, [PROMPT_B, PROMPT_B],
-                                    agent.config.socket_path)  # fmt: skip
+        results, stats = run_engine(
+            tmp_path, tiny_gemma2, [PROMPT_B, PROMPT_B], agent.config.socket_path
+        )
         assert agent.store.checksum_failures == 1
     assert [r["tokens"] for r in results] == [b["tokens"] for b in baseline]
     # the repeat loads the shared chunks and the tail the first PROMPT_B saved
@@ -94,21 +96,25 @@ def test_a_failed_load_of_a_hybrid_model_is_recomputed_and_the_engine_serves_on(
 
 
 def _config(*specs) -> KVCacheConfig:
-    groups = [KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn"], spec)
-              for i, spec in enumerate(specs)]  # fmt: skip
+    groups = [
+        KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn"], spec) for i, spec in enumerate(specs)
+    ]
     return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
 
 
 FULL = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
-WINDOWED = SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32,
-                             sliding_window=WINDOW_TOKENS)  # fmt: skip
+WINDOWED = SlidingWindowSpec(
+    block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=WINDOW_TOKENS
+)
 
 
 def test_full_and_sliding_window_groups_are_served():
     groups = compat.cache_groups(_config(FULL, WINDOWED), block_size=32)
     assert groups.windows == (None, WINDOW_TOKENS)
-    assert groups.of_layer == {"model.layers.0.self_attn.attn": 0,
-                               "model.layers.1.self_attn.attn": 1}  # fmt: skip
+    assert groups.of_layer == {
+        "model.layers.0.self_attn.attn": 0,
+        "model.layers.1.self_attn.attn": 1,
+    }
 
 
 def test_mamba_state_is_refused_at_start_naming_it():
@@ -127,9 +133,13 @@ def test_an_engine_serving_a_mamba_model_is_refused_at_start(tmp_path):
     prompts = tmp_path / "prompts.json"
     prompts.write_text(str([PROMPT_A]))
     completed = subprocess.run(
-        engine_command(model, prompts, tmp_path / "no-agent.sock"), capture_output=True,
-        text=True, timeout=600, env={**os.environ, **ENV}, cwd=Path(__file__).parents[2],
-    )  # fmt: skip
+        engine_command(model, prompts, tmp_path / "no-agent.sock"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **ENV},
+        cwd=Path(__file__).parents[2],
+    )
     assert completed.returncode != 0
     assert "does not support state-space (Mamba) layers" in completed.stderr
     assert "KVSTORE-RESULT" not in completed.stdout
@@ -151,8 +161,9 @@ def test_chunks_whose_window_blocks_vllm_freed_mid_prefill_are_not_saved(tmp_pat
     baseline, _ = run_engine(tmp_path, tiny_gemma2, [PROMPT_A, PROMPT_B])
     with running_agent(tmp_path, **AGENT) as agent:
         socket = agent.config.socket_path
-        cold, saved = run_engine(tmp_path, tiny_gemma2, [PROMPT_A], socket,
-                                 "--max-num-batched-tokens", "240")  # fmt: skip
+        cold, saved = run_engine(
+            tmp_path, tiny_gemma2, [PROMPT_A], socket, "--max-num-batched-tokens", "240"
+        )
         assert saved["saved_blocks"] == 1 and saved["saves_out_of_window"] == 1
         assert cold[0]["tokens"] == baseline[0]["tokens"]
         hit, loaded = run_engine(tmp_path, tiny_gemma2, [PROMPT_B], socket)

@@ -34,8 +34,11 @@ def test_a_salted_prefix_is_shared_only_under_the_same_salt(tmp_path, tiny_llama
 
 def test_a_lora_prefix_is_shared_only_with_the_same_adapter(tmp_path, tiny_llama_fp32):
     adapters = [str(build_tiny_lora(tiny_llama_fp32, tmp_path / f"lora{s}", s)) for s in (1, 2)]
-    with_lora = [{"prompt_token_ids": PROMPT_B, "lora": adapters[0]},
-                 {"prompt_token_ids": PROMPT_B, "lora": adapters[1]}, PROMPT_B]  # fmt: skip
+    with_lora = [
+        {"prompt_token_ids": PROMPT_B, "lora": adapters[0]},
+        {"prompt_token_ids": PROMPT_B, "lora": adapters[1]},
+        PROMPT_B,
+    ]
     expected, _ = run_engine(tmp_path, tiny_llama_fp32, with_lora, None, "--lora")
     assert len({tuple(r["tokens"]) for r in expected}) == 3, "each adapter changes the answer"
     with running_agent(tmp_path, **AGENT) as agent:

@@ -37,8 +37,12 @@ def host(tmp_path):
     that the host evicts to (write-back)."""
     with running_server(tmp_path, backend="memory") as server:
         address = f"127.0.0.1:{server.port}"
-        arena = {"host_capacity_bytes": 6 * PAGE, "page_size_bytes": PAGE,
-                 "disk_dir": tmp_path / "disk", "disk_capacity_bytes": 64 << 20}  # fmt: skip
+        arena = {
+            "host_capacity_bytes": 6 * PAGE,
+            "page_size_bytes": PAGE,
+            "disk_dir": tmp_path / "disk",
+            "disk_capacity_bytes": 64 << 20,
+        }
         with running_agent(tmp_path, "host-1", metadata_address=address, **arena) as agent:
             yield server, agent
 
@@ -70,11 +74,25 @@ def start(tmp_path, model, socket, events_port: int, metadata: str) -> subproces
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps([SERVED_A, PROMPT_C, PROMPT_D]))
     extra = json.dumps({"events_metadata_address": metadata})
-    command = engine_command(model, prompts, socket, "--pause", "--kv-events",
-                             f"tcp://*:{events_port}", "--extra-config", extra)  # fmt: skip
-    return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, env={**os.environ, **ENV},
-                            cwd=Path(__file__).parents[2])  # fmt: skip
+    command = engine_command(
+        model,
+        prompts,
+        socket,
+        "--pause",
+        "--kv-events",
+        f"tcp://*:{events_port}",
+        "--extra-config",
+        extra,
+    )
+    return subprocess.Popen(
+        command,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, **ENV},
+        cwd=Path(__file__).parents[2],
+    )
 
 
 def dynamo_score(events, prompt) -> int:
@@ -87,8 +105,10 @@ def dynamo_score(events, prompt) -> int:
     for event_id, event in enumerate(events):
         if hasattr(event, "token_ids"):
             local = compute_block_hash_for_seq(event.token_ids, event.block_size)
-            blocks = [{"block_hash": h, "tokens_hash": t}
-                      for h, t in zip(event.block_hashes, local, strict=True)]  # fmt: skip
+            blocks = [
+                {"block_hash": h, "tokens_hash": t}
+                for h, t in zip(event.block_hashes, local, strict=True)
+            ]
             data = {"stored": {"parent_hash": event.parent_block_hash, "blocks": blocks}}
         else:
             data = {"removed": {"block_hashes": event.block_hashes}}
@@ -129,8 +149,13 @@ def tracker_and_request(workers: int = 1, max_chunks: int = 16):
 
     init_none_hash(sha256)
     kv = EngineKV(KVLayout(2, 2, 32, "float32", CHUNK_TOKENS), Namespace("m", "l"), BLOCK)
-    request = Request("r", PROMPT_A, SamplingParams(max_tokens=1), None,
-                      block_hasher=get_request_block_hasher(BLOCK, sha256))  # fmt: skip
+    request = Request(
+        "r",
+        PROMPT_A,
+        SamplingParams(max_tokens=1),
+        None,
+        block_hasher=get_request_block_hasher(BLOCK, sha256),
+    )
     tracker = KVEventTracker(kv, BLOCK, BLOCK, workers, EventLimits(max_chunks=max_chunks))
     keys = chunk_keys(kv.namespace, PROMPT_A, CHUNK_TOKENS)
     tracker.seen(request)
@@ -175,7 +200,9 @@ def test_node_events_move_chunks_between_media_and_losses_retract_them(vllm_inpr
     tracker.apply("removed", "t", block_key, "host-2", "disk")  # another node's: not ours
     moved = list(tracker.take())
     assert [(type(e), e.medium) for e in moved] == [
-        (BlockStored, MEDIUM_STORAGE), (BlockRemoved, MEDIUM_CPU)]  # fmt: skip
+        (BlockStored, MEDIUM_STORAGE),
+        (BlockRemoved, MEDIUM_CPU),
+    ]
     tracker.resync()  # events were lost: whatever is announced is retracted
     retracted = list(tracker.take())
     assert {(e.medium, e.block_hashes[0]) for e in retracted} == {
@@ -195,15 +222,20 @@ def test_stored_and_evicted_chunks_reach_vllms_publisher(
     context = zmq.Context()
     port = free_port()
     subscriber = Subscriber(context, port)
-    engine = start(tmp_path, tiny_llama_fp32, agent.config.socket_path, port,
-                   f"127.0.0.1:{server.port}")  # fmt: skip
+    engine = start(
+        tmp_path, tiny_llama_fp32, agent.config.socket_path, port, f"127.0.0.1:{server.port}"
+    )
     try:
         next_result(engine)  # SERVED_A: its 4 chunks saved
         assert next_result(engine) == {"paused": 1}
         assert subscriber.receive(lambda: len(subscriber.of(BlockStored, MEDIUM_CPU)) >= 4)
         ours = subscriber.of(BlockStored, MEDIUM_CPU)
-        vllms = [h for e in subscriber.events if isinstance(e, BlockStored)
-                 and e.medium != MEDIUM_CPU for h in e.block_hashes]  # fmt: skip
+        vllms = [
+            h
+            for e in subscriber.events
+            if isinstance(e, BlockStored) and e.medium != MEDIUM_CPU
+            for h in e.block_hashes
+        ]
         assert len(ours) == 4
         for index, event in enumerate(ours):  # vLLM's own hashes of the chunk's blocks
             assert event.block_hashes == vllms[index * PER_CHUNK : (index + 1) * PER_CHUNK]

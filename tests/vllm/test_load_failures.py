@@ -163,15 +163,18 @@ def test_an_asynchronous_load_finishes_and_fails_per_request(tmp_path):
         writer = WorkerSide(settings, KV)
         saved = paged(0.5)
         writer.register(saved)
-        forward(writer, KVStoreConnectorMetadata(saves=[SaveSpec("w", CHAIN[:1], b"", [[1, 2]])]),
-                saved)  # fmt: skip
+        forward(
+            writer, KVStoreConnectorMetadata(saves=[SaveSpec("w", CHAIN[:1], b"", [[1, 2]])]), saved
+        )
         writer.finish_save()
 
         reader = WorkerSide(settings, KV)
         target = paged(0.0)
         reader.register(target)
-        loads = [LoadSpec("good", CHAIN[:1], [[2, 3]], 0, asynchronous=True),
-                 LoadSpec("bad", CHAIN[:2], [[4, 5, 6, 7]], 0, asynchronous=True)]  # fmt: skip
+        loads = [
+            LoadSpec("good", CHAIN[:1], [[2, 3]], 0, asynchronous=True),
+            LoadSpec("bad", CHAIN[:2], [[4, 5, 6, 7]], 0, asynchronous=True),
+        ]
         forward(reader, KVStoreConnectorMetadata(loads=loads), target)
         assert reader.take_failed_block_ids() == set()
         assert reader.take_finished_loads() == ({"good", "bad"}, {"bad"})
@@ -230,10 +233,12 @@ def test_saves_are_waited_for_before_a_forward_only_after_a_preemption(tmp_path)
         worker.finish_save()
 
         idle = SimpleNamespace(
-            scheduled_new_reqs=[], num_scheduled_tokens={},
-            scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[],
-                                                  resumed_req_ids=set(), num_computed_tokens=[]),
-        )  # fmt: skip
+            scheduled_new_reqs=[],
+            num_scheduled_tokens={},
+            scheduled_cached_reqs=SimpleNamespace(
+                req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[]
+            ),
+        )
         flushes = {}
         for preempted in (None, set(), {"gone"}, {"r"}):
             idle.preempted_req_ids = preempted

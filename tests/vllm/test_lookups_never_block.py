@@ -21,10 +21,18 @@ def test_a_slow_lookup_is_asked_again_never_waited_for(tmp_path, baselines, tiny
     nodes = []
     try:
         for name, via in (("host-1", address), ("host-2", proxy.address)):
-            nodes.append(start_node_process(
-                tmp_path, name, "--metadata-address", via, "--transfer", "tcp",
-                "--page-size-bytes", str(256 << 10),
-            ))  # fmt: skip
+            nodes.append(
+                start_node_process(
+                    tmp_path,
+                    name,
+                    "--metadata-address",
+                    via,
+                    "--transfer",
+                    "tcp",
+                    "--page-size-bytes",
+                    str(256 << 10),
+                )
+            )
         (_, socket_1), (_, socket_2) = nodes
         run_engine(tmp_path, tiny_llama_fp32, [PROMPT_A], socket_1)
         assert wait_until(lambda: agent_stats(socket_1)["published_blocks"] >= SHARED_CHUNKS, 10)

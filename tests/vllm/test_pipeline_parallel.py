@@ -17,8 +17,13 @@ CHUNK = 64  # SGLang's page size = the connector's chunk_tokens (2 vLLM blocks o
 def pp2_config(vllm_inprocess_env, tiny_llama_fp32):
     from vllm.engine.arg_utils import EngineArgs
 
-    args = EngineArgs(model=str(tiny_llama_fp32), dtype="float32", block_size=32,
-                      pipeline_parallel_size=2, distributed_executor_backend="mp")  # fmt: skip
+    args = EngineArgs(
+        model=str(tiny_llama_fp32),
+        dtype="float32",
+        block_size=32,
+        pipeline_parallel_size=2,
+        distributed_executor_backend="mp",
+    )
     return args.create_engine_config()
 
 
@@ -39,9 +44,11 @@ def test_each_stage_keys_its_own_layers_and_the_scheduler_looks_up_both(pp2_conf
     chains = [b"chain-a", b"chain-b"]
     assert first.lookup_blocks_per_chunk == 2
     assert first.lookup_keys(chains) == [
-        *first.block_keys(chains[:1]), *second.block_keys(chains[:1]),
-        *first.block_keys(chains[1:]), *second.block_keys(chains[1:]),
-    ]  # fmt: skip
+        *first.block_keys(chains[:1]),
+        *second.block_keys(chains[:1]),
+        *first.block_keys(chains[1:]),
+        *second.block_keys(chains[1:]),
+    ]
 
 
 def test_a_stage_shares_blocks_with_sglangs_stage_of_the_same_layers(pp2_config, tiny_llama_fp32):
@@ -53,8 +60,7 @@ def test_a_stage_shares_blocks_with_sglangs_stage_of_the_same_layers(pp2_config,
 
     stage = stage_kv(pp2_config, 1, "sglang")
     hashes = sglang_page_hashes(list(range(3 * CHUNK)), CHUNK)
-    pool = host_pool("page_first_direct", 4, 1, 2, 32, CHUNK, dtype=torch.float32,
-                     start_layer=1)  # fmt: skip
+    pool = host_pool("page_first_direct", 4, 1, 2, 32, CHUNK, dtype=torch.float32, start_layer=1)
     backend = backend_for("/nonexistent/agent.sock", pool, model_path=str(tiny_llama_fp32))
     try:
         assert backend._store_keys(hashes) == stage.block_keys([h.encode() for h in hashes])

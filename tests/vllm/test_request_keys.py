@@ -10,7 +10,7 @@ from connectors.vllm.request_keys import (
     BYPASS_PROMPT_EMBEDS,
     RequestKeys,
     request_root,
-)  # fmt: skip
+)
 from kvstore.fingerprint import model_fingerprint
 from kvstore.keys import Namespace, chunk_keys
 from kvstore.keys_sglang import sglang_chain_seed
@@ -106,8 +106,9 @@ def test_what_cannot_be_keyed_bypasses_the_store(tmp_path):
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
-    embeds = Request("e", None, SamplingParams(max_tokens=1), None,
-                     prompt_embeds=torch.zeros(CHUNK * 2, 64))  # fmt: skip
+    embeds = Request(
+        "e", None, SamplingParams(max_tokens=1), None, prompt_embeds=torch.zeros(CHUNK * 2, 64)
+    )
     assert keys.bypass_reason(embeds) == BYPASS_PROMPT_EMBEDS
 
 

@@ -23,10 +23,15 @@ def llm(vllm_inprocess_env, tiny_llama_fp32):
     from vllm import LLM
 
     engine = LLM(
-        model=str(tiny_llama_fp32), tokenizer=str(tiny_llama_fp32), dtype="float32",
-        enforce_eager=True, gpu_memory_utilization=0.2, kv_cache_memory_bytes=64 << 20,
-        block_size=BLOCK_TOKENS, seed=0,
-    )  # fmt: skip
+        model=str(tiny_llama_fp32),
+        tokenizer=str(tiny_llama_fp32),
+        dtype="float32",
+        enforce_eager=True,
+        gpu_memory_utilization=0.2,
+        kv_cache_memory_bytes=64 << 20,
+        block_size=BLOCK_TOKENS,
+        seed=0,
+    )
     yield engine
     engine.llm_engine.engine_core.shutdown()
 
@@ -131,8 +136,9 @@ def test_paged_kv_blocks_hold_the_models_k_and_v(llm, prompt_ids, tiny_llama_fp3
     runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
     layers = runner.vllm_config.compilation_config.static_forward_context
     assert [name for name in layers if name in LAYER_NAMES] == LAYER_NAMES
-    for name, (k_ref, v_ref) in zip(LAYER_NAMES, reference_kv(tiny_llama_fp32, prompt_ids),
-                                    strict=True):  # fmt: skip
+    for name, (k_ref, v_ref) in zip(
+        LAYER_NAMES, reference_kv(tiny_llama_fp32, prompt_ids), strict=True
+    ):
         cache = layers[name].kv_cache
         assert cache.shape[1:] == (NUM_KV_HEADS, BLOCK_TOKENS, 2 * HEAD_DIM)
         assert cache.dtype == torch.float32 and cache.is_contiguous()

@@ -18,16 +18,20 @@ def test_stats_from_two_workers_and_the_scheduler_sum():
     scheduler = KVStoreConnectorStats(data={"counters": {"hit_tokens": 256}, "samples": {}})
     total = worker.aggregate(other).aggregate(scheduler).aggregate(KVStoreConnectorStats())
     assert total.reduce() == {
-        "loaded_blocks": 5, "loaded_bytes": 100, "hit_tokens": 256,
-        "load_wait_seconds_avg": 1.0, "load_wait_seconds_max": 1.5,
-    }  # fmt: skip
+        "loaded_blocks": 5,
+        "loaded_bytes": 100,
+        "hit_tokens": 256,
+        "load_wait_seconds_avg": 1.0,
+        "load_wait_seconds_max": 1.5,
+    }
     assert KVStoreConnectorStats().is_empty() and not total.is_empty()
 
 
 def test_the_engine_metrics_show_kvstore_beside_vllm(tmp_path, tiny_llama_fp32, baselines):
     with running_agent(tmp_path, **AGENT) as agent:
-        results, stats = run_engine(tmp_path, tiny_llama_fp32, [PROMPT_A, PROMPT_B],
-                                    agent.config.socket_path, "--metrics")  # fmt: skip
+        results, stats = run_engine(
+            tmp_path, tiny_llama_fp32, [PROMPT_A, PROMPT_B], agent.config.socket_path, "--metrics"
+        )
     assert [r["tokens"] for r in results] == baselines["float32"]
     metrics = stats["vllm_metrics"]
     shared_tokens = SHARED_CHUNKS * CHUNK_TOKENS
