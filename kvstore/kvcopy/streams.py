@@ -154,7 +154,12 @@ def _one_thread() -> Iterator[None]:
     host whose cores are busy (the forward's own threads, the node agent, other engines),
     waits for them: measured on a shared 2-core host, 0.1-0.2 GB/s parallel against 3.7-4.4
     GB/s on one thread. Per thread: under OpenMP a thread's count is its own (only a thread
-    that first uses torch meanwhile starts from this one's)."""
+    that first uses torch meanwhile starts from this one's). An engine that binds its threads
+    to cores and forbids changing their count (vLLM's CPU worker replaces
+    torch.set_num_threads) owns them: its copies then run on its bound team, left as it is."""
+    if torch.set_num_threads is not torch._C.set_num_threads:
+        yield
+        return
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -82,3 +82,19 @@ def test_an_index_that_is_not_a_run_of_positions_is_refused():
     with pytest.raises(ValueError, match="every position"):
         index = copier.block_index([1, 2, 3, 4], range(1, 4))
         copier.save_layer(paged_layer(8, 0), index, torch.zeros(1 << 20, dtype=torch.uint8), None)
+
+
+def test_an_engine_that_owns_its_threads_is_left_alone(monkeypatch):
+    """vLLM's CPU worker binds its threads to cores and replaces torch.set_num_threads with a
+    warning: the copies must not call it (they ran on one thread by calling it, and logged
+    that warning twice per chunk layer), and still copy right."""
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    layout = KVLayout(1, HEADS, DIM, "bfloat16", BLOCK * 2)
+    source, target = paged_layer(4, seed=5), paged_layer(4, seed=None)
+    copier = ChunkCopier(layout, BLOCK, "cpu")
+    payload = torch.zeros(layout.payload_bytes, dtype=torch.uint8)
+    copier.save_layer(source, copier.block_index([3, 1]), payload, None)
+    copier.load_layer(payload, Hasher(), target, copier.block_index([0, 2]))
+    assert calls == []
+    assert torch.equal(target[[0, 2]], source[[3, 1]])
