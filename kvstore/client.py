@@ -18,6 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
 import torch
 
 from kvstore import errors, framing
@@ -25,6 +26,8 @@ from kvstore.block import payload_checksum
 from kvstore.config import read_secret_file
 from kvstore.keys import BlockKey
 from kvstore.kvcopy.verified import Hasher, copy_hashed
+from kvstore.metadata import status
+from kvstore.tier import ANSWER_NAMES, BY_CODE
 from kvstore.tiers.host import MappedBuffer, map_fd
 from kvstore.v1 import agent_pb2 as pb
 
@@ -42,25 +45,14 @@ def check_answer_spin_us(value: int) -> None:
         )
 
 
-_ERROR_FOR_CODE = {
-    "INVALID_ARGUMENT": errors.ConfigError,
-    "NOT_FOUND": errors.NotFoundError,
-    "RESOURCE_EXHAUSTED": errors.CapacityError,
-    "FAILED_PRECONDITION": errors.LeaseError,
-    "UNAVAILABLE": errors.UnavailableError,
-    "DATA_LOSS": errors.ChecksumError,
-    "UNAUTHENTICATED": errors.AuthError,
-    "PERMISSION_DENIED": errors.PermissionDeniedError,
-}
-
-
 def _error(error: pb.AgentError) -> errors.KVStoreError:
-    cls = _ERROR_FOR_CODE.get(error.code, errors.KVStoreError)
-    return cls(f"{error.code}: {error.message}")
+    """The agent's error as the kvstore error of its status (metadata/status.py's one table)."""
+    code = grpc.StatusCode.__members__.get(error.code, grpc.StatusCode.UNKNOWN)
+    return status.error_for(code, error.message)
 
 
-TIERS = ("host", "disk", "remote")  # where a looked-up key is, nearest first
-TIER_OF_CODE = {"h": "host", "d": "disk", "r": "remote"}  # LookupCounts.codes (agent.proto)
+TIERS = ANSWER_NAMES  # where a looked-up key is, nearest first
+TIER_OF_CODE = {code: answer.name for code, answer in BY_CODE.items()}  # LookupCounts.codes
 
 
 @dataclass(frozen=True)
@@ -236,10 +228,15 @@ class KVStoreClient:
         return self._mapping.flat[offset : offset + payload_bytes]
 
     # ---- reads -----------------------------------------------------------------------------
-    def lookup(self, tenant: str, keys: Sequence[bytes], local_only: bool = False) -> LookupCounts:
+    def lookup(
+        self, tenant: str, keys: Sequence[bytes], local_only: bool = False, chunk_tokens: int = 0
+    ) -> LookupCounts:
         """How many leading `keys` can be loaded (local tiers, then other nodes) and where each
-        is (`codes`, `tier_names`); no side effect."""
-        result = self._call("lookup", tenant=tenant, keys=keys, local_only=local_only).lookup
+        is (`codes`, `tier_names`); no side effect. `chunk_tokens`: the prompt tokens each key
+        stands for, which the agent's and the metadata service's token hit counters add up."""
+        result = self._call(
+            "lookup", tenant=tenant, keys=keys, local_only=local_only, chunk_tokens=chunk_tokens
+        ).lookup
         codes = result.tiers.decode("ascii", "replace")
         return LookupCounts(result.local_hits, result.remote_hits, codes)
 

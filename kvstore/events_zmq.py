@@ -21,11 +21,11 @@ import zmq
 from kvstore.errors import ConfigError
 from kvstore.metadata.client import MetadataClient
 from kvstore.metadata.follow import EventFollower
+from kvstore.tier import STORED
 
 logger = logging.getLogger(__name__)
 
-# vLLM's media (kv_events.py MEDIUM_*), by kvstore tier.
-MEDIUM_OF_TIER = {"device": "GPU", "host": "CPU", "disk": "STORAGE"}
+MEDIUM_OF_TIER = {stored.name: stored.medium for stored in STORED}  # vLLM's MEDIUM_*
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # ends a replay, as vLLM's publisher does
 
 

@@ -138,6 +138,12 @@ class KVStoreHiCacheStorage(HiCacheStorage):
     def _pages(self, blocks: int) -> int:
         return blocks // self._groups.count
 
+    def _key_tokens(self) -> int:
+        """The prompt tokens each stored key stands for (its page's, shared by its groups)."""
+        if self._format is None:
+            return 0
+        return max(1, self._format.page_tokens // self._groups.count)
+
     # ---- the agent connection --------------------------------------------------------------
     def _connect(self) -> KVStoreClient | None:
         """The live client, reconnecting at most every reconnect_interval_s; None if down."""
@@ -185,7 +191,9 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         hits = 0
         if client is not None and keys:
             try:
-                found = client.lookup(self.settings.tenant, self._store_keys(keys)).total
+                found = client.lookup(
+                    self.settings.tenant, self._store_keys(keys), chunk_tokens=self._key_tokens()
+                ).total
                 hits = self._pages(found)
             except _FAILURES as exc:
                 logger.warning("kvstore lookup failed: %s", exc)

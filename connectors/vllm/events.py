@@ -39,10 +39,12 @@ from vllm.v1.core.kv_cache_utils import (
 from kvstore.config import read_secret_file
 from kvstore.metadata.client import MetadataClient
 from kvstore.metadata.follow import EventFollower
+from kvstore.tier import STORED
 
 logger = logging.getLogger(__name__)
 FOLLOW_START_TIMEOUT_S = 5.0
-MEDIUM_OF_TIER = {"device": MEDIUM_GPU, "host": MEDIUM_CPU, "disk": MEDIUM_STORAGE}
+MEDIUM_OF_TIER = {stored.name: stored.medium for stored in STORED}  # vLLM's MEDIUM_*
+assert set(MEDIUM_OF_TIER.values()) == {MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE}
 
 
 @dataclass(frozen=True)

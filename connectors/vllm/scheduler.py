@@ -21,11 +21,12 @@ from connectors.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpe
 from connectors.vllm.request_keys import RequestKeys
 from connectors.vllm.stats import LatencySamples
 from connectors.vllm.tails import loadable_tokens, prompt_tail, tail_candidates
-from kvstore.client import TIER_OF_CODE, TIERS, LookupCounts
+from kvstore.client import TIERS, LookupCounts
 from kvstore.costmodel import OnlineLoadPlanner
+from kvstore.tier import BY_CODE
 
 logger = logging.getLogger(__name__)
-_CODE_OF_TIER = {tier: code for code, tier in TIER_OF_CODE.items()}
+_CODE_OF_TIER = {answer.name: code for code, answer in BY_CODE.items()}
 
 
 @dataclass
@@ -169,7 +170,9 @@ class SchedulerSide:
     def _plan_loads(self, req_id: str, chain_keys: list[bytes], client):
         groups = self.kv.lookup_blocks_per_chunk  # every rank's groups of every PP stage
         block_keys = self.kv.lookup_keys(chain_keys)  # chunk-major
-        found = chunk_tiers(client.lookup(self.settings.tenant, block_keys), groups)
+        tokens = max(1, self.kv.layout.chunk_tokens // groups)  # each key's share of its chunk
+        answer = client.lookup(self.settings.tenant, block_keys, chunk_tokens=tokens)
+        found = chunk_tiers(answer, groups)
         tiers = found[: self._chunks_worth_loading(req_id, found)]
         block_keys = block_keys[: len(tiers) * groups]
         whole = len(tiers)

@@ -15,6 +15,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
+from kvstore.tier import ANSWER_NAMES
+
 COUNTERS = {  # name in the connector halves' stats -> what it counts
     "lookups": "Prompt lookups answered by the kvstore node agent",
     "lookup_failures": "Lookups that failed (agent unreachable or erroring); computed instead",
@@ -35,7 +37,7 @@ COUNTERS = {  # name in the connector halves' stats -> what it counts
 }
 BYPASS_PREFIX = "bypassed_"  # bypassed_<reason>: requests the store neither loads nor saves
 TIER_PREFIX = "hit_tokens_"  # hit_tokens_<tier>: hit tokens found in host, disk or remote
-HIT_TIERS = ("host", "disk", "remote")
+HIT_TIERS = ANSWER_NAMES
 LATENCIES = {  # sample name -> what one sample measures, in seconds
     "lookup_seconds": "Time of one kvstore prompt lookup, from its start to its answer (staged)",
     "match_seconds": "Time vLLM's scheduler waited in one kvstore get_num_new_matched_tokens",

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvstore.errors import ConfigError
+from kvstore.tier import STORED_NAMES
 
 
 def new_lease_id() -> int:
@@ -22,7 +23,7 @@ def new_lease_id() -> int:
     return secrets.randbits(63) | 1
 
 
-TIERS = ("device", "host", "disk")  # fastest first; the proto's Tier enum in the same order
+TIERS = STORED_NAMES  # fastest first; the proto's Tier enum in the same order
 
 
 @dataclass(frozen=True)

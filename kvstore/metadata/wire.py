@@ -15,13 +15,13 @@ from google.protobuf.message import DecodeError, Message
 from kvstore.errors import ConfigError
 from kvstore.keys import KEY_BYTES
 from kvstore.metadata.index import TIERS, BlockEntry, Holding, NodeRecord
+from kvstore.tier import STORED
 from kvstore.v1 import metadata_pb2 as pb
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$")
 MAX_ADDRESS_CHARS = 256  # stored per node and returned in every lookup that names it
-TIER_TO_PROTO = {"device": pb.TIER_DEVICE, "host": pb.TIER_HOST, "disk": pb.TIER_DISK}
-PROTO_TO_TIER = {value: name for name, value in TIER_TO_PROTO.items()}
-assert tuple(TIER_TO_PROTO) == TIERS
+TIER_TO_PROTO = {stored.name: stored.proto for stored in STORED}
+PROTO_TO_TIER = {stored.proto: stored.name for stored in STORED}
 _NODE_ID, _TIER = operator.attrgetter("node_id"), operator.attrgetter("tier")
 
 

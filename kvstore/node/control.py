@@ -260,7 +260,8 @@ class ControlServer:
 
     def _lookup(self, session, call: pb.LookupKeysRequest, response) -> None:
         # plain bytes: a lookup only tests membership, and BlockKey hashes and compares as bytes
-        tiers = session.lookup(call.tenant, _checked_bytes(call.keys), call.local_only)
+        keys = _checked_bytes(call.keys)
+        tiers = session.lookup(call.tenant, keys, call.local_only, call.chunk_tokens)
         remote = tiers.count(REMOTE_CODE)
         out = response.lookup
         out.local_hits, out.remote_hits, out.tiers = len(tiers) - remote, remote, tiers

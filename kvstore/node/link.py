@@ -82,13 +82,22 @@ class MetadataLink:
         self._wake.set()
 
     def lookup(
-        self, tenant: str, keys: Sequence[bytes], timeout_s: float | None = None
+        self,
+        tenant: str,
+        keys: Sequence[bytes],
+        timeout_s: float | None = None,
+        chunk_tokens: int = 0,
     ) -> LookupResult | None:
         """Who else holds the leading `keys`; None while the service is unreachable or has not
-        answered within `timeout_s` (the client's own timeout by default)."""
+        answered within `timeout_s` (the client's own timeout by default). `chunk_tokens`: the
+        prompt tokens per key, for the service's token counters (0: not counted)."""
         try:
             return self.client.lookup(
-                tenant, keys, caller_node_id=self.node.node_id, timeout_s=timeout_s
+                tenant,
+                keys,
+                caller_node_id=self.node.node_id,
+                chunk_tokens=chunk_tokens,
+                timeout_s=timeout_s,
             )
         except UnavailableError as exc:
             logger.debug("remote lookup skipped: %s", exc)

@@ -47,8 +47,14 @@ class AgentCollector(Collector):
             "Blocks asked for by lookups, by result",
             labels=["result"],
         )
+        tokens = CounterMetricFamily(
+            "kvstore_agent_lookup_tokens",
+            "Prompt tokens of lookups that said how many tokens a key stands for, by result",
+            labels=["result"],
+        )
         for result in ("asked", "local_hit", "remote_hit"):
             lookups.add_metric([result], requests[f"lookup_{result}"])
+            tokens.add_metric([result], requests[f"lookup_tokens_{result}"])
         loads = CounterMetricFamily(
             "kvstore_agent_loaded_blocks", "Blocks served to workers, by source", labels=["source"]
         )
@@ -57,7 +63,7 @@ class AgentCollector(Collector):
         loads.add_metric(["miss"], requests["load_miss"])
         saves = CounterMetricFamily("kvstore_agent_saved_blocks", "Blocks committed by workers")
         saves.add_metric([], requests["saved"])
-        yield from (lookups, loads, saves)
+        yield from (lookups, tokens, loads, saves)
 
     def _counters(self, stats: dict):
         transfer = stats["transfer"]

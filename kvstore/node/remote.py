@@ -55,14 +55,14 @@ class RemoteFetcher:
         self.view = view
         self.stats = FetchStats()
 
-    def remote_prefix(self, tenant: str, keys: Sequence[BlockKey]) -> int:
+    def remote_prefix(self, tenant: str, keys: Sequence[BlockKey], chunk_tokens: int = 0) -> int:
         """How many leading `keys` other live nodes hold: from the view when it can answer,
-        else from the service (0 while the service is down)."""
+        else from the service (0 while the service is down), told the tokens per key."""
         if self.view is not None:
             answer = self.view.remote_prefix(tenant, keys)
             if answer is not None:
                 return answer
-        result = self.link.lookup(tenant, keys)
+        result = self.link.lookup(tenant, keys, chunk_tokens=chunk_tokens)
         if result is None:
             return 0
         return len(self._plan(result, keys))

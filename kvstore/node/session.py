@@ -30,12 +30,13 @@ from kvstore.node.private import PrivateBuffer
 from kvstore.node.remote import RemoteFetcher
 from kvstore.owned import owned_key, owned_keys
 from kvstore.store import TieredStore
+from kvstore.tier import DISK, HOST, REMOTE
 from kvstore.tiers.arena import ArenaTier
 
 logger = logging.getLogger(__name__)
 _ids = itertools.count(1)
-TIER_CODES = {"host": ord("h"), "disk": ord("d")}  # a lookup's answer, per key (agent.proto)
-REMOTE_CODE = b"r"
+TIER_CODES = {answer.name: answer.code[0] for answer in (HOST, DISK)}  # per slot
+REMOTE_CODE = REMOTE.code
 
 
 @dataclass
@@ -71,6 +72,9 @@ class RequestCounters:
         "lookup_asked",
         "lookup_local_hit",
         "lookup_remote_hit",
+        "lookup_tokens_asked",
+        "lookup_tokens_local_hit",
+        "lookup_tokens_remote_hit",
         "load_local",
         "load_remote",
         "load_miss",
@@ -133,15 +137,24 @@ class WorkerSession:
         return page * self.arena.page_size_bytes + block.HEADER_BYTES
 
     # ---- reads -----------------------------------------------------------------------------
-    def lookup(self, tenant: str, keys: Sequence[bytes], local_only: bool) -> bytes:
+    def lookup(
+        self, tenant: str, keys: Sequence[bytes], local_only: bool, chunk_tokens: int = 0
+    ) -> bytes:
         """Where each leading key is, one byte each (TIER_CODES: host, disk, remote); the
-        keys after them are absent."""
+        keys after them are absent. `chunk_tokens`: the prompt tokens per key, counted."""
         self.identity.require(tenant)
         slots = self.store.lookup_slots(owned_keys(tenant, keys))
         local, remote = len(slots), 0
         if local < len(keys) and not local_only and self.fetcher is not None:
-            remote = self.fetcher.remote_prefix(tenant, keys[local:])
-        self.counters.add(lookup_asked=len(keys), lookup_local_hit=local, lookup_remote_hit=remote)
+            remote = self.fetcher.remote_prefix(tenant, keys[local:], chunk_tokens)
+        self.counters.add(
+            lookup_asked=len(keys),
+            lookup_local_hit=local,
+            lookup_remote_hit=remote,
+            lookup_tokens_asked=len(keys) * chunk_tokens,
+            lookup_tokens_local_hit=local * chunk_tokens,
+            lookup_tokens_remote_hit=remote * chunk_tokens,
+        )
         return slots.translate(self._slot_codes()) + REMOTE_CODE * remote
 
     def _slot_codes(self) -> bytes:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvstore/v1/agent.proto\x12\nkvstore.v1\"\x8f\x03\n\x0c\x41gentRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12)\n\x05hello\x18\x02 \x01(\x0b\x32\x18.kvstore.v1.HelloRequestH\x00\x12/\n\x06lookup\x18\x03 \x01(\x0b\x32\x1d.kvstore.v1.LookupKeysRequestH\x00\x12\'\n\x04load\x18\x04 \x01(\x0b\x32\x17.kvstore.v1.LoadRequestH\x00\x12-\n\x07release\x18\x05 \x01(\x0b\x32\x1a.kvstore.v1.ReleaseRequestH\x00\x12\'\n\x04save\x18\x06 \x01(\x0b\x32\x17.kvstore.v1.SaveRequestH\x00\x12+\n\x06\x63ommit\x18\x07 \x01(\x0b\x32\x19.kvstore.v1.CommitRequestH\x00\x12)\n\x05\x61\x62ort\x18\x08 \x01(\x0b\x32\x18.kvstore.v1.AbortRequestH\x00\x12.\n\x05stats\x18\t \x01(\x0b\x32\x1d.kvstore.v1.AgentStatsRequestH\x00\x42\x06\n\x04\x63\x61ll\"+\n\nAgentError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xc1\x03\n\rAgentResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12%\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x16.kvstore.v1.AgentError\x12*\n\x05hello\x18\x03 \x01(\x0b\x32\x19.kvstore.v1.HelloResponseH\x00\x12\x30\n\x06lookup\x18\x04 \x01(\x0b\x32\x1e.kvstore.v1.LookupKeysResponseH\x00\x12(\n\x04load\x18\x05 \x01(\x0b\x32\x18.kvstore.v1.LoadResponseH\x00\x12.\n\x07release\x18\x06 \x01(\x0b\x32\x1b.kvstore.v1.ReleaseResponseH\x00\x12(\n\x04save\x18\x07 \x01(\x0b\x32\x18.kvstore.v1.SaveResponseH\x00\x12,\n\x06\x63ommit\x18\x08 \x01(\x0b\x32\x1a.kvstore.v1.CommitResponseH\x00\x12*\n\x05\x61\x62ort\x18\t \x01(\x0b\x32\x19.kvstore.v1.AbortResponseH\x00\x12/\n\x05stats\x18\n \x01(\x0b\x32\x1e.kvstore.v1.AgentStatsResponseH\x00\x42\x08\n\x06result\"2\n\x0cHelloRequest\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x12\n\ncredential\x18\x02 \x01(\t\"\xae\x01\n\rHelloResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\narena_name\x18\x02 \x01(\t\x12\x11\n\tnum_pages\x18\x03 \x01(\r\x12\x17\n\x0fpage_size_bytes\x18\x04 \x01(\x04\x12\x14\n\x0cheader_bytes\x18\x05 \x01(\r\x12\x0f\n\x07tenants\x18\x06 \x03(\t\x12\x0e\n\x06\x61\x63\x63\x65ss\x18\x07 \x01(\t\x12\x15\n\rmapping_bytes\x18\x08 \x01(\x04\"E\n\x11LookupKeysRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x12\n\nlocal_only\x18\x03 \x01(\x08\"L\n\x12LookupKeysResponse\x12\x12\n\nlocal_hits\x18\x01 \x01(\r\x12\x13\n\x0bremote_hits\x18\x02 \x01(\r\x12\r\n\x05tiers\x18\x03 \x01(\x0c\"?\n\x0bLoadRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x12\n\ntimeout_ms\x18\x03 \x01(\r\"\x8d\x01\n\x0cLoadResponse\x12\x0f\n\x07load_id\x18\x01 \x01(\x04\x12\x15\n\rpayload_bytes\x18\x03 \x03(\x04\x12\x11\n\tchecksums\x18\x04 \x03(\x04\x12\x14\n\x0clocal_blocks\x18\x05 \x01(\r\x12\x15\n\rremote_blocks\x18\x06 \x01(\r\x12\x0f\n\x07offsets\x18\x07 \x03(\x04J\x04\x08\x02\x10\x03\"2\n\x0eReleaseRequest\x12\x0f\n\x07load_id\x18\x01 \x01(\x04\x12\x0f\n\x07suspect\x18\x02 \x03(\r\"\x11\n\x0fReleaseResponse\"\x7f\n\x0bSaveRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x14\n\x0c\x66irst_parent\x18\x03 \x01(\x0c\x12\x15\n\rpayload_bytes\x18\x04 \x01(\x04\x12\x13\n\x0blayout_hash\x18\x05 \x01(\x04\x12\x10\n\x08\x63odec_id\x18\x06 \x01(\r\"H\n\x0cSaveResponse\x12\x0f\n\x07save_id\x18\x01 \x01(\x04\x12\x10\n\x08reserved\x18\x02 \x03(\x08\x12\x0f\n\x07offsets\x18\x04 \x03(\x04J\x04\x08\x03\x10\x04\"A\n\rCommitRequest\x12\x0f\n\x07save_id\x18\x01 \x01(\x04\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x11\n\tchecksums\x18\x03 \x03(\x04\"#\n\x0e\x43ommitResponse\x12\x11\n\tcommitted\x18\x01 \x01(\r\"\x1f\n\x0c\x41\x62ortRequest\x12\x0f\n\x07save_id\x18\x01 \x01(\x04\"\x0f\n\rAbortResponse\"\x13\n\x11\x41gentStatsRequest\"\"\n\x12\x41gentStatsResponse\x12\x0c\n\x04json\x18\x01 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvstore/v1/agent.proto\x12\nkvstore.v1\"\x8f\x03\n\x0c\x41gentRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12)\n\x05hello\x18\x02 \x01(\x0b\x32\x18.kvstore.v1.HelloRequestH\x00\x12/\n\x06lookup\x18\x03 \x01(\x0b\x32\x1d.kvstore.v1.LookupKeysRequestH\x00\x12\'\n\x04load\x18\x04 \x01(\x0b\x32\x17.kvstore.v1.LoadRequestH\x00\x12-\n\x07release\x18\x05 \x01(\x0b\x32\x1a.kvstore.v1.ReleaseRequestH\x00\x12\'\n\x04save\x18\x06 \x01(\x0b\x32\x17.kvstore.v1.SaveRequestH\x00\x12+\n\x06\x63ommit\x18\x07 \x01(\x0b\x32\x19.kvstore.v1.CommitRequestH\x00\x12)\n\x05\x61\x62ort\x18\x08 \x01(\x0b\x32\x18.kvstore.v1.AbortRequestH\x00\x12.\n\x05stats\x18\t \x01(\x0b\x32\x1d.kvstore.v1.AgentStatsRequestH\x00\x42\x06\n\x04\x63\x61ll\"+\n\nAgentError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xc1\x03\n\rAgentResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12%\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x16.kvstore.v1.AgentError\x12*\n\x05hello\x18\x03 \x01(\x0b\x32\x19.kvstore.v1.HelloResponseH\x00\x12\x30\n\x06lookup\x18\x04 \x01(\x0b\x32\x1e.kvstore.v1.LookupKeysResponseH\x00\x12(\n\x04load\x18\x05 \x01(\x0b\x32\x18.kvstore.v1.LoadResponseH\x00\x12.\n\x07release\x18\x06 \x01(\x0b\x32\x1b.kvstore.v1.ReleaseResponseH\x00\x12(\n\x04save\x18\x07 \x01(\x0b\x32\x18.kvstore.v1.SaveResponseH\x00\x12,\n\x06\x63ommit\x18\x08 \x01(\x0b\x32\x1a.kvstore.v1.CommitResponseH\x00\x12*\n\x05\x61\x62ort\x18\t \x01(\x0b\x32\x19.kvstore.v1.AbortResponseH\x00\x12/\n\x05stats\x18\n \x01(\x0b\x32\x1e.kvstore.v1.AgentStatsResponseH\x00\x42\x08\n\x06result\"2\n\x0cHelloRequest\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x12\n\ncredential\x18\x02 \x01(\t\"\xae\x01\n\rHelloResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\narena_name\x18\x02 \x01(\t\x12\x11\n\tnum_pages\x18\x03 \x01(\r\x12\x17\n\x0fpage_size_bytes\x18\x04 \x01(\x04\x12\x14\n\x0cheader_bytes\x18\x05 \x01(\r\x12\x0f\n\x07tenants\x18\x06 \x03(\t\x12\x0e\n\x06\x61\x63\x63\x65ss\x18\x07 \x01(\t\x12\x15\n\rmapping_bytes\x18\x08 \x01(\x04\"[\n\x11LookupKeysRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x12\n\nlocal_only\x18\x03 \x01(\x08\x12\x14\n\x0c\x63hunk_tokens\x18\x04 \x01(\r\"L\n\x12LookupKeysResponse\x12\x12\n\nlocal_hits\x18\x01 \x01(\r\x12\x13\n\x0bremote_hits\x18\x02 \x01(\r\x12\r\n\x05tiers\x18\x03 \x01(\x0c\"?\n\x0bLoadRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x12\n\ntimeout_ms\x18\x03 \x01(\r\"\x8d\x01\n\x0cLoadResponse\x12\x0f\n\x07load_id\x18\x01 \x01(\x04\x12\x15\n\rpayload_bytes\x18\x03 \x03(\x04\x12\x11\n\tchecksums\x18\x04 \x03(\x04\x12\x14\n\x0clocal_blocks\x18\x05 \x01(\r\x12\x15\n\rremote_blocks\x18\x06 \x01(\r\x12\x0f\n\x07offsets\x18\x07 \x03(\x04J\x04\x08\x02\x10\x03\"2\n\x0eReleaseRequest\x12\x0f\n\x07load_id\x18\x01 \x01(\x04\x12\x0f\n\x07suspect\x18\x02 \x03(\r\"\x11\n\x0fReleaseResponse\"\x7f\n\x0bSaveRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x14\n\x0c\x66irst_parent\x18\x03 \x01(\x0c\x12\x15\n\rpayload_bytes\x18\x04 \x01(\x04\x12\x13\n\x0blayout_hash\x18\x05 \x01(\x04\x12\x10\n\x08\x63odec_id\x18\x06 \x01(\r\"H\n\x0cSaveResponse\x12\x0f\n\x07save_id\x18\x01 \x01(\x04\x12\x10\n\x08reserved\x18\x02 \x03(\x08\x12\x0f\n\x07offsets\x18\x04 \x03(\x04J\x04\x08\x03\x10\x04\"A\n\rCommitRequest\x12\x0f\n\x07save_id\x18\x01 \x01(\x04\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x11\n\tchecksums\x18\x03 \x03(\x04\"#\n\x0e\x43ommitResponse\x12\x11\n\tcommitted\x18\x01 \x01(\r\"\x1f\n\x0c\x41\x62ortRequest\x12\x0f\n\x07save_id\x18\x01 \x01(\x04\"\x0f\n\rAbortResponse\"\x13\n\x11\x41gentStatsRequest\"\"\n\x12\x41gentStatsResponse\x12\x0c\n\x04json\x18\x01 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,31 +42,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HELLORESPONSE']._serialized_start=990
   _globals['_HELLORESPONSE']._serialized_end=1164
   _globals['_LOOKUPKEYSREQUEST']._serialized_start=1166
-  _globals['_LOOKUPKEYSREQUEST']._serialized_end=1235
-  _globals['_LOOKUPKEYSRESPONSE']._serialized_start=1237
-  _globals['_LOOKUPKEYSRESPONSE']._serialized_end=1313
-  _globals['_LOADREQUEST']._serialized_start=1315
-  _globals['_LOADREQUEST']._serialized_end=1378
-  _globals['_LOADRESPONSE']._serialized_start=1381
-  _globals['_LOADRESPONSE']._serialized_end=1522
-  _globals['_RELEASEREQUEST']._serialized_start=1524
-  _globals['_RELEASEREQUEST']._serialized_end=1574
-  _globals['_RELEASERESPONSE']._serialized_start=1576
-  _globals['_RELEASERESPONSE']._serialized_end=1593
-  _globals['_SAVEREQUEST']._serialized_start=1595
-  _globals['_SAVEREQUEST']._serialized_end=1722
-  _globals['_SAVERESPONSE']._serialized_start=1724
-  _globals['_SAVERESPONSE']._serialized_end=1796
-  _globals['_COMMITREQUEST']._serialized_start=1798
-  _globals['_COMMITREQUEST']._serialized_end=1863
-  _globals['_COMMITRESPONSE']._serialized_start=1865
-  _globals['_COMMITRESPONSE']._serialized_end=1900
-  _globals['_ABORTREQUEST']._serialized_start=1902
-  _globals['_ABORTREQUEST']._serialized_end=1933
-  _globals['_ABORTRESPONSE']._serialized_start=1935
-  _globals['_ABORTRESPONSE']._serialized_end=1950
-  _globals['_AGENTSTATSREQUEST']._serialized_start=1952
-  _globals['_AGENTSTATSREQUEST']._serialized_end=1971
-  _globals['_AGENTSTATSRESPONSE']._serialized_start=1973
-  _globals['_AGENTSTATSRESPONSE']._serialized_end=2007
+  _globals['_LOOKUPKEYSREQUEST']._serialized_end=1257
+  _globals['_LOOKUPKEYSRESPONSE']._serialized_start=1259
+  _globals['_LOOKUPKEYSRESPONSE']._serialized_end=1335
+  _globals['_LOADREQUEST']._serialized_start=1337
+  _globals['_LOADREQUEST']._serialized_end=1400
+  _globals['_LOADRESPONSE']._serialized_start=1403
+  _globals['_LOADRESPONSE']._serialized_end=1544
+  _globals['_RELEASEREQUEST']._serialized_start=1546
+  _globals['_RELEASEREQUEST']._serialized_end=1596
+  _globals['_RELEASERESPONSE']._serialized_start=1598
+  _globals['_RELEASERESPONSE']._serialized_end=1615
+  _globals['_SAVEREQUEST']._serialized_start=1617
+  _globals['_SAVEREQUEST']._serialized_end=1744
+  _globals['_SAVERESPONSE']._serialized_start=1746
+  _globals['_SAVERESPONSE']._serialized_end=1818
+  _globals['_COMMITREQUEST']._serialized_start=1820
+  _globals['_COMMITREQUEST']._serialized_end=1885
+  _globals['_COMMITRESPONSE']._serialized_start=1887
+  _globals['_COMMITRESPONSE']._serialized_end=1922
+  _globals['_ABORTREQUEST']._serialized_start=1924
+  _globals['_ABORTREQUEST']._serialized_end=1955
+  _globals['_ABORTRESPONSE']._serialized_start=1957
+  _globals['_ABORTRESPONSE']._serialized_end=1972
+  _globals['_AGENTSTATSREQUEST']._serialized_start=1974
+  _globals['_AGENTSTATSREQUEST']._serialized_end=1993
+  _globals['_AGENTSTATSRESPONSE']._serialized_start=1995
+  _globals['_AGENTSTATSRESPONSE']._serialized_end=2029
 # @@protoc_insertion_point(module_scope)

@@ -89,14 +89,16 @@ class HelloResponse(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., arena_name: _Optional[str] = ..., num_pages: _Optional[int] = ..., page_size_bytes: _Optional[int] = ..., header_bytes: _Optional[int] = ..., tenants: _Optional[_Iterable[str]] = ..., access: _Optional[str] = ..., mapping_bytes: _Optional[int] = ...) -> None: ...
 
 class LookupKeysRequest(_message.Message):
-    __slots__ = ("tenant", "keys", "local_only")
+    __slots__ = ("tenant", "keys", "local_only", "chunk_tokens")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_ONLY_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     local_only: bool
-    def __init__(self, tenant: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., local_only: _Optional[bool] = ...) -> None: ...
+    chunk_tokens: int
+    def __init__(self, tenant: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., local_only: _Optional[bool] = ..., chunk_tokens: _Optional[int] = ...) -> None: ...
 
 class LookupKeysResponse(_message.Message):
     __slots__ = ("local_hits", "remote_hits", "tiers")

@@ -140,3 +140,53 @@ def test_the_chart_provisions_the_same_dashboard_for_grafanas_sidecar():
     assert maps[0]["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert json.loads(maps[0]["data"]["kvstore.json"]) == json.loads(DASHBOARD.read_text())
     assert (CHART / "dashboards" / "kvstore.json").resolve() == DASHBOARD.resolve()
+
+
+def samples(port: int, name: str) -> dict[str, float]:
+    """The values of counter `name` on a live /metrics, by their `result` label."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return {
+        sample.labels["result"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    }
+
+
+def test_the_token_hit_ratio_panel_is_filled_by_worker_lookups(tmp_path):
+    """A worker's lookup says how many tokens a key stands for: the agent counts the whole
+    prompt's tokens, and passes the number on to the metadata service with the keys its own
+    tiers lack, so both of the panel's series have data (they were always empty before)."""
+    from kvstore.client import KVStoreClient
+    from kvstore.keys import Namespace, chunk_keys
+    from kvstore.metadata.client import MetadataClient
+    from kvstore.metadata.index import BlockEntry, NodeRecord
+
+    [panel] = [p for p in json.loads(DASHBOARD.read_text())["panels"] if p["id"] == 2]
+    used = set().union(*(metric_names(target["expr"]) for target in panel["targets"]))
+    assert used == {"kvstore_agent_lookup_tokens_total", "kvstore_metadata_lookup_tokens_total"}
+    keys = chunk_keys(Namespace("sha256:model", "layout"), range(64 * 4), 64)
+    with running_server(tmp_path, metrics_listen="127.0.0.1:0") as server:
+        address = f"127.0.0.1:{server.port}"
+        with MetadataClient(address) as other_node:  # holds keys 1 and 2
+            lease, _ = other_node.register_node(NodeRecord("node-b", tcp_address="127.0.0.1:1"))
+            entries = [BlockEntry(bytes(key), "host", 1000, 1) for key in keys[1:3]]
+            other_node.publish("node-b", lease, "t", entries)
+            with running_agent(
+                tmp_path,
+                metadata_address=address,
+                transfer="tcp",
+                metrics_listen="127.0.0.1:0",
+                view_max_keys=0,  # every remote lookup asks the service
+            ) as agent:
+                assert wait_until(lambda: agent.link.connected)
+                with KVStoreClient(agent.config.socket_path, "worker") as worker:
+                    reservation = worker.save("t", keys[:1], 1000)
+                    assert worker.commit(reservation) == 1
+                    found = worker.lookup("t", keys, chunk_tokens=64)
+                assert (found.local, found.remote) == (1, 2)
+                at_agent = samples(agent.metrics_port, "kvstore_agent_lookup_tokens_total")
+                at_service = samples(server.metrics_port, "kvstore_metadata_lookup_tokens_total")
+    assert at_agent == {"asked": 256, "local_hit": 64, "remote_hit": 128}
+    assert at_service == {"asked": 192, "hit": 128}
