@@ -49,22 +49,46 @@ def _bench_vllm(args: argparse.Namespace) -> dict:
     return run_vllm(runs=args.runs, prompt_tokens=args.prompt_tokens)
 
 
+def _bench_serve(args: argparse.Namespace) -> dict:
+    from kvstore.bench.serve import ServeSpec, run_serve
+
+    return run_serve(
+        ServeSpec(
+            modes=tuple(args.modes.split(",")),
+            concurrencies=tuple(int(c) for c in args.concurrencies.split(",")),
+            num_prompts=args.num_prompts,
+            num_prefixes=args.num_prefixes,
+            prefix_tokens=args.prefix_tokens,
+            suffix_tokens=args.suffix_tokens,
+            output_tokens=args.output_tokens,
+            seed=args.seed,
+            kvstore_settings=args.kvstore_settings,
+            log_dir=args.log_dir,
+        )
+    )
+
+
 def _bench_chaos(args: argparse.Namespace) -> dict:
     from kvstore.bench.chaos import run_chaos
 
     return run_chaos(
-        args.minutes, seed=args.seed, corrupt_worker=args.corrupt_worker,
+        args.minutes,
+        seed=args.seed,
+        corrupt_worker=args.corrupt_worker,
         shared_shm=args.shared_shm,
-    )  # fmt: skip
+    )
 
 
 def _bench_soak(args: argparse.Namespace) -> dict:
     from kvstore.bench.soak import run_soak
 
     return run_soak(
-        args.minutes, ops_per_s=args.ops_per_s, sample_s=args.sample_s,
-        shared_shm=args.shared_shm, metadata_max_events=args.metadata_max_events,
-    )  # fmt: skip
+        args.minutes,
+        ops_per_s=args.ops_per_s,
+        sample_s=args.sample_s,
+        shared_shm=args.shared_shm,
+        metadata_max_events=args.metadata_max_events,
+    )
 
 
 def _bench_scale(args: argparse.Namespace) -> dict:
@@ -74,11 +98,16 @@ def _bench_scale(args: argparse.Namespace) -> dict:
     options = {"trace": args.trace} if args.trace else {}
     return run_scale(
         ScaleSpec(
-            nodes=args.nodes, keys=args.keys, seconds=seconds, backend=args.backend,
-            agent_processes=args.agent_processes, max_rss_mib=args.max_rss_mib,
-            lease_ttl_ms=args.lease_ttl_ms, **options,
+            nodes=args.nodes,
+            keys=args.keys,
+            seconds=seconds,
+            backend=args.backend,
+            agent_processes=args.agent_processes,
+            max_rss_mib=args.max_rss_mib,
+            lease_ttl_ms=args.lease_ttl_ms,
+            **options,
         )
-    )  # fmt: skip
+    )
 
 
 def add_bench_commands(commands) -> None:
@@ -120,6 +149,7 @@ def add_bench_commands(commands) -> None:
     vllm.add_argument("--prompt-tokens", type=int, default=4096)
     vllm.add_argument("--json", action="store_true")
     vllm.set_defaults(handler=_bench_vllm)
+    _add_serve(benches)
     chaos = benches.add_parser("chaos", help="kill and restart processes of a real cluster")
     chaos.add_argument("--minutes", type=float, default=2.0)
     chaos.add_argument("--seed", type=int, default=0, help="kill schedule and key space")
@@ -132,8 +162,12 @@ def add_bench_commands(commands) -> None:
     soak.add_argument("--ops-per-s", type=float, default=20.0, help="per worker")
     soak.add_argument("--sample-s", type=float, default=5.0, help="seconds between samples")
     soak.add_argument("--shared-shm", action="store_true", help=_SHARED_SHM_HELP)
-    soak.add_argument("--metadata-max-events", type=int, default=0,
-                      help="the metadata service's event ring size (0: its default)")  # fmt: skip
+    soak.add_argument(
+        "--metadata-max-events",
+        type=int,
+        default=0,
+        help="the metadata service's event ring size (0: its default)",
+    )
     soak.add_argument("--json", action="store_true")
     soak.set_defaults(handler=_bench_soak)
     scale = benches.add_parser("scale", help="one metadata service under a simulated cluster")
@@ -148,3 +182,31 @@ def add_bench_commands(commands) -> None:
     scale.add_argument("--trace", type=Path, help="Mooncake JSONL (default: ../shared/traces)")
     scale.add_argument("--json", action="store_true")
     scale.set_defaults(handler=_bench_scale)
+
+
+def _add_serve(benches) -> None:
+    serve = benches.add_parser(
+        "serve", help="vllm.benchmarks.serve against servers with kvstore, LMCache and none"
+    )
+    serve.add_argument(
+        "--modes",
+        default="none,kvstore,lmcache_mp",
+        help="comma-separated, of none, kvstore, lmcache_mp, lmcache_cpu (CUDA only); none is "
+        "the baseline every ratio divides by",
+    )
+    serve.add_argument("--concurrencies", default="1", help="comma-separated --max-concurrency")
+    serve.add_argument("--num-prompts", type=int, default=12)
+    serve.add_argument("--num-prefixes", type=int, default=12, help="distinct prompt prefixes")
+    serve.add_argument("--prefix-tokens", type=int, default=1536)
+    serve.add_argument("--suffix-tokens", type=int, default=256)
+    serve.add_argument("--output-tokens", type=int, default=4)
+    serve.add_argument("--seed", type=int, default=0, help="prompts of concurrency i: seed + i")
+    serve.add_argument(
+        "--kvstore-settings",
+        default="",
+        help="JSON: kvstore connector settings beyond the defaults, e.g. "
+        "'{\"verify_checksums\": false}'",
+    )
+    serve.add_argument("--log-dir", type=Path, help="keep every process's log here")
+    serve.add_argument("--json", action="store_true")
+    serve.set_defaults(handler=_bench_serve)
