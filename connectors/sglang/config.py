@@ -5,12 +5,13 @@ Runs in every SGLang scheduler process (one per TP rank) when the storage backen
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from kvstore.client import DEFAULT_ANSWER_SPIN_US, check_answer_spin_us
 from kvstore.codec import CODEC_IDS
 from kvstore.errors import ConfigError
+from kvstore.json_settings import parse_fields
 
 # Keys of the extra config that SGLang itself reads (the dynamic loader and the controller) or
 # adds (file_storage_path, from --file-storage-path, given to every backend).
@@ -46,15 +47,7 @@ class BackendSettings:
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> BackendSettings:
         extra = {k: v for k, v in (extra or {}).items() if k not in SGLANG_KEYS}
-        known = {f.name: f.type for f in fields(cls)}
-        unknown = sorted(set(extra) - set(known))
-        if unknown:
-            raise ConfigError(
-                f"unknown kvstore keys {unknown} in --hicache-storage-backend-extra-config; "
-                f"valid: {sorted(known)}"
-            )
-        values = {name: _coerce(name, value, known[name]) for name, value in extra.items()}
-        settings = cls(**values)
+        settings = cls(**parse_fields(cls, extra, "--hicache-storage-backend-extra-config"))
         settings.validate()
         return settings
 
@@ -69,18 +62,3 @@ class BackendSettings:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         check_answer_spin_us(self.answer_spin_us)
-
-
-def _coerce(name: str, value: Any, type_name: str) -> Any:
-    """JSON values to the field's type; a string where a number belongs is an error."""
-    if type_name == "str":
-        if not isinstance(value, str):
-            raise ConfigError(f"{name} must be a string, got {value!r}")
-        return value
-    if type_name == "int":
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ConfigError(f"{name} must be a non-negative integer, got {value!r}")
-        return value
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(f"{name} must be a number, got {value!r}")
-    return float(value)
