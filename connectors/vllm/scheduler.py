@@ -20,7 +20,13 @@ from connectors.vllm.lookups import LookupQueue, chunk_tiers, tokens_by_tier
 from connectors.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
 from connectors.vllm.request_keys import RequestKeys
 from connectors.vllm.stats import LatencySamples
-from connectors.vllm.tails import loadable_tokens, prompt_tail, tail_candidates
+from connectors.vllm.tails import (
+    covered_tokens,
+    loadable_tokens,
+    prompt_tail,
+    stored_tokens,
+    tail_candidates,
+)
 from kvstore.client import TIERS, LookupCounts
 from kvstore.costmodel import OnlineLoadPlanner
 from kvstore.tier import BY_CODE
@@ -128,7 +134,7 @@ class SchedulerSide:
 
     def matched_tokens(self, request, num_computed_tokens: int) -> int | None:
         """Tokens beyond `num_computed_tokens` loadable from the store (whole chunks, then the
-        tail's blocks: all but the last prompt token at most, in whole engine blocks); None
+        tail's blocks: all but the last prompt token at most, tails.loadable_tokens); None
         while the lookup is in flight (vLLM asks again on a later step). No side effects on
         the store."""
         state = self._state(request)
@@ -137,7 +143,7 @@ class SchedulerSide:
         state.computed_at_load = num_computed_tokens
         chunk = self.kv.layout.chunk_tokens
         prompt_tokens = state.prompt_tokens = len(request.prompt_token_ids or [])
-        usable = min(len(state.keys), (prompt_tokens - 1) // chunk)
+        usable = min(len(state.keys), stored_tokens(prompt_tokens, self.kv.block_size) // chunk)
         if loadable_tokens(prompt_tokens, self.kv.block_size) <= num_computed_tokens:
             return 0
         answer = self.lookups.answer(request.request_id, state.keys[:usable])
@@ -153,6 +159,7 @@ class SchedulerSide:
         state.hit_tiers = found.tier_names()
         state.found_tail = (found.tail_key, found.tail_blocks)
         tokens = found.chunks.total * chunk + found.tail_blocks * self.kv.block_size
+        tokens = min(tokens, loadable_tokens(prompt_tokens, self.kv.block_size))
         return max(0, tokens - num_computed_tokens)
 
     def note_match_s(self, seconds: float) -> None:
@@ -291,9 +298,8 @@ class SchedulerSide:
         self.stats["hit_tokens"] += num_external_tokens
         for tier, tokens in self.hit_sources(request, num_external_tokens).items():
             self.stats[f"hit_tokens_{tier}"] += tokens
-        state.load_chunks, rest = divmod(
-            computed + num_external_tokens, self.kv.layout.chunk_tokens
-        )
+        covered = covered_tokens(computed + num_external_tokens, self.kv.block_size)
+        state.load_chunks, rest = divmod(covered, self.kv.layout.chunk_tokens)
         # vLLM takes what it was offered, or (rarely) less: a tail only if all of it fits
         whole_tail = rest == state.found_tail[1] * self.kv.block_size
         state.load_tail = state.found_tail if whole_tail else (b"", 0)

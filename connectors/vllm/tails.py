@@ -2,9 +2,14 @@
 at the engine's block granularity. Runs in vLLM's scheduler process (the scheduler half and
 its lookup thread).
 
-A hit may supply every prompt token but the last (vLLM computes at least one), in whole engine
-blocks: `loadable_tokens`. Whole chunks cover that up to a chunk boundary; the blocks between
-it and the loadable end are the tail, stored as one block of fewer tokens than a chunk under
+A computed prompt holds its tokens in whole engine blocks up to `stored_tokens` (a partly
+filled last block is never stored). A hit may supply every prompt token but the last (vLLM
+computes at least one) that those blocks hold: `loadable_tokens`, so a prompt that fills its
+last block loads that block too, and vLLM computes its last token alone. Whole chunks cover
+the stored blocks up to a chunk boundary; the blocks between it and the stored end are the
+tail (where the stored end is a chunk boundary, its last chunk but one block: a prompt that
+shares all of that chunk's tokens but the last block's still loads them), stored as one block
+of fewer tokens than a chunk under
 `kvstore.keys.tail_key(parent, tail tokens)`: a key of its own person and of exactly those
 tokens, so a tail never answers for a whole chunk, and a longer prompt finds a shorter one's
 tail only by asking for those tokens. A tail chains on the last whole chunk before it (the
@@ -20,9 +25,27 @@ from kvstore.keys import tail_key
 MAX_CANDIDATES = 64  # tail lengths a lookup tries at most (engine blocks per chunk - 1)
 
 
+def stored_tokens(prompt_tokens: int, block_size: int) -> int:
+    """The prompt's tokens in whole engine blocks: what its chunks and tail store."""
+    return prompt_tokens // block_size * block_size
+
+
 def loadable_tokens(prompt_tokens: int, block_size: int) -> int:
-    """The most tokens a hit may supply: all but the last prompt token, in whole blocks."""
-    return max(0, prompt_tokens - 1) // block_size * block_size
+    """The most tokens a hit may supply: all but the last prompt token, from whole blocks (not
+    a multiple of the block size where the prompt fills its last block)."""
+    return min(max(0, prompt_tokens - 1), stored_tokens(prompt_tokens, block_size))
+
+
+def tail_end(prompt_tokens: int, chunk_tokens: int, block_size: int) -> int:
+    """Where a computed prompt's tail ends: at its stored tokens; where those end on a chunk
+    boundary (its last chunk is stored whole), one block before it."""
+    end = stored_tokens(prompt_tokens, block_size)
+    return end - block_size if end and end % chunk_tokens == 0 else end
+
+
+def covered_tokens(tokens: int, block_size: int) -> int:
+    """The tokens of the whole blocks that hold `tokens` (the blocks a load fills)."""
+    return -(-tokens // block_size) * block_size
 
 
 def tail_candidates(
@@ -34,9 +57,9 @@ def tail_candidates(
     block_size: int,
 ) -> list[tuple[bytes, int]]:
     """(tail key, engine blocks) of every tail that may follow the first `chunks` whole chunks
-    within the loadable tokens, longest first; [] when none fits or nothing chains it."""
+    within the stored tokens, longest first; [] when none fits or nothing chains it."""
     start = chunks * chunk_tokens
-    room = min(chunk_tokens - block_size, loadable_tokens(len(token_ids), block_size) - start)
+    room = min(chunk_tokens - block_size, stored_tokens(len(token_ids), block_size) - start)
     parent = chain_keys[chunks - 1] if chunks else root
     if parent is None or room < block_size:
         return []
@@ -55,8 +78,8 @@ def prompt_tail(
     block_size: int,
 ) -> tuple[bytes, int, int] | None:
     """(tail key, whole chunks before it, engine blocks) of the tail a computed prompt saves,
-    or None (its loadable tokens end on a chunk boundary, or nothing chains it)."""
-    end = loadable_tokens(len(token_ids), block_size)
+    or None (nothing chains it, or no block is left: `tail_end`)."""
+    end = tail_end(len(token_ids), chunk_tokens, block_size)
     chunks, rest = divmod(end, chunk_tokens)
     parent = chain_keys[chunks - 1] if chunks else root
     if not rest or parent is None:

