@@ -7,9 +7,9 @@ filled last block is never stored). A hit may supply every prompt token but the 
 computes at least one) that those blocks hold: `loadable_tokens`, so a prompt that fills its
 last block loads that block too, and vLLM computes its last token alone. Whole chunks cover
 the stored blocks up to a chunk boundary; the blocks between it and the stored end are the
-tail (where the stored end is a chunk boundary, its last chunk but one block: a prompt that
-shares all of that chunk's tokens but the last block's still loads them), stored as one block
-of fewer tokens than a chunk under
+tail (where the stored end is a chunk boundary, the whole blocks before the last token: a
+prompt that shares all of the last chunk but its last block still loads those), stored as one
+block of fewer tokens than a chunk under
 `kvstore.keys.tail_key(parent, tail tokens)`: a key of its own person and of exactly those
 tokens, so a tail never answers for a whole chunk, and a longer prompt finds a shorter one's
 tail only by asking for those tokens. A tail chains on the last whole chunk before it (the
@@ -38,9 +38,11 @@ def loadable_tokens(prompt_tokens: int, block_size: int) -> int:
 
 def tail_end(prompt_tokens: int, chunk_tokens: int, block_size: int) -> int:
     """Where a computed prompt's tail ends: at its stored tokens; where those end on a chunk
-    boundary (its last chunk is stored whole), one block before it."""
+    boundary (its last chunk is stored whole), at the whole blocks before its last token."""
     end = stored_tokens(prompt_tokens, block_size)
-    return end - block_size if end and end % chunk_tokens == 0 else end
+    if end % chunk_tokens == 0:
+        return max(0, prompt_tokens - 1) // block_size * block_size
+    return end
 
 
 def covered_tokens(tokens: int, block_size: int) -> int:

@@ -33,15 +33,15 @@ def test_a_hit_may_load_all_but_the_last_token_that_whole_blocks_hold():
 
 
 def test_a_prompt_saves_the_whole_blocks_between_its_last_whole_chunk_and_its_end():
-    # 1,792 tokens: 7 whole chunks hold every block; its tail is the 7th chunk but one block,
-    # for prompts that share all of it but its last block
+    # 1,792 tokens: 7 whole chunks hold every block; its tail is the blocks before its last
+    # token past the 6th, for prompts that share all of the 7th chunk but its last block
     ragged, filled, exact = list(range(1700)), list(range(1664)), list(range(1792))
     for tokens in (ragged, filled, exact):
         key, chunks, blocks = prompt_tail(tokens, keys_of(tokens), ROOT, CHUNK, BLOCK)
         assert (chunks, blocks) == (6, 1)
         assert key == tail_key(keys_of(tokens)[5], tokens[1536:1664])
-    aligned = list(range(1537))  # stored: 1,536 tokens, 6 whole chunks: the 6th but one block
-    assert prompt_tail(aligned, keys_of(aligned), ROOT, CHUNK, BLOCK)[1:] == (5, 1)
+    aligned = list(range(1537))  # stored: 1,536 tokens, 6 whole chunks, nothing after
+    assert prompt_tail(aligned, keys_of(aligned), ROOT, CHUNK, BLOCK) is None
     assert prompt_tail(list(range(256)), keys_of(range(256)), ROOT, CHUNK, BLOCK)[1:] == (0, 1)
     short = list(range(200))  # no whole chunk: the tail chains on the root (or on nothing)
     assert prompt_tail(short, [], ROOT, CHUNK, BLOCK)[1:] == (0, 1)

@@ -2,7 +2,7 @@
 chunks of 256 tokens, engine blocks of 128, as on vLLM's own serving benchmark. Before, a
 repeated 1,792-token prompt (7 whole chunks) loaded 6 and recomputed 256 tokens, and a
 1,700-token one never stored its last 164. Now engine 1 stores each prompt's tail (the whole
-blocks between its last whole chunk and its end; the 7th chunk but one block for the first),
+blocks between its last whole chunk and its end; for the first, the blocks before its last token),
 and engine 2, a fresh process, loads all
 but the last token of the 1,792-token prompt (its 7 chunks: vLLM computes one token) and all
 but the last, partly filled block of the 1,700-token one, with greedy tokens identical to a
