@@ -2,6 +2,8 @@
 output is deterministic, prefix caching hits whole blocks, and the paged KV layout the connector
 copies is pinned against the model's own K/V projections."""
 
+import contextlib
+import sys
 from importlib.util import find_spec
 
 import pytest
@@ -18,11 +20,32 @@ LAYER_NAMES = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 NUM_KV_HEADS, HEAD_DIM = 2, 32  # build_tiny_llama defaults
 
 
+@contextlib.contextmanager
+def without_llvmlite():
+    """llvmlite's modules out of sys.modules while an in-process engine starts: vLLM scans every
+    loaded module's attributes then, and llvmlite's `lib` answers any attribute (vars() of it is
+    no dict), which fails the scan once an earlier test of this process loaded numba."""
+    hidden = {
+        name: sys.modules.pop(name) for name in list(sys.modules) if name.startswith("llvmlite")
+    }
+    try:
+        yield
+    finally:
+        sys.modules.update(hidden)
+
+
 @pytest.fixture(scope="module")
 def llm(vllm_inprocess_env, tiny_llama_fp32):
     from vllm import LLM
 
-    engine = LLM(
+    with without_llvmlite():
+        engine = _engine(LLM, tiny_llama_fp32)
+    yield engine
+    engine.llm_engine.engine_core.shutdown()
+
+
+def _engine(LLM, tiny_llama_fp32):
+    return LLM(
         model=str(tiny_llama_fp32),
         tokenizer=str(tiny_llama_fp32),
         dtype="float32",
@@ -32,8 +55,6 @@ def llm(vllm_inprocess_env, tiny_llama_fp32):
         block_size=BLOCK_TOKENS,
         seed=0,
     )
-    yield engine
-    engine.llm_engine.engine_core.shutdown()
 
 
 @pytest.fixture(scope="module")
