@@ -5,6 +5,7 @@ the agent asks the service what its view cannot answer."""
 
 import json
 import signal
+import threading
 from contextlib import contextmanager
 
 import pytest
@@ -23,6 +24,7 @@ from tests.metadata.servers import start_cli, wait_until
 from tests.node.agents import running_agent, start_node_process
 
 KEYS = chunk_keys(Namespace("sha256:model", "layout"), range(256 * 8), 256)
+OTHER_KEYS = chunk_keys(Namespace("sha256:other-model", "layout"), range(256 * 50), 256)
 PAYLOAD = 100_000
 
 
@@ -55,6 +57,20 @@ class FakePeer:
     def evict(self, keys, tier="host") -> None:
         entries = [BlockEntry(bytes(key), tier) for key in keys]
         self.client.unpublish(self.node_id, self.lease, "t", entries)
+
+
+def await_admission(events, peer: FakePeer) -> None:
+    """Return once the service admitted the stream of `events`: it carries an event. The
+    stream opens lazily, and an event published before it is admitted never reaches it (CI
+    once waited here for the next event, node-b's expiry, a minute later): the peer publishes
+    keys outside KEYS until one arrives."""
+    arrived = threading.Event()
+    threading.Thread(target=lambda: (next(events), arrived.set()), daemon=True).start()
+    for filler in OTHER_KEYS:
+        peer.publish([filler])
+        if arrived.wait(0.2):
+            return
+    raise AssertionError("the service never admitted the event stream")
 
 
 def agent_at(tmp_path, address, **settings):
@@ -245,9 +261,9 @@ def test_an_agent_refused_a_stream_slot_asks_the_service_until_it_gets_one(tmp_p
         other = MetadataClient(address)
         taken = other.open_events()  # holds the `*` scope's one stream slot...
         try:
-            events = iter(taken)
-            FakePeer(address, "node-b").publish(KEYS[:3])
-            next(events)  # ...once the service admitted it (before, the agent could take it)
+            peer = FakePeer(address, "node-b")
+            await_admission(iter(taken), peer)  # before, the agent could take the slot
+            peer.publish(KEYS[:3])
             with agent_at(tmp_path, address) as a:
                 assert wait_until(lambda: a.view.counters["refused"] >= 1, timeout_s=30)
                 assert remote_hits(a.config.socket_path, KEYS) == 3, "from the service"
