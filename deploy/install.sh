@@ -6,7 +6,7 @@
 #   --editable       pip install -e (CI); default: a regular install (images)
 #   --torch VERSION  the torch to install first (default 2.13.0, the CPU build); `none` keeps the
 #                    environment's torch (the CUDA image's, which vLLM brings)
-#   --extras LIST    the project's extras, comma-separated (test, ucx, vllm, plan, events)
+#   --extras LIST    the project's extras, comma-separated (test, ucx, vllm, plan, events, lmcache, docs)
 #   --dry-run        print the commands, run nothing
 #   SOURCE           the project directory (default: this script's parent)
 set -euo pipefail

@@ -17,8 +17,8 @@ from pathlib import Path
 from kvstore.config import read_secret_file
 from kvstore.errors import ConfigError
 from kvstore.eviction import policy_names
-from kvstore.metadata.auth import load_tokens
-from kvstore.metadata.server import MetadataConfig
+from kvstore.metadata.server.auth import load_tokens
+from kvstore.metadata.server.server import MetadataConfig
 from kvstore.node.agent import NodeConfig
 from kvstore.node.identity import WorkerCredentials
 from kvstore.serve_secrets import ServeSecrets
@@ -83,7 +83,7 @@ def _metadata_problems(config: MetadataConfig, embedded: bool = False) -> Proble
     if config.backend == "redis":
         problems.attempt(check_redis_url, config.redis_url)
     if config.backend == "redis-cluster":
-        from kvstore.metadata.redis_cluster import cluster_seeds
+        from kvstore.metadata.index.redis_cluster import cluster_seeds
 
         problems.attempt(cluster_seeds, config.redis_url)
     if config.token_file is not None:

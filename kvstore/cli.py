@@ -44,7 +44,7 @@ def _plan(args: argparse.Namespace) -> dict | int:
 
 def _metadata_config(args: argparse.Namespace, **overrides):
     from kvstore.config import build_config, read_toml_section
-    from kvstore.metadata.server import MetadataConfig
+    from kvstore.metadata.server.server import MetadataConfig
 
     flags = {name: getattr(args, name, None) for name in _METADATA_FLAGS}
     flags.update(overrides)

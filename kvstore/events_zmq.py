@@ -20,7 +20,7 @@ import zmq
 
 from kvstore.errors import ConfigError
 from kvstore.metadata.client import MetadataClient
-from kvstore.metadata.follow import EventFollower
+from kvstore.metadata.client.follow import EventFollower
 from kvstore.tier import STORED
 
 logger = logging.getLogger(__name__)

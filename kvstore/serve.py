@@ -10,7 +10,7 @@ import faulthandler
 import logging
 import sys
 
-from kvstore.metadata.server import MetadataConfig, MetadataServer
+from kvstore.metadata.server.server import MetadataConfig, MetadataServer
 from kvstore.node.agent import NodeAgent, NodeConfig
 from kvstore.stop_signals import StopSignals
 

@@ -14,7 +14,7 @@ from kvstore.config import build_config
 from kvstore.errors import ConfigError
 from kvstore.keys import Namespace, chunk_keys
 from kvstore.metadata.client import MetadataClient
-from kvstore.metadata.server import MetadataConfig
+from kvstore.metadata.server.server import MetadataConfig
 from tests.metadata.servers import health_status, start_cli, wait_until
 
 # Kubernetes' default terminationGracePeriodSeconds: a stop must fit in it (it takes ~2 s on an

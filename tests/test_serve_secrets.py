@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from kvstore.errors import ConfigError
-from kvstore.metadata.auth import load_tokens
+from kvstore.metadata.server.auth import load_tokens
 from kvstore.serve_secrets import ServeSecrets, read_own_secret
 
 

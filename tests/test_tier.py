@@ -5,13 +5,13 @@ table the metadata service's clients use (DEADLINE_EXCEEDED was missing from the
 import grpc
 import pytest
 
-from connectors.vllm import events as vllm_events
-from connectors.vllm import scheduler
 from kvstore import errors, tier
 from kvstore.client import TIER_OF_CODE, TIERS, _error
+from kvstore.connectors.vllm import events as vllm_events
+from kvstore.connectors.vllm import scheduler
 from kvstore.events_zmq import MEDIUM_OF_TIER
 from kvstore.metadata import status, wire
-from kvstore.metadata.index import TIERS as STORED_TIERS
+from kvstore.metadata.records import TIERS as STORED_TIERS
 from kvstore.node.session import REMOTE_CODE, TIER_CODES
 from kvstore.v1 import agent_pb2, metadata_pb2
 

@@ -172,7 +172,7 @@ def echo_samples(
     address: str, payload: bytes, duration_s: float, start=None, way: str = "unary"
 ) -> list[float]:
     """Timed echoes: unary calls; "stream", messages on one open call, sent and read as the
-    metadata client's LookupStream calls are (kvstore/metadata/lookup_calls.py); "tcp", a
+    metadata client's LookupStream calls are (kvstore/metadata/client/lookup_calls.py); "tcp", a
     send and the reads of its echo on one TCP connection."""
     if way == "tcp":
         return _tcp_echo_samples(address, payload, duration_s, start)

@@ -40,7 +40,7 @@ from kvstore.bench.timing import check_runs, machine_info
 from kvstore.errors import ConfigError
 from kvstore.framing import LENGTH_BYTES
 from kvstore.metadata.client import MetadataClient
-from kvstore.metadata.index import BlockEntry, NodeRecord
+from kvstore.metadata.records import BlockEntry, NodeRecord
 from kvstore.node.view import ClusterView
 from kvstore.v1 import agent_pb2 as agent_pb
 from kvstore.v1 import metadata_pb2 as pb

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from kvstore.bench.cluster import _die_with_parent
 from kvstore.errors import KVStoreError, LeaseError, NotFoundError
 from kvstore.metadata.client import MetadataClient
-from kvstore.metadata.index import BlockEntry, NodeRecord
+from kvstore.metadata.records import BlockEntry, NodeRecord
 
 logger = logging.getLogger(__name__)
 

@@ -86,7 +86,7 @@ def _kvstore(root: Path, spec: StoreSpec) -> Backing:
     extra.update(spec.kvstore_settings)
     transfer = {
         "kv_connector": "KVStoreConnector",
-        "kv_connector_module_path": "connectors.vllm.connector",
+        "kv_connector_module_path": "kvstore.connectors.vllm.connector",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": extra,

@@ -29,11 +29,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from connectors.sglang.cpu_imports import allow_host_pool_imports
 from kvstore.bench import peers
 from kvstore.bench.timing import check_runs, gbps, machine_info, time_s
 from kvstore.block import HEADER_BYTES
 from kvstore.client import KVStoreClient
+from kvstore.connectors.sglang.cpu_imports import allow_host_pool_imports
 from kvstore.keys import KEY_BYTES
 
 LLAMA_8B = {"layers": 32, "heads": 8, "head_dim": 128, "page_tokens": 64}
@@ -155,7 +155,7 @@ def backend_for(socket_path: Path, pool, **extra):
     config = storage_config(
         {
             "backend_name": "kvstore",
-            "module_path": "connectors.sglang.backend",
+            "module_path": "kvstore.connectors.sglang.backend",
             "class_name": "KVStoreHiCacheStorage",
             "interface_v1": 1,
             "socket_path": str(socket_path),

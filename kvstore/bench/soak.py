@@ -32,8 +32,8 @@ from kvstore.bench.cluster import (
 )
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.metadata.client import MetadataClient
-from kvstore.metadata.index import IndexEvent
-from kvstore.metadata.ring import EventRing
+from kvstore.metadata.index.ring import EventRing
+from kvstore.metadata.records import IndexEvent
 
 logger = logging.getLogger(__name__)
 ROLES = ("metadata", "agent", "worker")
@@ -72,7 +72,7 @@ def sample(cluster: Cluster, metadata=None) -> dict[str, float]:
 
 
 def default_max_events() -> int:
-    from kvstore.metadata.server import MetadataConfig
+    from kvstore.metadata.server.server import MetadataConfig
 
     return next(f.default for f in dataclasses.fields(MetadataConfig) if f.name == "max_events")
 

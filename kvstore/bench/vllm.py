@@ -59,7 +59,7 @@ def _engine(model: Path, socket_path: Path | None):
         if socket_path is None
         else KVTransferConfig(
             kv_connector="KVStoreConnector",
-            kv_connector_module_path="connectors.vllm.connector",
+            kv_connector_module_path="kvstore.connectors.vllm.connector",
             kv_role="kv_both",
             kv_load_failure_policy="recompute",
             kv_connector_extra_config={

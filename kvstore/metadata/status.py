@@ -10,6 +10,10 @@ import grpc
 
 from kvstore import errors
 
+# the trailing metadata of a call refused for want of a stream slot (server/slots.py sends it;
+# RESOURCE_EXHAUSTED has other causes)
+REFUSED_A_SLOT = ("kvstore-refused", "stream-slots")
+
 # Most specific first: the first matching class wins.
 STATUS_FOR: list[tuple[type[Exception], grpc.StatusCode]] = [
     (errors.PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),

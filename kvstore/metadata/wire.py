@@ -1,4 +1,5 @@
-"""Validation and conversion between protocol messages and the index's records.
+"""Validation and conversion between protocol messages and the index's records; the lookup
+port's framing.
 
 Runs in the metadata service (requests in, responses out) and in its clients. Every check
 raises ConfigError with a message saying which field is wrong and why: INVALID_ARGUMENT.
@@ -8,13 +9,14 @@ from __future__ import annotations
 
 import operator
 import re
+import struct
 from collections.abc import Iterator, Sequence
 
 from google.protobuf.message import DecodeError, Message
 
 from kvstore.errors import ConfigError
 from kvstore.keys import KEY_BYTES
-from kvstore.metadata.index import TIERS, BlockEntry, Holding, NodeRecord
+from kvstore.metadata.records import TIERS, BlockEntry, Holding, NodeRecord
 from kvstore.tier import STORED
 from kvstore.v1 import metadata_pb2 as pb
 
@@ -23,6 +25,21 @@ MAX_ADDRESS_CHARS = 256  # stored per node and returned in every lookup that nam
 TIER_TO_PROTO = {stored.name: stored.proto for stored in STORED}
 PROTO_TO_TIER = {stored.proto: stored.name for stored in STORED}
 _NODE_ID, _TIER = operator.attrgetter("node_id"), operator.attrgetter("tier")
+
+# The lookup port's framing (server/lookup_connection.py answers it, client/lookup_sockets.py
+# asks through it): a 4-byte little-endian length, then the message.
+LOOKUP_FRAMING_VERSION = 1  # LookupHello.version: of the framing and the messages framed
+LENGTH = struct.Struct("<I")
+
+
+def frame(message: Message) -> bytes:
+    payload = message.SerializeToString()
+    return LENGTH.pack(len(payload)) + payload
+
+
+def status_frame(code: int, message: str = "") -> bytes:
+    """A LookupStreamResponse carrying only a status (`code`: a grpc.StatusCode's number)."""
+    return frame(pb.LookupStreamResponse(status_code=code, status_message=message))
 
 
 def parse(request_cls: type[Message], payload: bytes) -> Message:

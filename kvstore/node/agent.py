@@ -19,8 +19,8 @@ from kvstore.config import read_secret_file
 from kvstore.errors import ConfigError
 from kvstore.eviction import make_policy
 from kvstore.metadata.client import MetadataClient
-from kvstore.metadata.index import NodeRecord
-from kvstore.metadata.token_file import TokenFile
+from kvstore.metadata.client.token_file import TokenFile
+from kvstore.metadata.records import NodeRecord
 from kvstore.node.control import ControlLimits, ControlServer
 from kvstore.node.demotion import DemotionThread, free_pages_target
 from kvstore.node.identity import WorkerCredentials, WorkerIdentity

@@ -26,7 +26,7 @@ from kvstore.errors import (
 )
 from kvstore.events import BlockEvent, EventKind
 from kvstore.metadata.client import LookupResult, MetadataClient
-from kvstore.metadata.index import BlockEntry, NodeRecord
+from kvstore.metadata.records import BlockEntry, NodeRecord
 from kvstore.retry import Backoff
 from kvstore.store import TieredStore
 

@@ -103,7 +103,7 @@ class AgentCollector(Collector):
         yield from self._bounds(stats)
 
     def _bounds(self, stats: dict):
-        """What the agent refused or holds at its bounds (see README: Workers and tenants)."""
+        """What the agent refused or holds at its bounds (docs/security.md: Workers and tenants)."""
         refused = CounterMetricFamily(
             "kvstore_agent_refused_connections", "Worker connections refused", labels=["reason"]
         )

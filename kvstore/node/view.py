@@ -12,7 +12,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 
 from kvstore.metadata.client import SnapshotPage
-from kvstore.metadata.index import TIERS
+from kvstore.metadata.records import TIERS
 from kvstore.node.identity import ALL_TENANTS
 
 KEY_OBJECT_BYTES = (sys.getsizeof(bytes(16)) + 7) & ~7  # one 16-byte key as pymalloc stores it

@@ -18,7 +18,7 @@ from kvstore.errors import (
 )
 from kvstore.metadata import wire
 from kvstore.metadata.client import MetadataClient
-from kvstore.metadata.follow import StreamThread
+from kvstore.metadata.client.follow import StreamThread
 from kvstore.node.identity import ALL_TENANTS
 from kvstore.node.link import DEFAULT_BACKOFF
 from kvstore.node.view import ClusterView

@@ -154,7 +154,7 @@ def _engine(model_dir: Path, socket_path: Path):
 
     transfer = KVTransferConfig(
         kv_connector="KVStoreConnector",
-        kv_connector_module_path="connectors.vllm.connector",
+        kv_connector_module_path="kvstore.connectors.vllm.connector",
         kv_role="kv_both",
         kv_load_failure_policy="recompute",
         kv_connector_extra_config={"socket_path": str(socket_path), "chunk_tokens": CHUNK_TOKENS},

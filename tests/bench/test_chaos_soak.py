@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.bench.soak import ring_bytes_per_event, ring_report
-from kvstore.metadata.index import BlockEntry, NodeRecord
+from kvstore.metadata.records import BlockEntry, NodeRecord
 from tests.metadata.servers import client_for, running_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]

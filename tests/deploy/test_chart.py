@@ -183,7 +183,7 @@ def test_rdma_adds_ipc_lock_and_nothing_else():
 
 
 def test_sidecar_examples_share_only_the_socket_directory():
-    from connectors.vllm.config import ConnectorSettings
+    from kvstore.connectors.vllm.config import ConnectorSettings
 
     rendered = render(CHART / "ci" / "sidecar-values.yaml")
     assert "DaemonSet" not in {obj["kind"] for obj in rendered}
@@ -208,13 +208,13 @@ def test_sidecar_examples_share_only_the_socket_directory():
         config = json.loads(worker["args"][worker["args"].index(flag[engine]) + 1])
         if engine == "vllm":
             assert config["kv_connector"] == "KVStoreConnector"
-            assert config["kv_connector_module_path"] == "connectors.vllm.connector"
+            assert config["kv_connector_module_path"] == "kvstore.connectors.vllm.connector"
             settings = ConnectorSettings.from_extra_config(config["kv_connector_extra_config"])
             assert settings.socket_path == socket_path
         else:
             assert config == {
                 "backend_name": "kvstore",
-                "module_path": "connectors.sglang.backend",
+                "module_path": "kvstore.connectors.sglang.backend",
                 "class_name": "KVStoreHiCacheStorage",
                 "interface_v1": 1,
                 "socket_path": socket_path,

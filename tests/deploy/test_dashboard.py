@@ -161,7 +161,7 @@ def test_the_token_hit_ratio_panel_is_filled_by_worker_lookups(tmp_path):
     from kvstore.client import KVStoreClient
     from kvstore.keys import Namespace, chunk_keys
     from kvstore.metadata.client import MetadataClient
-    from kvstore.metadata.index import BlockEntry, NodeRecord
+    from kvstore.metadata.records import BlockEntry, NodeRecord
 
     [panel] = [p for p in json.loads(DASHBOARD.read_text())["panels"] if p["id"] == 2]
     used = set().union(*(metric_names(target["expr"]) for target in panel["targets"]))

@@ -41,7 +41,7 @@ def sglang_args(*values: str) -> list[str]:
 def test_the_sglang_example_passes_its_tenant():
     """The vLLM example always passed its tenant; the SGLang one dropped it (every engine
     then read and wrote the tenant `default`)."""
-    from connectors.sglang.config import BackendSettings
+    from kvstore.connectors.sglang.config import BackendSettings
 
     args = sglang_args("--set", "sidecar.examples.sglang.tenant=team-a")
     extra = json.loads(flag(args, "--hicache-storage-backend-extra-config"))

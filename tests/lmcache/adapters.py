@@ -29,7 +29,7 @@ def adapter_spec(socket_path, **params) -> str:
     return json.dumps(
         {
             "type": "plugin",
-            "module_path": "connectors.lmcache.adapter",
+            "module_path": "kvstore.connectors.lmcache.adapter",
             "class_name": "KVStoreL2Adapter",
             "adapter_params": {
                 "socket_path": str(socket_path),

@@ -26,7 +26,7 @@ ENV = {
     "HF_HUB_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
     "LMCACHE_DISABLE_BANNER": "1",
-    "PYTHONPATH": str(ROOT),  # lmcache server imports connectors.lmcache.adapter
+    "PYTHONPATH": str(ROOT),  # lmcache server imports kvstore.connectors.lmcache.adapter
 }
 CHUNK_TOKENS = 256
 BLOCK_SIZE = 128

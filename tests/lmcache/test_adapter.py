@@ -8,8 +8,8 @@ from contextlib import contextmanager
 
 import pytest
 
-from connectors.lmcache.adapter import KVStoreL2Adapter
 from kvstore.client import KVStoreClient
+from kvstore.connectors.lmcache.adapter import KVStoreL2Adapter
 from kvstore.errors import ConfigError
 from tests.lmcache.adapters import (
     build_adapter,

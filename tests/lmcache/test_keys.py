@@ -9,7 +9,7 @@ import sys
 
 from lmcache.v1.distributed.api import ObjectKey
 
-from connectors.lmcache.keys import block_key, scope_runs
+from kvstore.connectors.lmcache.keys import block_key, scope_runs
 
 HASH = bytes(range(32))
 KEY = ObjectKey(HASH, "org/model", 3, 0, "")
@@ -18,7 +18,7 @@ KEY = ObjectKey(HASH, "org/model", 3, 0, "")
 def test_a_key_is_the_same_in_another_process():
     code = (
         "from lmcache.v1.distributed.api import ObjectKey;"
-        "from connectors.lmcache.keys import block_key;"
+        "from kvstore.connectors.lmcache.keys import block_key;"
         "print(block_key(ObjectKey(bytes(range(32)), 'org/model', 3, 0, ''), 'default', '').hex())"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from kvstore.metadata.memory import MemoryIndex
+from kvstore.metadata.index.memory import MemoryIndex
 from tests.metadata.certs import write_tls_files
 from tests.metadata.cluster import RedisClusterProcesses
 
@@ -99,7 +99,7 @@ def make_index(kind: str, tmp_path, clock, redis_url=None, **options):
         return MemoryIndex(None, clock=clock, **options)
     if kind == "lmdb":
         return MemoryIndex(tmp_path / "meta", clock=clock, **options)
-    from kvstore.metadata.redis_index import RedisIndex
+    from kvstore.metadata.index.redis_index import RedisIndex
 
     prefix = f"test-{uuid.uuid4().hex[:8]}"
     cluster = kind == "redis-cluster"

@@ -12,9 +12,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore.metadata.client import MetadataClient
-from kvstore.metadata.index import BlockEntry, NodeRecord
-from kvstore.metadata.server import MetadataConfig, MetadataServer
-from kvstore.metadata.service import ServiceLimits
+from kvstore.metadata.records import BlockEntry, NodeRecord
+from kvstore.metadata.server.server import MetadataConfig, MetadataServer
+from kvstore.metadata.server.service import ServiceLimits
 
 FAST_LIMITS = ServiceLimits(min_lease_ttl_ms=200, watch_poll_s=0.1)
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvstore.metadata.index import NodeRecord
+from kvstore.metadata.records import NodeRecord
 from kvstore.v1 import metadata_pb2 as pb
 from tests.metadata.servers import client_for, running_server
 

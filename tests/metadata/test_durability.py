@@ -6,9 +6,9 @@ import lmdb
 import pytest
 
 from kvstore.errors import CapacityError
-from kvstore.metadata.index import BlockEntry, NodeRecord
-from kvstore.metadata.journal import JournalWriter
-from kvstore.metadata.memory import MemoryIndex
+from kvstore.metadata.index.journal import JournalWriter
+from kvstore.metadata.index.memory import MemoryIndex
+from kvstore.metadata.records import BlockEntry, NodeRecord
 from tests.metadata.conftest import FakeClock
 from tests.metadata.servers import client_for, running_server
 

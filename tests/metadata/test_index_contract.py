@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 
 from kvstore.errors import LeaseError, NotFoundError, QuotaExceededError
-from kvstore.metadata.index import TIERS, BlockEntry, NodeRecord
+from kvstore.metadata.records import TIERS, BlockEntry, NodeRecord
 from tests.metadata.conftest import FakeClock, make_index, url_for
 
 KEYS = [bytes([i]) * 16 for i in range(32)]
@@ -222,7 +222,7 @@ def test_stats_equal_a_full_recount_after_every_kind_of_change(backend, tmp_path
 
     def open_index():
         if backend.startswith("redis"):
-            from kvstore.metadata.redis_index import RedisIndex
+            from kvstore.metadata.index.redis_index import RedisIndex
 
             return RedisIndex(
                 redis_url,

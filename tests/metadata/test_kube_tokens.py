@@ -14,11 +14,11 @@ from contextlib import contextmanager
 import pytest
 
 from kvstore.errors import AuthError, ConfigError, PermissionDeniedError, UnavailableError
-from kvstore.metadata import kube_tokens
-from kvstore.metadata.index import BlockEntry, NodeRecord
-from kvstore.metadata.kube_api import KubeApi, in_cluster_url
-from kvstore.metadata.server import MetadataConfig
-from kvstore.metadata.token_file import TokenFile
+from kvstore.metadata.client.token_file import TokenFile
+from kvstore.metadata.records import BlockEntry, NodeRecord
+from kvstore.metadata.server import kube_tokens
+from kvstore.metadata.server.kube_api import KubeApi, in_cluster_url
+from kvstore.metadata.server.server import MetadataConfig
 from kvstore.v1 import metadata_pb2 as pb
 from tests.metadata.kube_apiserver import OWN_TOKEN, REVIEW_PATH, running_apiserver
 from tests.metadata.servers import (

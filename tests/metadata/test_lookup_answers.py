@@ -13,7 +13,7 @@ from contextlib import contextmanager, suppress
 import pytest
 
 from kvstore.errors import UnavailableError
-from kvstore.metadata import lookup_sockets
+from kvstore.metadata.client import lookup_sockets
 from kvstore.v1 import metadata_pb2 as pb
 from tests.metadata.servers import LOOKUP_KEYS, calls, client_for, running_server
 

@@ -11,13 +11,13 @@ import time
 import pytest
 
 from kvstore.errors import AuthError, ConfigError, PermissionDeniedError, UnavailableError
-from kvstore.metadata import lookup_connection, lookup_sockets
-from kvstore.metadata.client import MetadataClient
-from kvstore.metadata.lookup_port import listen_address
-from kvstore.metadata.lookup_sockets import grpc_host
-from kvstore.metadata.memory import MemoryIndex
-from kvstore.metadata.server import MetadataConfig, MetadataServer
-from kvstore.metadata.service import ServiceLimits
+from kvstore.metadata.client import MetadataClient, lookup_sockets
+from kvstore.metadata.client.lookup_sockets import grpc_host
+from kvstore.metadata.index.memory import MemoryIndex
+from kvstore.metadata.server import lookup_connection
+from kvstore.metadata.server.lookup_port import listen_address
+from kvstore.metadata.server.server import MetadataConfig, MetadataServer
+from kvstore.metadata.server.service import ServiceLimits
 from kvstore.v1 import metadata_pb2 as pb
 from tests.metadata.servers import (
     ADMIN,

@@ -16,10 +16,10 @@ from kvstore.errors import (
     PermissionDeniedError,
     UnavailableError,
 )
-from kvstore.metadata import lookup_calls
-from kvstore.metadata.memory import MemoryIndex
-from kvstore.metadata.server import MetadataConfig, MetadataServer
-from kvstore.metadata.service import SERVICE_NAME, ServiceLimits
+from kvstore.metadata.client import lookup_calls
+from kvstore.metadata.index.memory import MemoryIndex
+from kvstore.metadata.server.server import MetadataConfig, MetadataServer
+from kvstore.metadata.server.service import SERVICE_NAME, ServiceLimits
 from kvstore.v1 import metadata_pb2 as pb
 from tests.metadata.servers import (
     ADMIN,

@@ -5,8 +5,8 @@ import os
 import threading
 import time
 
-from kvstore.metadata.index import BlockEntry, NodeRecord
-from kvstore.metadata.memory import MemoryIndex
+from kvstore.metadata.index.memory import MemoryIndex
+from kvstore.metadata.records import BlockEntry, NodeRecord
 
 KEYS = [index.to_bytes(16, "big") for index in range(64)]
 

@@ -12,8 +12,8 @@ import uuid
 import pytest
 
 from kvstore.errors import UnavailableError
-from kvstore.metadata.index import BlockEntry, NodeRecord
-from kvstore.metadata.redis_cluster import ClusterLink
+from kvstore.metadata.index.redis_cluster import ClusterLink
+from kvstore.metadata.records import BlockEntry, NodeRecord
 from tests.metadata.servers import client_for, running_server
 
 BATCH_KEYS = 4
@@ -169,8 +169,8 @@ def test_a_killed_master_is_replaced_and_the_service_keeps_answering(
 
 def test_wait_costs_a_replica_round_trip_per_write(redis_cluster):
     """Same run, same cluster: publish latency at the index without WAIT and with WAIT 1."""
-    from kvstore.metadata.redis_cluster import Durability
-    from kvstore.metadata.redis_index import RedisIndex
+    from kvstore.metadata.index.redis_cluster import Durability
+    from kvstore.metadata.index.redis_index import RedisIndex
 
     p50_us = {}
     for wait in (0, 1):
@@ -196,7 +196,7 @@ def test_wait_costs_a_replica_round_trip_per_write(redis_cluster):
 def test_a_reader_ahead_of_the_index_is_told_of_a_gap(redis_cluster):
     """After a failover lost the newest events, their seqs are issued again for new events: a
     watcher that had read them must resync (KIND_GAP), not skip the new ones silently."""
-    from kvstore.metadata.redis_index import RedisIndex
+    from kvstore.metadata.index.redis_index import RedisIndex
 
     index = RedisIndex(redis_cluster.url, prefix=f"ahead-{uuid.uuid4().hex[:6]}", cluster=True)
     lease = index.register_node(NodeRecord("n1"), 60_000).lease_id
@@ -208,7 +208,7 @@ def test_a_reader_ahead_of_the_index_is_told_of_a_gap(redis_cluster):
 
 
 def test_the_index_slot_is_one_hash_tag_so_every_script_runs_on_one_master(redis_cluster):
-    from kvstore.metadata.redis_index import RedisIndex
+    from kvstore.metadata.index.redis_index import RedisIndex
 
     index = RedisIndex(redis_cluster.url, prefix="tagged", cluster=True)
     lease = index.register_node(NodeRecord("n1"), 10_000).lease_id
@@ -221,7 +221,7 @@ def test_the_index_slot_is_one_hash_tag_so_every_script_runs_on_one_master(redis
 
 def test_a_cluster_url_without_seeds_is_a_config_error():
     from kvstore.errors import ConfigError
-    from kvstore.metadata.redis_cluster import cluster_seeds
+    from kvstore.metadata.index.redis_cluster import cluster_seeds
 
     with pytest.raises(ConfigError, match="must be host:port"):
         cluster_seeds("redis://localhost")
@@ -232,7 +232,7 @@ def test_an_empty_prefix_on_a_cluster_is_a_config_error():
     """An empty prefix made the hash tag "{}", which is no hash tag: the index's keys spread
     over slots and every script failed CROSSSLOT."""
     from kvstore.errors import ConfigError
-    from kvstore.metadata.server import MetadataConfig
+    from kvstore.metadata.server.server import MetadataConfig
 
     with pytest.raises(ConfigError, match="redis_prefix must be non-empty"):
         MetadataConfig(backend="redis-cluster", redis_url="redis://a:1", redis_prefix="")
@@ -247,7 +247,7 @@ def test_a_heartbeat_retried_through_a_failover_cannot_revive_an_expired_lease(r
     import redis
 
     from kvstore.errors import LeaseError
-    from kvstore.metadata.redis_index import RedisIndex
+    from kvstore.metadata.index.redis_index import RedisIndex
     from tests.metadata.conftest import FakeClock
 
     clock = FakeClock()

@@ -7,8 +7,8 @@ import uuid
 import pytest
 import redis
 
-from kvstore.metadata.index import BlockEntry, Holding, NodeRecord
-from kvstore.metadata.redis_index import RedisIndex
+from kvstore.metadata.index.redis_index import RedisIndex
+from kvstore.metadata.records import BlockEntry, Holding, NodeRecord
 from tests.metadata.conftest import FakeClock
 
 

@@ -6,8 +6,8 @@ import uuid
 import pytest
 
 from kvstore.errors import QuotaExceededError, UnavailableError
-from kvstore.metadata.index import BlockEntry, NodeRecord
-from kvstore.metadata.redis_index import RedisIndex
+from kvstore.metadata.index.redis_index import RedisIndex
+from kvstore.metadata.records import BlockEntry, NodeRecord
 from tests.metadata.conftest import FakeClock, free_port
 
 KEYS = [bytes([i]) * 16 for i in range(32)]

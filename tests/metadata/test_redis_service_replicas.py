@@ -5,7 +5,7 @@ import uuid
 from itertools import islice
 
 from kvstore.metadata.client import MetadataClient
-from kvstore.metadata.index import BlockEntry, NodeRecord
+from kvstore.metadata.records import BlockEntry, NodeRecord
 from kvstore.v1 import metadata_pb2 as pb
 from tests.metadata.servers import start_cli, wait_until
 
@@ -58,9 +58,9 @@ def test_snapshot_streams_leave_the_heartbeats_their_threads(redis_url, tmp_path
     import uuid
 
     from kvstore.metadata.client import MetadataClient
-    from kvstore.metadata.index import BlockEntry, NodeRecord
-    from kvstore.metadata.redis_index import RedisIndex
-    from kvstore.metadata.server import MetadataConfig, MetadataServer
+    from kvstore.metadata.index.redis_index import RedisIndex
+    from kvstore.metadata.records import BlockEntry, NodeRecord
+    from kvstore.metadata.server.server import MetadataConfig, MetadataServer
 
     prefix = f"starve-{uuid.uuid4().hex[:8]}"
     filler = RedisIndex(redis_url, prefix=prefix)

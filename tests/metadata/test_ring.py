@@ -7,8 +7,8 @@ from collections import deque
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.metadata.index import IndexEvent
-from kvstore.metadata.ring import EventRing
+from kvstore.metadata.index.ring import EventRing
+from kvstore.metadata.records import IndexEvent
 
 
 def event(seq: int) -> IndexEvent:

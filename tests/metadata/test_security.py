@@ -5,7 +5,7 @@ import pytest
 
 from kvstore.errors import AuthError, PermissionDeniedError, UnavailableError
 from kvstore.metadata.client import MetadataClient
-from kvstore.metadata.index import BlockEntry, NodeRecord
+from kvstore.metadata.records import BlockEntry, NodeRecord
 from tests.metadata.servers import client_for, running_server
 
 ADMIN = "admin-token-0123456789"
@@ -88,7 +88,7 @@ def test_a_node_bound_token_acts_as_its_own_node_only(tmp_path):
 
 def test_a_token_line_with_a_bad_node_binding_is_refused(tmp_path):
     from kvstore.errors import ConfigError
-    from kvstore.metadata.auth import load_tokens
+    from kvstore.metadata.server.auth import load_tokens
 
     path = tmp_path / "tokens"
     for line in (f"{ADMIN} * node=", f"{ADMIN} * nodes=a", f"{ADMIN} * node=a extra"):

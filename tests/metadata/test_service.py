@@ -9,7 +9,7 @@ from itertools import islice
 import pytest
 
 from kvstore.errors import LeaseError
-from kvstore.metadata.index import BlockEntry, NodeRecord
+from kvstore.metadata.records import BlockEntry, NodeRecord
 from kvstore.v1 import metadata_pb2 as pb
 from tests.metadata.servers import client_for, health_status, running_server
 

@@ -8,8 +8,8 @@ import uuid
 import pytest
 
 from kvstore.errors import CapacityError, ConfigError, PermissionDeniedError
-from kvstore.metadata.index import BlockEntry, NodeRecord
-from kvstore.metadata.redis_index import RedisIndex
+from kvstore.metadata.index.redis_index import RedisIndex
+from kvstore.metadata.records import BlockEntry, NodeRecord
 from tests.metadata.conftest import FakeClock, make_index, url_for
 from tests.metadata.servers import client_for, running_server, wait_until
 

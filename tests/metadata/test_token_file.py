@@ -6,12 +6,12 @@ import os
 import pytest
 
 from kvstore.errors import ConfigError
-from kvstore.metadata.token_file import TokenFile
+from kvstore.metadata.client.token_file import TokenFile
 
 
 def test_a_replaced_file_is_read_again_after_the_recheck_interval(tmp_path, monkeypatch):
     now = [100.0]
-    monkeypatch.setattr("kvstore.metadata.token_file.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("kvstore.metadata.client.token_file.time.monotonic", lambda: now[0])
     path = tmp_path / "token"
     path.write_text("first-token\n")
     token_file = TokenFile.read(path)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvstore.metadata.index import BlockEntry, NodeRecord
+from kvstore.metadata.records import BlockEntry, NodeRecord
 from kvstore.v1 import metadata_pb2 as pb
 from kvstore.v1 import metadata_pb2_grpc as pb_grpc
 from tests.metadata.servers import client_for, running_server, wait_until

@@ -7,8 +7,8 @@ import asyncio
 import contextlib
 import threading
 
-from kvstore.metadata.index import EventPage, IndexEvent
-from kvstore.metadata.watch import EventStreams
+from kvstore.metadata.records import EventPage, IndexEvent
+from kvstore.metadata.server.watch import EventStreams
 from kvstore.v1 import metadata_pb2 as pb
 
 POLL_S = 0.2

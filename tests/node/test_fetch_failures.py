@@ -16,7 +16,7 @@ import pytest
 from kvstore.eviction import make_policy
 from kvstore.keys import Namespace, chunk_keys
 from kvstore.metadata.client import LookupResult
-from kvstore.metadata.index import Holding
+from kvstore.metadata.records import Holding
 from kvstore.node.identity import ALL_TENANTS, PeerCredentials, WorkerIdentity
 from kvstore.node.remote import RemoteFetcher
 from kvstore.node.session import RequestCounters, WorkerSession

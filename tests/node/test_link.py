@@ -5,7 +5,7 @@ link keeps its lease and goes on publishing what the service accepts."""
 import logging
 
 from kvstore.events import EventFeed, EventKind
-from kvstore.metadata.index import NodeRecord
+from kvstore.metadata.records import NodeRecord
 from kvstore.node.link import MetadataLink
 from kvstore.retry import Backoff
 from tests.metadata.servers import client_for, running_server, wait_until

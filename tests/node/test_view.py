@@ -16,7 +16,7 @@ from kvstore.bench.peers import free_port, redis_server
 from kvstore.client import KVStoreClient
 from kvstore.keys import Namespace, chunk_keys
 from kvstore.metadata.client import MetadataClient
-from kvstore.metadata.index import BlockEntry, NodeRecord
+from kvstore.metadata.records import BlockEntry, NodeRecord
 from kvstore.node import view_feed
 from kvstore.node.metrics import agent_registry
 from kvstore.retry import Backoff

@@ -5,8 +5,8 @@ got); a reset forgets departed nodes' addresses."""
 
 from kvstore.metadata import wire
 from kvstore.metadata.client import SnapshotPage, lookup_result
-from kvstore.metadata.index import BlockEntry, NodeRecord
-from kvstore.metadata.memory import MemoryIndex
+from kvstore.metadata.index.memory import MemoryIndex
+from kvstore.metadata.records import BlockEntry, NodeRecord
 from kvstore.node.view import ClusterView
 
 

@@ -223,6 +223,6 @@ def test_a_slow_disk_tier_is_computed_not_loaded(tmp_path, slow_disk, tiny_llama
     assert stats["tiers"]["disk"]["used_pages"] >= len(SHARED) * 4, stats
     assert_computed_not_loaded(tmp_path, tiny_llama_fp32, slow_disk, "disk")
     requests = agent_stats(slow_disk)["requests"]
-    # 4 whole chunks and the prompt's tail (connectors/vllm/tails.py), 3 times: the probe's
+    # 4 whole chunks and the prompt's tail (kvstore/connectors/vllm/tails.py), 3 times: the probe's
     # promotion, then its load; SHARED[0] again: only the load (no disk read in either forward)
     assert requests["load_local"] == 3 * (PROMPT_TOKENS // 128 + 1), requests

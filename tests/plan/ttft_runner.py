@@ -37,7 +37,7 @@ def main() -> None:
     if args.socket:
         transfer = KVTransferConfig(
             kv_connector="KVStoreConnector",
-            kv_connector_module_path="connectors.vllm.connector",
+            kv_connector_module_path="kvstore.connectors.vllm.connector",
             kv_role="kv_both",
             kv_load_failure_policy="recompute",
             kv_connector_extra_config={

@@ -69,7 +69,7 @@ def test_views_are_the_pools_own_pages():
     """The bytes copied are the ones SGLang's get_page_buffer_meta names for the page."""
     for layout in ("page_first", "page_first_direct"):
         pool = host_pool(layout, 4, **SHAPE)
-        from connectors.sglang.pages import page_format
+        from kvstore.connectors.sglang.pages import page_format
 
         fmt = page_format(pool, mla=False, codec="raw")
         pointers, sizes = pool.get_page_buffer_meta(page_indices(2, 1))
@@ -164,7 +164,7 @@ def test_refuses_other_layouts_unknown_keys_and_bad_values(tmp_path):
             backend_for(socket_path, host_pool("page_first", 4, **SHAPE), load_timeout_s="10")
         with pytest.raises(ConfigError, match="codec"):
             backend_for(socket_path, host_pool("page_first", 4, **SHAPE), codec="zstd")
-        from connectors.sglang.backend import KVStoreHiCacheStorage
+        from kvstore.connectors.sglang.backend import KVStoreHiCacheStorage
 
         with pytest.raises(ConfigError, match="interface_v1"):
             KVStoreHiCacheStorage(storage_config({"socket_path": str(socket_path)}), {})

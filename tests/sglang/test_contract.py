@@ -12,9 +12,9 @@ import types
 import pytest
 import torch
 
-from connectors.sglang.cpu_imports import allow_host_pool_imports
 from kvstore.bench.sglang import backend_for, host_pool
 from kvstore.client import KVStoreClient
+from kvstore.connectors.sglang.cpu_imports import allow_host_pool_imports
 from kvstore.errors import ConfigError
 from tests.node.agents import running_agent
 
@@ -26,7 +26,7 @@ from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import (  # noqa:
 )
 from sglang.srt.mem_cache.pool_host.mha_mxfp8 import MHATokenToKVPoolMXFP8Host  # noqa: E402
 
-from connectors.sglang.config import BackendSettings  # noqa: E402
+from kvstore.connectors.sglang.config import BackendSettings  # noqa: E402
 
 SHAPE = {"layers": 2, "heads": 2, "head_dim": 16, "page_tokens": 4}
 AGENT = {"host_capacity_bytes": 4 << 20, "page_size_bytes": 64 << 10}
@@ -122,7 +122,7 @@ def test_the_file_storage_path_sglang_adds_is_accepted():
     settings = BackendSettings.from_extra_config(
         {
             "backend_name": "kvstore",
-            "module_path": "connectors.sglang.backend",
+            "module_path": "kvstore.connectors.sglang.backend",
             "class_name": "KVStoreHiCacheStorage",
             "interface_v1": 1,
             "file_storage_path": "/tmp/hicache",  # from --file-storage-path, to every backend

@@ -10,10 +10,10 @@ import torch
 
 pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
 
-from connectors.sglang import copies
-from connectors.sglang.pages import page_format
 from kvstore.bench.sglang import backend_for, host_pool
 from kvstore.client import KVStoreClient
+from kvstore.connectors.sglang import copies
+from kvstore.connectors.sglang.pages import page_format
 from tests.node.agents import running_agent
 
 LAYERS, HEADS, HEAD_DIM, TOKENS = 3, 4, 8, 4

@@ -19,7 +19,7 @@ def python(code: str) -> subprocess.CompletedProcess:
 
 
 ALLOWED = f"""
-from connectors.sglang.cpu_imports import allow_host_pool_imports
+from kvstore.connectors.sglang.cpu_imports import allow_host_pool_imports
 allow_host_pool_imports()
 {HOST_POOLS}
 import importlib.util

@@ -42,7 +42,7 @@ def build_llm(args):
         }
         transfer = KVTransferConfig(
             kv_connector="KVStoreConnector",
-            kv_connector_module_path="connectors.vllm.connector",
+            kv_connector_module_path="kvstore.connectors.vllm.connector",
             kv_role="kv_both",
             kv_connector_extra_config=extra,
             kv_load_failure_policy="recompute",
@@ -144,7 +144,7 @@ def dump_kv(llm, prompt: list[int], path: str) -> None:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
     from vllm.v1.request import Request
 
-    from connectors.vllm.compat import paged_layer_view
+    from kvstore.connectors.vllm.compat import paged_layer_view
     from kvstore.kvcopy.paged import kv_views
 
     core = llm.llm_engine.engine_core.engine_core

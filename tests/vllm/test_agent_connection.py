@@ -3,8 +3,8 @@ for answers as the connector's settings say."""
 
 import pytest
 
-from connectors.vllm.agent import AgentConnection
-from connectors.vllm.config import ConnectorSettings
+from kvstore.connectors.vllm.agent import AgentConnection
+from kvstore.connectors.vllm.config import ConnectorSettings
 from kvstore.errors import ConfigError
 from tests.node.agents import running_agent
 

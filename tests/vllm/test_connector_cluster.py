@@ -69,7 +69,7 @@ def test_two_engines_on_two_hosts_share_a_prefix(tmp_path, two_hosts, baselines,
 def start_api_server(model, socket, port: int, log) -> subprocess.Popen:
     transfer = {
         "kv_connector": "KVStoreConnector",
-        "kv_connector_module_path": "connectors.vllm.connector",
+        "kv_connector_module_path": "kvstore.connectors.vllm.connector",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"socket_path": str(socket), "chunk_tokens": CHUNK_TOKENS},

@@ -12,10 +12,10 @@ import torch
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
-from connectors.vllm.compat import paged_layer_view
-from connectors.vllm.config import ConnectorSettings, EngineKV
-from connectors.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
-from connectors.vllm.worker import WorkerSide
+from kvstore.connectors.vllm.compat import paged_layer_view
+from kvstore.connectors.vllm.config import ConnectorSettings, EngineKV
+from kvstore.connectors.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
+from kvstore.connectors.vllm.worker import WorkerSide
 from kvstore.fingerprint import model_fingerprint
 from kvstore.keys_sglang import head_groups, sglang_page_hashes, shared_namespace
 from kvstore.layout import KVLayout

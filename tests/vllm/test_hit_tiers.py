@@ -4,8 +4,8 @@ down to its disk tier: PROMPT_B finds them on disk, the lookup thread promotes t
 arena, the workers load them, and vLLM's prompt_tokens_cached_by_source counts them as DISK
 (kvstore's own metric as tier=disk); the greedy tokens are the baseline's."""
 
-from connectors.vllm.lookups import chunk_tiers, tokens_by_tier
 from kvstore.client import LookupCounts
+from kvstore.connectors.vllm.lookups import chunk_tiers, tokens_by_tier
 from tests.node.agents import running_agent
 from tests.vllm.engines import CHUNK_TOKENS, PROMPT_A, PROMPT_B, SHARED_CHUNKS, run_engine
 

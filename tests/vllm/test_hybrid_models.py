@@ -19,7 +19,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-from connectors.vllm import compat
+from kvstore.connectors.vllm import compat
 from kvstore.errors import ConfigError
 from tests.node.agents import running_agent
 from tests.vllm.engines import (

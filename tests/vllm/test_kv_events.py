@@ -24,7 +24,7 @@ from tests.vllm.engines import CHUNK_TOKENS, ENV, PROMPT_A, engine_command, next
 BLOCK = 32  # the runner's vLLM block size
 PER_CHUNK = CHUNK_TOKENS // BLOCK
 # The engine's prompts: 4 whole chunks and one token, so that their loadable tokens end on a
-# chunk boundary and no tail (connectors/vllm/tails.py, never announced) takes arena pages.
+# chunk boundary and no tail (kvstore/connectors/vllm/tails.py, never announced) takes arena pages.
 SERVED_A = PROMPT_A[: 4 * CHUNK_TOKENS + 1]
 PROMPT_C = [(i * 11) % 500 + 5 for i in range(4 * CHUNK_TOKENS + 1)]  # nothing in common with A
 PROMPT_D = list(range(5, 5 + BLOCK))  # one block: neither saved nor loaded
@@ -140,10 +140,10 @@ def tracker_and_request(workers: int = 1, max_chunks: int = 16):
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request
 
-    from connectors.vllm.config import EngineKV
-    from connectors.vllm.events import EventLimits, KVEventTracker
-    from connectors.vllm.metadata import SaveSpec
-    from connectors.vllm.scheduler import RequestState
+    from kvstore.connectors.vllm.config import EngineKV
+    from kvstore.connectors.vllm.events import EventLimits, KVEventTracker
+    from kvstore.connectors.vllm.metadata import SaveSpec
+    from kvstore.connectors.vllm.scheduler import RequestState
     from kvstore.keys import Namespace, chunk_keys
     from kvstore.layout import KVLayout
 
@@ -166,7 +166,7 @@ def tracker_and_request(workers: int = 1, max_chunks: int = 16):
 def test_a_chunk_is_announced_once_every_worker_committed_it(vllm_inprocess_env):
     from vllm.distributed.kv_events import MEDIUM_CPU, BlockStored
 
-    from connectors.vllm.events import CommittedChunks
+    from kvstore.connectors.vllm.events import CommittedChunks
 
     tracker, request, keys, _ = tracker_and_request(workers=2)
     tracker.committed(CommittedChunks(keys[1:2]))
@@ -184,7 +184,7 @@ def test_a_chunk_is_announced_once_every_worker_committed_it(vllm_inprocess_env)
 def test_node_events_move_chunks_between_media_and_losses_retract_them(vllm_inprocess_env):
     from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, BlockStored
 
-    from connectors.vllm.events import CommittedChunks
+    from kvstore.connectors.vllm.events import CommittedChunks
 
     tracker, _, keys, kv = tracker_and_request(max_chunks=2)
     tracker.node_id = "host-1"

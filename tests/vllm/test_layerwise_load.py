@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from connectors.vllm.worker import LayerwiseLoad
+from kvstore.connectors.vllm.worker import LayerwiseLoad
 
 NAMES = [f"layer{i}" for i in range(4)]
 

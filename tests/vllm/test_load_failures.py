@@ -8,11 +8,11 @@ from types import SimpleNamespace
 
 import torch
 
-from connectors.vllm.config import ConnectorSettings, EngineKV
-from connectors.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
-from connectors.vllm.worker import WorkerSide
 from kvstore.block import HEADER_BYTES
 from kvstore.client import KVStoreClient
+from kvstore.connectors.vllm.config import ConnectorSettings, EngineKV
+from kvstore.connectors.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
+from kvstore.connectors.vllm.worker import WorkerSide
 from kvstore.keys import Namespace, chunk_keys
 from kvstore.layout import KVLayout
 from tests.node.agents import running_agent
@@ -49,7 +49,7 @@ def held(socket_path, chain_keys) -> int:
 def scheduler_step_meta(sched, prompt, external, scheduled, block_ids):
     """SchedulerSide as vLLM drives it for a new request: update_state_after_alloc with
     `external` tokens to load, then build_connector_meta of the step that schedules it."""
-    from connectors.vllm.scheduler import SchedulerSide  # noqa: F401
+    from kvstore.connectors.vllm.scheduler import SchedulerSide  # noqa: F401
 
     request = SimpleNamespace(
         request_id="r",
@@ -85,7 +85,7 @@ def test_saves_computed_over_a_failed_load_are_not_committed(tmp_path):
     there, and chunks 1-2, computed by attention over blocks never loaded, are not committed
     (they were: every later hit on this prefix, on any engine, loaded wrong KV that the
     checksums could not catch, being of the wrong bytes)."""
-    from connectors.vllm.scheduler import SchedulerSide
+    from kvstore.connectors.vllm.scheduler import SchedulerSide
 
     with running_agent(tmp_path, **AGENT) as agent:
         settings = ConnectorSettings(socket_path=str(agent.config.socket_path))
@@ -216,8 +216,8 @@ def test_saves_are_waited_for_before_a_forward_only_after_a_preemption(tmp_path)
     during an asynchronous load), it failed vLLM's `assert req_id in self.requests`."""
     from types import SimpleNamespace
 
-    from connectors.vllm.connector import KVStoreConnector
-    from connectors.vllm.scheduler import SchedulerSide
+    from kvstore.connectors.vllm.connector import KVStoreConnector
+    from kvstore.connectors.vllm.scheduler import SchedulerSide
 
     with running_agent(tmp_path, **AGENT) as agent:
         settings = ConnectorSettings(socket_path=str(agent.config.socket_path))

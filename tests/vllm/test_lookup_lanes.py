@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from connectors.vllm.config import ConnectorSettings
-from connectors.vllm.lookups import LookupQueue
 from kvstore.client import LookupCounts
+from kvstore.connectors.vllm.config import ConnectorSettings
+from kvstore.connectors.vllm.lookups import LookupQueue
 from kvstore.errors import ConfigError
 
 STAGE_S = 0.5

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from connectors.vllm.config import ConnectorSettings, engine_kv
+from kvstore.connectors.vllm.config import ConnectorSettings, engine_kv
 from kvstore.keys_sglang import sglang_page_hashes
 
 CHUNK = 64  # SGLang's page size = the connector's chunk_tokens (2 vLLM blocks of 32)

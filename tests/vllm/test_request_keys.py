@@ -4,8 +4,8 @@ prompts keep the namespace's keys, and what cannot be keyed bypasses the store."
 
 import pytest
 
-from connectors.vllm.config import EngineKV
-from connectors.vllm.request_keys import (
+from kvstore.connectors.vllm.config import EngineKV
+from kvstore.connectors.vllm.request_keys import (
     BYPASS_LORA_NOT_LOCAL,
     BYPASS_PROMPT_EMBEDS,
     RequestKeys,
@@ -115,7 +115,7 @@ def test_what_cannot_be_keyed_bypasses_the_store(tmp_path):
 def namespace_of(model, **engine_args):
     from vllm.engine.arg_utils import EngineArgs
 
-    from connectors.vllm.config import ConnectorSettings, engine_kv
+    from kvstore.connectors.vllm.config import ConnectorSettings, engine_kv
 
     args = EngineArgs(model=str(model), dtype="float32", block_size=32, **engine_args)
     return engine_kv(args.create_engine_config(), ConnectorSettings(chunk_tokens=CHUNK)).namespace

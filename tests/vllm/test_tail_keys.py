@@ -1,7 +1,7 @@
-"""Tails' keys and lengths (connectors/vllm/tails.py): what a hit may load past the whole
+"""Tails' keys and lengths (kvstore/connectors/vllm/tails.py): what a hit may load past the whole
 chunks, at the engine's block granularity, and keys that never name a whole chunk."""
 
-from connectors.vllm.tails import (
+from kvstore.connectors.vllm.tails import (
     covered_tokens,
     loadable_tokens,
     prompt_tail,

@@ -3,7 +3,7 @@ agent: the stats that travel from the connector halves to vLLM's stat loggers su
 and the engine's Prometheus registry shows kvstore's hits, bytes and latencies and the hit
 tokens by source beside vLLM's own."""
 
-from connectors.vllm.stats import KVStoreConnectorStats
+from kvstore.connectors.vllm.stats import KVStoreConnectorStats
 from tests.node.agents import running_agent
 from tests.vllm.engines import CHUNK_TOKENS, PROMPT_A, PROMPT_B, SHARED_CHUNKS, run_engine
 

@@ -6,11 +6,11 @@ the stale views read the next block's bytes, 0xbb where 0xaa was loaded)."""
 
 import torch
 
-from connectors.vllm.config import ConnectorSettings, EngineKV
-from connectors.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
-from connectors.vllm.worker import WorkerSide
 from kvstore.block import HEADER_BYTES
 from kvstore.client import KVStoreClient
+from kvstore.connectors.vllm.config import ConnectorSettings, EngineKV
+from kvstore.connectors.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
+from kvstore.connectors.vllm.worker import WorkerSide
 from kvstore.keys import Namespace, chunk_keys
 from kvstore.layout import KVLayout
 from tests.node.agents import running_agent

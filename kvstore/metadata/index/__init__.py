@@ -1,0 +1,1 @@
+"""The metadata service's index backends, behind the interface in base.py."""

@@ -1,0 +1,84 @@
+"""The index interface of the metadata service: nodes with leases, block holdings, events.
+
+Implemented by the embedded in-memory/LMDB index and the Redis index; run inside the metadata
+service process, called from many threads at once and, where `nonblocking_reads`, from the
+gRPC loop for reads (implementations lock). Inputs arrive validated by the service; the index
+enforces leases and quotas.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+from kvstore.errors import ConfigError
+from kvstore.metadata.records import BlockEntry, EventPage, Holding, NodeRecord
+
+
+class MetadataIndex(ABC):
+    """Who holds which (tenant, key) in which tier, under node leases. Thread-safe."""
+
+    backend: str = ""
+    nonblocking_reads: bool = False  # lookup/live_nodes/stats do no I/O: safe on an event loop
+    incarnation: int = 0  # changes when the index restarts without its state; 0: unknown
+
+    @abstractmethod
+    def register_node(self, node: NodeRecord, lease_ttl_ms: int) -> NodeRecord:
+        """Add or replace a node and grant it a new lease. Re-registering keeps its holdings."""
+
+    @abstractmethod
+    def heartbeat(self, node_id: str, lease_id: int) -> NodeRecord:
+        """Extend a lease. NotFoundError for an unknown node; LeaseError for a stale lease id
+        or an expired lease (whose holdings are already gone)."""
+
+    @abstractmethod
+    def deregister_node(self, node_id: str, lease_id: int) -> int:
+        """Remove a node and its holdings (emitting removed events); returns holdings removed."""
+
+    @abstractmethod
+    def publish(
+        self, node_id: str, lease_id: int, tenant: str, entries: Sequence[BlockEntry]
+    ) -> int:
+        """Record that `node_id` holds each entry; returns how many were new. Errors as for
+        heartbeat; QuotaExceededError if the tenant would pass its key quota (nothing recorded)."""
+
+    @abstractmethod
+    def unpublish(
+        self, node_id: str, lease_id: int, tenant: str, entries: Sequence[BlockEntry]
+    ) -> int:
+        """Forget holdings (key and tier); unknown ones are ignored. Returns how many went."""
+
+    @abstractmethod
+    def lookup(self, tenant: str, keys: Sequence[bytes]) -> list[Sequence[Holding]]:
+        """Holdings on live nodes for the longest prefix of `keys` that has any (each key's a
+        list or a tuple: read them, never change them). No side effects."""
+
+    @abstractmethod
+    def live_nodes(self) -> dict[str, NodeRecord]:
+        """Nodes whose lease has not expired."""
+
+    @abstractmethod
+    def expire_leases(self) -> list[str]:
+        """Remove nodes whose lease expired, with their holdings and removed events."""
+
+    @abstractmethod
+    def events_since(self, from_seq: int, max_events: int) -> EventPage:
+        """Events with seq >= from_seq, oldest first, at most `max_events`."""
+
+    @abstractmethod
+    def wait_for_events(self, after_seq: int, timeout_s: float) -> bool:
+        """Block until an event newer than `after_seq` exists or the timeout passes."""
+
+    @abstractmethod
+    def stats(self) -> dict:
+        """{"blocks": n, "blocks_per_tier": {...}, "blocks_per_node": {id: {tier: n}},
+        "last_event_seq": n, "keys_per_tenant": {...}}"""
+
+    def snapshot(self, tenant: str) -> tuple[int, dict[str, NodeRecord], list]:
+        """(last event seq, live nodes, [(tenant, [(key, {slot: Holding})])]) of `tenant`
+        ("" every tenant): a copy for node agents' views, consistent with the events after
+        that seq. Backends without one raise ConfigError; agents then ask the service."""
+        raise ConfigError(f"the {self.backend} index serves no snapshots")
+
+    def close(self) -> None:  # noqa: B027 (optional hook)
+        """Release connections and files. Idempotent."""

@@ -1,0 +1,1 @@
+"""The metadata service process: gRPC servicer, lookup port, auth, metrics."""

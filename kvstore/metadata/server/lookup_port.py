@@ -1,0 +1,117 @@
+"""The lookup port: Lookups as length-prefixed frames on a plain TCP (or TLS) connection.
+
+Runs in the metadata service process, on the gRPC loop: a listener, and a LookupConnection
+(lookup_connection.py) per connection. A lookup on a LookupStream pays gRPC's machinery for each
+message in both processes (HTTP/2 frames, completion queues, a thread handoff each way); here it
+pays a read, the answer (`MetadataServicer.answer_lookup`, the same code and metrics as gRPC's)
+and a write: `kvstore bench lookup` prints both beside the machine's raw TCP round trip. The
+trust is the gRPC port's: TLS with the same certificates and client CA, the same bearer tokens
+(sent in the connection's first frame, a LookupHello), and the same slots as LookupStream calls.
+Clients learn the port and this process's instance id from Describe; a hello must carry the id,
+so a client cannot be sent to another service's port (a forwarded or reused port).
+
+Bounded: connections by their scope's slots, or, until their hello, by MAX_AWAITING_HELLO and
+HELLO_TIMEOUT_S; each by its frame limit and its buffers (lookup_connection.py); an idle one is
+closed after `idle_s`. Offered only where the index's reads never block (in memory and LMDB):
+the answers run on the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import ssl
+from collections.abc import Callable
+
+import grpc
+
+from kvstore.errors import ConfigError
+from kvstore.metadata import wire
+from kvstore.metadata.server.auth import TenantScope, TokenAuth
+from kvstore.metadata.server.lookup_connection import LookupConnection
+from kvstore.metadata.server.slots import StreamSlots
+from kvstore.v1 import metadata_pb2 as pb
+
+REQUEST_OVERHEAD_BYTES = 1024  # a LookupRequest's fields besides its keys (names are short)
+WILDCARD_HOSTS = ("", "0.0.0.0", "::")  # every address, of both families where the port is fixed
+Answer = Callable[[bytes, TenantScope], pb.LookupStreamResponse]
+
+
+def listen_address(lookup_listen: str, grpc_listen: str) -> tuple[str, int] | None:
+    """Where the lookup port listens: `lookup_listen` as HOST:PORT; "auto", the gRPC port + 1
+    on the gRPC host (any free port where gRPC's is chosen by the system); "off": None."""
+    if lookup_listen == "off":
+        return None
+    host, _, port = (grpc_listen if lookup_listen == "auto" else lookup_listen).rpartition(":")
+    if not port.isdigit() or int(port) > 65535:
+        raise ConfigError(f"lookup_listen {lookup_listen!r}: use HOST:PORT, 'auto' or 'off'")
+    if lookup_listen == "auto":
+        if int(port) >= 65535:
+            raise ConfigError("lookup_listen 'auto' is the gRPC port + 1, past 65535: set one")
+        return host.strip("[]"), int(port) + 1 if int(port) else 0
+    return host.strip("[]"), int(port)
+
+
+def max_request_bytes(max_keys: int) -> int:
+    """The largest LookupRequest frame of `max_keys` keys (each a tag, a length, the key)."""
+    return max_keys * (wire.KEY_BYTES + 2) + REQUEST_OVERHEAD_BYTES
+
+
+class LookupPort:
+    def __init__(
+        self,
+        auth: TokenAuth,
+        slots: StreamSlots,
+        answer: Answer,
+        count_connection: Callable[[grpc.StatusCode], None],
+        idle_s: float,
+        max_request_bytes: int,
+    ) -> None:
+        """`answer`: one serialized LookupRequest's answer, a failure inside it (never raises);
+        `count_connection`: counts a connection by the status its hello got."""
+        self.auth = auth
+        self.slots = slots
+        self.answer = answer
+        self.count_connection = count_connection
+        self.idle_s = idle_s
+        self.max_request_bytes = max_request_bytes
+        self.instance = secrets.token_bytes(16)  # DescribeResponse.instance
+        self.connections: set[LookupConnection] = set()
+        self.awaiting_hello = 0
+        self.tls: ssl.SSLContext | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._server: asyncio.Server | None = None
+        self._sweep_handle: asyncio.TimerHandle | None = None
+
+    async def start(self, host: str, port: int, tls: ssl.SSLContext | None) -> int:
+        """Listen (on the running loop); returns the bound port. TLS is started by each
+        connection itself, so the handshake counts against its hello's bounds."""
+        self.loop = asyncio.get_running_loop()
+        self.tls = tls
+        every_address = host in WILDCARD_HOSTS and port != 0  # IPv4 and IPv6, as gRPC does
+        self._server = await self.loop.create_server(
+            lambda: LookupConnection(self),
+            None if every_address else host,
+            port,
+            reuse_address=True,
+        )
+        self._sweep_handle = self.loop.call_later(self.idle_s / 4, self._sweep)
+        return self._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        if self._sweep_handle is not None:
+            self._sweep_handle.cancel()
+        if self._server is not None:
+            self._server.close()
+        for connection in list(self.connections):
+            connection.ended = True
+            connection.transport.abort()
+
+    def _sweep(self) -> None:
+        """Closes connections idle for over `idle_s` (every quarter of it)."""
+        now = self.loop.time()
+        for connection in list(self.connections):
+            idle = connection.scope is not None and now - connection.last_request > self.idle_s
+            if idle and not connection.ended:
+                connection.close_idle()
+        self._sweep_handle = self.loop.call_later(self.idle_s / 4, self._sweep)

@@ -1,0 +1,326 @@
+"""The gRPC servicer of the metadata service: checks, authorisation, metrics, error mapping.
+
+Runs in the metadata service process, on the gRPC asyncio loop: writes (and every call to an
+index whose reads block, Redis) run in the `pool` of unary threads, non-blocking reads inline,
+streams on the loop itself (WatchEvents and Snapshot in streams.py, LookupStream in
+lookup_stream.py), so streams never take the threads heartbeats need. Every unary RPC is
+wrapped by `_unary`, which authenticates, times it, and maps kvstore errors to status codes
+through STATUS_FOR (status.py), the one table of that mapping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+from google.protobuf.message import Message
+
+from kvstore import errors
+from kvstore.metadata import wire
+from kvstore.metadata.index.base import MetadataIndex
+from kvstore.metadata.server.auth import TenantScope, TokenAuth
+from kvstore.metadata.server.lookup_stream import LookupStreams
+from kvstore.metadata.server.metrics import MetadataMetrics
+from kvstore.metadata.server.slots import StreamSlots
+from kvstore.metadata.server.streams import StreamingRpcs
+from kvstore.metadata.server.watch import EventStreams
+from kvstore.metadata.status import status_for
+from kvstore.v1 import metadata_pb2 as pb
+
+logger = logging.getLogger(__name__)
+SNAPSHOT_THREADS = 2  # copies of the index at once; more Snapshot streams wait their turn
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Metadata"].full_name
+
+
+@dataclass(frozen=True)
+class ServiceLimits:
+    max_batch: int = 4096  # keys per Lookup/Route, entries per Publish/Unpublish, candidates
+    default_lease_ttl_ms: int = 10_000
+    min_lease_ttl_ms: int = 500
+    max_lease_ttl_ms: int = 600_000
+    event_batch: int = 1024
+    watch_poll_s: float = 0.5
+    lookup_stream_idle_s: float = 60.0  # a LookupStream with no request for this long is ended
+
+
+def _unary(request_cls: type[Message], read: bool = False) -> Callable[[Callable], Callable]:
+    """`read`: the method only reads the index; it runs inline on the loop when the index says
+    its reads never block (in memory: no I/O, a short lock), else in the unary pool."""
+    return functools.partial(_wrap_unary, request_cls, read)
+
+
+def _wrap_unary(request_cls: type[Message], read: bool, method: Callable) -> Callable:
+    name = method.__name__
+
+    @functools.wraps(method)
+    async def handler(self: MetadataServicer, payload: bytes, context: grpc.aio.ServicerContext):
+        started = time.perf_counter()
+        code = grpc.StatusCode.OK
+        try:
+            scope = await self.auth.authorize(context)
+            request = wire.parse(request_cls, payload)
+            if read and self.index.nonblocking_reads:
+                return method(self, request, scope)
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self.pool, method, self, request, scope)
+        except errors.KVStoreError as exc:
+            code = status_for(exc)
+            await context.abort(code, str(exc))
+        except Exception:
+            code = grpc.StatusCode.INTERNAL
+            logger.exception("%s failed", name)
+            await context.abort(code, f"internal error in {name}; see the service log")
+        finally:
+            rpcs, latency = self._children(name, code)
+            rpcs.inc()
+            latency.observe(time.perf_counter() - started)
+
+    return handler
+
+
+class MetadataServicer(StreamingRpcs):
+    def __init__(
+        self,
+        index: MetadataIndex,
+        auth: TokenAuth,
+        metrics: MetadataMetrics,
+        streams: EventStreams,
+        pool: Executor,
+        limits: ServiceLimits,
+        lookup_slots: StreamSlots,
+    ) -> None:
+        self.index = index
+        self.auth = auth
+        self.metrics = metrics
+        self.streams = streams
+        self.pool = pool
+        # copies of the index (O(keys), a whole SCAN on Redis) run apart from the unary pool,
+        # so that however many Snapshot streams are open, heartbeats keep their threads
+        self.snapshot_pool = ThreadPoolExecutor(SNAPSHOT_THREADS, thread_name_prefix="snapshot")
+        self.limits = limits
+        self._metric_children: dict[tuple[str, grpc.StatusCode], tuple] = {}
+        self.lookup_port = 0  # where the server's lookup port listens (lookup_port.py); 0: none
+        self.lookup_instance = b""  # the id its hellos must carry
+        self.lookup_streams = LookupStreams(
+            auth,
+            lookup_slots,
+            self.answer_lookup,
+            None if index.nonblocking_reads else pool,
+            self.count_stream("LookupStream"),
+            limits.lookup_stream_idle_s,
+        )
+
+    def _children(self, name: str, code: grpc.StatusCode) -> tuple:
+        """The (rpcs, latency) series of one method and status: `labels` costs microseconds
+        per call, a dictionary hit far less (every lookup pays it)."""
+        children = self._metric_children.get((name, code))
+        if children is None:
+            children = self.metrics.rpcs.labels(name, code.name), self.metrics.latency.labels(name)
+            self._metric_children[(name, code)] = children
+        return children
+
+    # ---- membership -----------------------------------------------------------------------
+    @_unary(pb.RegisterNodeRequest)
+    def RegisterNode(self, request: pb.RegisterNodeRequest, scope: TenantScope):
+        scope.require_all_tenants("register a node")
+        if not request.HasField("node"):
+            raise errors.ConfigError("node is required")
+        ttl_ms = self._lease_ttl(request.lease_ttl_ms)
+        node = wire.node_from_proto(request.node)
+        scope.require_node(node.node_id, "register")
+        record = self.index.register_node(node, ttl_ms)
+        logger.info(
+            "node %s registered (lease %d, ttl %d ms)", record.node_id, record.lease_id, ttl_ms
+        )
+        return pb.RegisterNodeResponse(lease_id=record.lease_id, lease_ttl_ms=ttl_ms)
+
+    def _lease_ttl(self, requested_ms: int) -> int:
+        if requested_ms == 0:
+            return self.limits.default_lease_ttl_ms
+        low, high = self.limits.min_lease_ttl_ms, self.limits.max_lease_ttl_ms
+        if not low <= requested_ms <= high:
+            raise errors.ConfigError(f"lease_ttl_ms {requested_ms} outside [{low}, {high}]")
+        return requested_ms
+
+    @_unary(pb.HeartbeatRequest)
+    def Heartbeat(self, request: pb.HeartbeatRequest, scope: TenantScope):
+        scope.require_all_tenants("heartbeat")
+        record = self.index.heartbeat(
+            self._node_id(request.node_id, scope, "heartbeat"), request.lease_id
+        )
+        return pb.HeartbeatResponse(lease_ttl_ms=record.lease_ttl_ms)
+
+    @_unary(pb.DeregisterNodeRequest)
+    def DeregisterNode(self, request: pb.DeregisterNodeRequest, scope: TenantScope):
+        scope.require_all_tenants("deregister a node")
+        node_id = self._node_id(request.node_id, scope, "deregister")
+        removed = self.index.deregister_node(node_id, request.lease_id)
+        self.metrics.events.labels("removed").inc(removed)
+        return pb.DeregisterNodeResponse(removed_blocks=removed)
+
+    # ---- holdings -------------------------------------------------------------------------
+    @_unary(pb.PublishRequest)
+    def Publish(self, request: pb.PublishRequest, scope: TenantScope):
+        scope.require_all_tenants("publish blocks: node agents do, with a node token")
+        tenant = self._tenant(request.tenant, scope)
+        entries = wire.entries_from_proto(request.entries, self.limits.max_batch)
+        node_id = self._node_id(request.node_id, scope, "publish")
+        accepted = self.index.publish(node_id, request.lease_id, tenant, entries)
+        self.metrics.events.labels("stored").inc(accepted)
+        return pb.PublishResponse(accepted=accepted)
+
+    @_unary(pb.UnpublishRequest)
+    def Unpublish(self, request: pb.UnpublishRequest, scope: TenantScope):
+        scope.require_all_tenants("unpublish blocks: node agents do, with a node token")
+        tenant = self._tenant(request.tenant, scope)
+        entries = wire.entries_from_proto(request.entries, self.limits.max_batch)
+        node_id = self._node_id(request.node_id, scope, "unpublish")
+        removed = self.index.unpublish(node_id, request.lease_id, tenant, entries)
+        self.metrics.events.labels("removed").inc(removed)
+        self.metrics.evictions.inc(removed)
+        return pb.UnpublishResponse(removed=removed)
+
+    @staticmethod
+    def _node_id(node_id: str, scope: TenantScope, action: str) -> str:
+        wire.check_name(node_id, "node_id")
+        scope.require_node(node_id, action)
+        return node_id
+
+    def _tenant(self, tenant: str, scope: TenantScope) -> str:
+        wire.check_name(tenant, "tenant")
+        scope.require(tenant)
+        return tenant
+
+    # ---- queries --------------------------------------------------------------------------
+    @_unary(pb.LookupRequest, read=True)
+    def Lookup(self, request: pb.LookupRequest, scope: TenantScope):
+        return self._lookup(request, scope)
+
+    def answer_lookup(self, payload: bytes, scope: TenantScope) -> pb.LookupStreamResponse:
+        """One request of a LookupStream (lookup_stream.py), a failure inside the answer;
+        timed and counted as a `Lookup` (the call itself counts as `LookupStream`), so the
+        lookup series cover both ways of asking."""
+        started = time.perf_counter()
+        code = grpc.StatusCode.OK
+        try:
+            request = wire.parse(pb.LookupRequest, payload)
+            return pb.LookupStreamResponse(response=self._lookup(request, scope))
+        except errors.KVStoreError as exc:
+            code = status_for(exc)
+            return pb.LookupStreamResponse(status_code=code.value[0], status_message=str(exc))
+        except Exception:
+            code = grpc.StatusCode.INTERNAL
+            logger.exception("a LookupStream request failed")
+            message = "internal error in LookupStream; see the service log"
+            return pb.LookupStreamResponse(status_code=code.value[0], status_message=message)
+        finally:
+            rpcs, latency = self._children("Lookup", code)
+            rpcs.inc()
+            latency.observe(time.perf_counter() - started)
+
+    def _lookup(self, request: pb.LookupRequest, scope: TenantScope) -> pb.LookupResponse:
+        tenant = self._tenant(request.tenant, scope)
+        keys = wire.check_keys(request.keys, self.limits.max_batch)
+        found = self.index.lookup(tenant, keys)
+        nodes = self.index.live_nodes() if found else {}
+        response = wire.lookup_response(found, nodes, request.caller_node_id)
+        self.metrics.observe_lookup(len(keys), len(found), request.chunk_tokens)
+        return response
+
+    @_unary(pb.RouteRequest, read=True)
+    def Route(self, request: pb.RouteRequest, scope: TenantScope):
+        tenant = self._tenant(request.tenant, scope)
+        keys = wire.check_keys(request.keys, self.limits.max_batch)
+        candidates = self._route_candidates(list(request.candidate_node_ids))
+        found = self.index.lookup(tenant, keys)
+        depth = dict.fromkeys(candidates, 0)
+        for position, holders in enumerate(found):
+            for holding in holders:
+                if holding.node_id in depth and depth[holding.node_id] == position:
+                    depth[holding.node_id] = position + 1
+        best = max(candidates, key=lambda n: depth[n], default="")  # first of equals wins
+        if not best or depth[best] == 0:
+            return pb.RouteResponse(node_id="", prefix_length=0)
+        return pb.RouteResponse(node_id=best, prefix_length=depth[best])
+
+    def _route_candidates(self, requested: list[str]) -> list[str]:
+        live = self.index.live_nodes()
+        if not requested:
+            return sorted(live)
+        if len(requested) > self.limits.max_batch:
+            raise errors.ConfigError(
+                f"candidate_node_ids has {len(requested)} entries; the limit is "
+                f"{self.limits.max_batch} per call"
+            )
+        unknown = [n for n in requested if n not in live]
+        if unknown:
+            raise errors.NotFoundError(f"unknown or expired candidate nodes: {unknown[:5]}")
+        return requested
+
+    @_unary(pb.DescribeRequest, read=True)
+    def Describe(self, request: pb.DescribeRequest, scope: TenantScope):
+        return pb.DescribeResponse(lookup_port=self.lookup_port, instance=self.lookup_instance)
+
+    @_unary(pb.StatsRequest)  # in the pool: the index's stats take its writer lock
+    def Stats(self, request: pb.StatsRequest, scope: TenantScope):
+        scope.require_all_tenants("read cluster stats")
+        stats = self.index.stats()
+        now = time.time()
+        response = pb.StatsResponse(
+            blocks=stats["blocks"],
+            blocks_per_tier=stats["blocks_per_tier"],
+            last_event_seq=stats["last_event_seq"],
+            backend=self.index.backend,
+            incarnation=self.index.incarnation,
+        )
+        for node_id, record in sorted(self.index.live_nodes().items()):
+            per_tier = stats["blocks_per_node"].get(node_id, {})
+            response.nodes.add(
+                node=wire.node_to_proto(record),
+                blocks=sum(per_tier.values()),
+                blocks_per_tier=per_tier,
+                lease_expires_in_ms=max(0, int((record.expires_at - now) * 1000)),
+            )
+        return response
+
+
+_UNARY_METHODS = (
+    "RegisterNode",
+    "Heartbeat",
+    "DeregisterNode",
+    "Publish",
+    "Unpublish",
+    "Lookup",
+    "Route",
+    "Stats",
+    "Describe",
+)
+
+
+def rpc_handlers(servicer: MetadataServicer) -> grpc.GenericRpcHandler:
+    """The service's handlers, taking raw request bytes (decoded by `_parse`)."""
+
+    def serialize(message: Message) -> bytes:
+        return message.SerializeToString()
+
+    methods = {
+        name: grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, name), response_serializer=serialize
+        )
+        for name in _UNARY_METHODS
+    }
+    for name in ("WatchEvents", "Snapshot"):
+        methods[name] = grpc.unary_stream_rpc_method_handler(
+            getattr(servicer, name), response_serializer=serialize
+        )
+    methods["LookupStream"] = grpc.stream_stream_rpc_method_handler(
+        servicer.lookup_streams.serve, response_serializer=serialize
+    )
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, methods)
