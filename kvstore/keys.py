@@ -47,14 +47,14 @@ class Namespace:
     """Everything that must match for two blocks with the same tokens to be interchangeable.
 
     `model_fingerprint` names the weights (a revision or a hash of config and weights), not the
-    model's name; `layout_id` names the KV layout and codec (see `KVLayout.layout_id`).
+    model's name; `layout_id` names the KV layout and codec (see `KVLayout.layout_id`). No TP
+    size or rank: a worker keys each kv-head group it holds, so engines of any TP size share
+    blocks (keys_sglang.py and connectors/vllm/config.py split the heads into groups).
     `tenant` and `salt` isolate users: different values never share a key.
     """
 
     model_fingerprint: str
     layout_id: str
-    tp_size: int = 1
-    tp_rank: int = 0
     tenant: str = "default"
     salt: str = ""
 
@@ -63,8 +63,6 @@ class Namespace:
             raise ConfigError("namespace needs a model_fingerprint (a hash of weights/config)")
         if not self.layout_id:
             raise ConfigError("namespace needs a layout_id (KVLayout.layout_id)")
-        if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
-            raise ConfigError(f"tp_rank must be in [0, tp_size); got {self.tp_rank}/{self.tp_size}")
         if not self.tenant:
             raise ConfigError("namespace needs a non-empty tenant")
 

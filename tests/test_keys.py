@@ -31,8 +31,6 @@ def test_keys_chain_on_the_whole_prefix():
     [
         Namespace("sha256:abd", NS.layout_id),
         Namespace(NS.model_fingerprint, "L2-H2-D8-float32-T4-fp8"),
-        Namespace(NS.model_fingerprint, NS.layout_id, tp_size=2, tp_rank=1),
-        Namespace(NS.model_fingerprint, NS.layout_id, tp_size=2, tp_rank=0),
         Namespace(NS.model_fingerprint, NS.layout_id, tenant="other"),
         Namespace(NS.model_fingerprint, NS.layout_id, salt="s"),
     ],
@@ -78,7 +76,6 @@ def test_keys_are_identical_across_processes_with_different_hash_seeds():
         (lambda: chunk_keys(NS, [2**40, 1], 2), "int32"),
         (lambda: chunk_keys(NS, [1, 2], 0), "chunk_tokens"),
         (lambda: Namespace("", "L"), "model_fingerprint"),
-        (lambda: Namespace("m", "L", tp_size=2, tp_rank=2), "tp_rank"),
         (lambda: BlockKey(b"short"), "16 bytes"),
         (lambda: BlockKey.from_hex("zz"), "hex"),
     ],
