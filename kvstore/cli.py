@@ -42,81 +42,33 @@ def _plan(args: argparse.Namespace) -> dict | int:
     return run_plan_command(args)
 
 
-def _metadata_config(args: argparse.Namespace, **overrides):
-    from kvstore.config import build_config, read_toml_section
-    from kvstore.metadata.server.server import MetadataConfig
+def _metadata_config(args: argparse.Namespace, **forced):
+    from kvstore.config import build_config
+    from kvstore.sections import METADATA
 
-    flags = {name: getattr(args, name, None) for name in _METADATA_FLAGS}
-    flags.update(overrides)
-    section = read_toml_section(args.config, "metadata")
-    return build_config(MetadataConfig, section, os.environ, flags, "KVSTORE_METADATA_")
+    flags = {**METADATA.flag_values(args), **forced}
+    return build_config(METADATA, args.config, os.environ, flags)
 
 
-_METADATA_FLAGS = (
-    "listen",
-    "backend",
-    "data_dir",
-    "redis_url",
-    "token_file",
-    "tls_cert",
-    "tls_key",
-    "tls_client_ca",
-    "key_quota_per_tenant",
-    "metrics_listen",
-    "max_watch_streams_per_tenant",
-    "lmdb_map_size_bytes",
-    "redis_wait_replicas",
-    "redis_wait_timeout_ms",
-    "max_watch_streams_all_tenants",
-    "max_lookup_streams_per_tenant",
-    "max_lookup_streams_all_tenants",
-    "lookup_listen",
-    "insecure_no_auth",
-    "kube_agent_service_account",
-    "kube_sidecar_service_account",
+def _node_config(args: argparse.Namespace, **unless_flagged):
+    from kvstore.config import build_config
+    from kvstore.sections import NODE
+
+    flags = NODE.flag_values(args)
+    flags.update((k, v) for k, v in unless_flagged.items() if flags.get(k) is None)
+    return build_config(NODE, args.config, os.environ, flags)
+
+
+# Settings `kvstore serve` sets itself: the metadata service's, and the agent's unless their
+# flags are given (over the config file and the environment, like flags).
+_SERVE_METADATA_OMITS = frozenset(
+    {"backend", "insecure_no_auth", "redis_url", "redis_wait_replicas", "redis_wait_timeout_ms"}
 )
-
-
-_NODE_FLAGS = (
-    "node_id",
-    "socket_path",
-    "host_capacity_bytes",
-    "page_size_bytes",
-    "disk_dir",
-    "disk_capacity_bytes",
-    "host_policy",
-    "disk_policy",
-    "metadata_address",
-    "metadata_token_file",
-    "worker_credentials",
-    "cluster_secret_file",
-    "max_workers",
-    "max_pins_per_worker",
-    "private_buffer_bytes",
-    "transfer",
-    "transfer_host",
-    "transfer_port",
-    "advertise_host",
-    "node_metrics_listen",
-    "view_max_keys",
-    "insecure_transfer",
-    "tenant_share",
-    "reservation_ttl_s",
-    "promotion_reserve_pages",
+_SERVE_NODE_OMITS = frozenset(
+    {"metadata_address", "metadata_token_file", "disk_dir", "insecure_transfer"}
 )
-
-
-def _node_config(args: argparse.Namespace, **overrides):
-    from kvstore.config import build_config, read_toml_section
-    from kvstore.node.agent import NodeConfig
-
-    flags = {name: getattr(args, name, None) for name in _NODE_FLAGS}
-    flags["metrics_listen"] = flags.pop("node_metrics_listen")
-    for name, value in overrides.items():
-        if flags.get(name) is None:
-            flags[name] = value
-    section = read_toml_section(args.config, "node")
-    return build_config(NodeConfig, section, os.environ, flags, "KVSTORE_NODE_")
+_SERVE_NODE_DEFAULTS = {"host_capacity_bytes": 1 << 30}
+_SERVE_NODE_SHOWN = {**_SERVE_NODE_DEFAULTS, "socket_path": "DATA_DIR/agent.sock"}
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -128,14 +80,14 @@ def _serve(args: argparse.Namespace) -> int:
     # never open: the service takes the tokens made below, whatever --listen says
     given = _metadata_config(args, backend="lmdb", insecure_no_auth=True)
     own = ServeSecrets(given.data_dir)
-    defaults = {
-        "disk_dir": given.data_dir / "disk",
-        "socket_path": given.data_dir / "agent.sock",
-        "host_capacity_bytes": 1 << 30,
-        "cluster_secret_file": own.cluster_secret_file,
-        "metadata_token_file": own.agent_token_file,
-    }
-    node = _node_config(args, **defaults)
+    node = _node_config(
+        args,
+        **_SERVE_NODE_DEFAULTS,
+        disk_dir=given.data_dir / "disk",
+        socket_path=given.data_dir / "agent.sock",
+        cluster_secret_file=own.cluster_secret_file,
+        metadata_token_file=own.agent_token_file,
+    )
     if args.check:
         from kvstore.checks import check_embedded
 
@@ -213,70 +165,6 @@ def _events(args: argparse.Namespace) -> dict:
         return run_events(config, stop)
 
 
-def _add_metadata_flags(parser: argparse.ArgumentParser, with_backend: bool) -> None:
-    parser.add_argument("--config", type=Path, help="TOML file; settings under [metadata]")
-    parser.add_argument("--listen", help="gRPC host:port (default 127.0.0.1:50051)")
-    if with_backend:
-        parser.add_argument("--backend", choices=["lmdb", "memory", "redis", "redis-cluster"])
-        parser.add_argument(
-            "--insecure-no-auth",
-            action="store_true",
-            default=None,
-            help="listen beyond loopback without --token-file: anyone who reaches it may read "
-            "and publish every tenant's keys",
-        )
-        parser.add_argument(
-            "--redis-url", help="redis://host:port/db; redis-cluster: redis://h1:p1,h2:p2 (seeds)"
-        )
-        parser.add_argument(
-            "--redis-wait-replicas", type=int, help="WAIT for N replicas after each write (0)"
-        )
-        parser.add_argument("--redis-wait-timeout-ms", type=int, help="WAIT timeout (100)")
-    parser.add_argument("--data-dir", type=Path, help="where LMDB keeps the index")
-    parser.add_argument(
-        "--token-file", type=Path, help="'TOKEN TENANT [node=NODE_ID]' lines; enables auth"
-    )
-    parser.add_argument(
-        "--kube-agent-service-account",
-        metavar="NAMESPACE/NAME",
-        help="accept this service account's projected tokens (audience kvstore), each acting as "
-        "the node its pod runs on (TokenReview; enables auth)",
-    )
-    parser.add_argument(
-        "--kube-sidecar-service-account",
-        metavar="NAMESPACE/NAME",
-        help="the same for sidecar agents, each acting as its pod's name",
-    )
-    parser.add_argument("--tls-cert", type=Path)
-    parser.add_argument("--tls-key", type=Path)
-    parser.add_argument("--tls-client-ca", type=Path, help="require client certificates")
-    parser.add_argument("--key-quota-per-tenant", type=int)
-    parser.add_argument(
-        "--max-watch-streams-per-tenant", type=int, help="WatchEvents streams per tenant (16)"
-    )
-    parser.add_argument(
-        "--max-watch-streams-all-tenants",
-        type=int,
-        help="WatchEvents streams of all-tenant tokens: node agents hold one each (4096)",
-    )
-    parser.add_argument(
-        "--max-lookup-streams-per-tenant",
-        type=int,
-        help="LookupStream calls per tenant token: a client holds one per concurrent lookup (64)",
-    )
-    parser.add_argument(
-        "--max-lookup-streams-all-tenants",
-        type=int,
-        help="LookupStream calls of all-tenant tokens (node agents, routers) (4096)",
-    )
-    parser.add_argument(
-        "--lookup-listen",
-        help="the lookup port, HOST:PORT; 'auto': the gRPC port + 1 on its host (default); 'off'",
-    )
-    parser.add_argument("--lmdb-map-size-bytes", help="LMDB map of the index, e.g. 8GiB")
-    parser.add_argument("--metrics-listen", help="host:port of the Prometheus endpoint")
-
-
 def _add_token_flags(parser: argparse.ArgumentParser) -> None:
     """How a client of the metadata service finds its token."""
     token = parser.add_mutually_exclusive_group()
@@ -296,70 +184,14 @@ def _add_check_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_node_flags(parser: argparse.ArgumentParser, standalone: bool) -> None:
-    if standalone:
-        parser.add_argument("--config", type=Path, help="TOML file; settings under [node]")
-        parser.add_argument("--metadata-address", help="host:port of the metadata service")
-        parser.add_argument(
-            "--metadata-token-file", type=Path, help="file holding a `*` metadata token"
-        )
-        parser.add_argument("--disk-dir", type=Path, help="LMDB disk tier directory (none: off)")
-        parser.add_argument(
-            "--insecure-transfer",
-            action="store_true",
-            default=None,
-            help="serve transfers without --cluster-secret-file: any process that reaches the "
-            "port, other local users included, may read every block",
-        )
-    parser.add_argument("--node-id", help="this host's name in the cluster (default: hostname)")
-    parser.add_argument("--socket-path", type=Path, help="unix socket workers connect to")
-    parser.add_argument("--host-capacity-bytes", help="shared-memory arena size, e.g. 8GiB")
-    parser.add_argument("--page-size-bytes", help="one block's page, e.g. 32MiB + 128")
-    parser.add_argument("--disk-capacity-bytes", help="disk tier size, e.g. 200GiB")
-    parser.add_argument("--host-policy", help="eviction policy of the host tier")
-    parser.add_argument("--disk-policy", help="eviction policy of the disk tier")
-    parser.add_argument("--transfer", choices=["tcp", "ucx", "none"])
-    parser.add_argument("--transfer-host", help="address the transfer engine binds")
-    parser.add_argument("--transfer-port", type=int)
-    parser.add_argument("--advertise-host", help="address other nodes dial (default: bind)")
-    parser.add_argument("--node-metrics-listen", help="host:port of the agent's metrics")
-    parser.add_argument(
-        "--worker-credentials",
-        type=Path,
-        help="lines 'token:T|uid:N|gid:N TENANTS' (default: this user, every tenant)",
-    )
-    parser.add_argument(
-        "--cluster-secret-file",
-        type=Path,
-        help="secret every agent shares; authenticates transfers",
-    )
-    parser.add_argument("--max-workers", type=int, help="worker connections at once (256)")
-    parser.add_argument("--max-pins-per-worker", type=int, help="pages one worker may hold")
-    parser.add_argument(
-        "--tenant-share",
-        type=float,
-        help="share of the arena one tenant's reserved and pinned pages may hold while "
-        "other tenants use it (0.5)",
-    )
-    parser.add_argument(
-        "--reservation-ttl-s", type=float, help="a save not committed by then is released (120)"
-    )
-    parser.add_argument(
-        "--promotion-reserve-pages",
-        type=int,
-        help="arena pages no save may reserve, kept for promotions from disk (-1: 1/64 with "
-        "a disk tier)",
-    )
-    parser.add_argument("--private-buffer-bytes", help="buffer of each private worker (256MiB)")
-    parser.add_argument(
-        "--view-max-keys",
-        type=int,
-        help="keys the cluster view holds (1000000; 0: ask the service)",
-    )
+def _add_config_flag(parser: argparse.ArgumentParser, *sections) -> None:
+    tables = " and ".join(f"[{section.table}]" for section in sections)
+    parser.add_argument("--config", type=Path, help=f"TOML file; settings under {tables}")
 
 
 def build_parser() -> argparse.ArgumentParser:
     from kvstore.eviction import policy_names
+    from kvstore.sections import METADATA, NODE
 
     parser = argparse.ArgumentParser(prog="kvstore", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG")
@@ -368,18 +200,21 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser(
         "serve", help="the embedded default: metadata service (LMDB) and a node agent"
     )
-    _add_metadata_flags(serve, with_backend=False)
-    _add_node_flags(serve, standalone=False)
+    _add_config_flag(serve, METADATA, NODE)
+    METADATA.add_flags(serve, omit=_SERVE_METADATA_OMITS)
+    NODE.add_flags(serve, omit=_SERVE_NODE_OMITS, shown_defaults=_SERVE_NODE_SHOWN)
     _add_check_flag(serve)
     serve.set_defaults(handler=_serve)
 
     node = commands.add_parser("node", help="run a node agent (the sidecar of a host)")
-    _add_node_flags(node, standalone=True)
+    _add_config_flag(node, NODE)
+    NODE.add_flags(node)
     _add_check_flag(node)
     node.set_defaults(handler=_node)
 
     metadata = commands.add_parser("metadata", help="run the metadata service alone")
-    _add_metadata_flags(metadata, with_backend=True)
+    _add_config_flag(metadata, METADATA)
+    METADATA.add_flags(metadata)
     _add_check_flag(metadata)
     metadata.set_defaults(handler=_metadata)
 

@@ -1,23 +1,25 @@
-"""Configuration loading: a TOML file section, then KVSTORE_* environment variables, then flags.
+"""A process's settings sections (the node agent's, the metadata service's): each read from a
+TOML table, then KVSTORE_<TABLE>_* environment variables, then CLI flags whose help and defaults
+come from the same declarations (settings.py), all through one strict parser.
 
-Runs in the CLI process, once, at start-up. Builds one frozen dataclass per component and
-rejects unknown names and unparsable values with a message saying what to change.
+Runs in the CLI process, once, at start-up.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import argparse
 import ipaddress
 import tomllib
-import types
-import typing
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
+from dataclasses import MISSING, dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from kvstore.errors import ConfigError
+from kvstore.settings import SIZE_UNITS, Setting, Spec, format_size, parse, settings_of
+from kvstore.settings import parse_size as parse_size
 
-T = TypeVar("T")
+_NOT_SHOWN = (MISSING, None, "")  # defaults a flag's help leaves out
 
 
 def read_toml_section(path: Path | None, section: str) -> dict[str, Any]:
@@ -34,61 +36,101 @@ def read_toml_section(path: Path | None, section: str) -> dict[str, Any]:
     return table
 
 
+@dataclass(frozen=True)
+class Section:
+    """One component's settings as a process reads them: its dataclass, its TOML table and
+    environment prefix, and the Spec of each field its dataclass does not declare itself."""
+
+    cls: type
+    table: str  # "node": [node] in TOML, KVSTORE_NODE_* in the environment
+    specs: Mapping[str, Spec] = field(default_factory=dict)
+
+    @property
+    def env_prefix(self) -> str:
+        return f"KVSTORE_{self.table.upper()}_"
+
+    def settings(self) -> list[Setting]:
+        return settings_of(self.cls, self.specs)
+
+    def load(
+        self,
+        file_values: Mapping[str, Any],
+        env: Mapping[str, str],
+        flags: Mapping[str, Any],
+        where: str = "the config file",
+    ) -> Any:
+        """The component's config from the file's table, the environment and the flags (by
+        setting name), each later one winning."""
+        settings = {s.name: s for s in self.settings()}
+        unknown = sorted(set(file_values) - set(settings))
+        if unknown:
+            raise ConfigError(
+                f"unknown setting(s) {unknown} in [{self.table}] of {where}; "
+                f"valid: {sorted(settings)}"
+            )
+        values = {}
+        for name, setting in settings.items():
+            env_name = self.env_prefix + name.upper()
+            for source, raw, text in (
+                (f"[{self.table}] {name} in {where}", file_values.get(name), False),
+                (f"env {env_name}", env.get(env_name), True),
+                (f"flag {setting.flag}", flags.get(name), True),
+            ):
+                if raw is not None:
+                    values[name] = parse(setting, raw, source, text)
+        return self.cls(**values)
+
+    def add_flags(
+        self,
+        parser: argparse.ArgumentParser,
+        omit: Collection[str] = (),
+        shown_defaults: Mapping[str, Any] | None = None,
+    ) -> None:
+        """A flag for each flagged setting not in `omit`, its help the declared one with the
+        default (`shown_defaults` where the command's differ); values stay raw for `load`."""
+        shown_defaults = shown_defaults or {}
+        for setting in self.settings():
+            if not setting.flag or setting.name in omit:
+                continue
+            shown = shown_defaults.get(setting.name, setting.default)
+            help_text = _flag_help(setting, shown).replace("%", "%%")
+            if setting.kind is bool:
+                parser.add_argument(setting.flag, action="store_true", default=None, help=help_text)
+                continue
+            metavar = setting.spec.metavar
+            if setting.spec.choices:
+                metavar = "{" + ",".join(setting.spec.choices) + "}"
+            parser.add_argument(setting.flag, metavar=metavar, help=help_text)
+
+    def flag_values(self, args: argparse.Namespace) -> dict[str, Any]:
+        """The flags given on the command line, by setting name."""
+        return {
+            s.name: getattr(args, s.flag[2:].replace("-", "_"), None)
+            for s in self.settings()
+            if s.flag
+        }
+
+
+def _flag_help(setting: Setting, default: Any) -> str:
+    if default in _NOT_SHOWN or isinstance(default, bool):
+        return setting.spec.help
+    if setting.unit in SIZE_UNITS:
+        shown = format_size(default)
+    else:
+        shown = f"{default} {setting.unit}".strip()
+    return f"{setting.spec.help} (default: {shown})".lstrip()
+
+
 def build_config(
-    cls: type[T],
-    file_values: Mapping[str, Any],
+    section: Section,
+    path: Path | None,
     env: Mapping[str, str],
     flags: Mapping[str, Any],
-    env_prefix: str,
-) -> T:
-    """Merge the three sources (later wins) into `cls`, coercing each value to its field type."""
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls) if f.init}
-    unknown = set(file_values) - names
-    if unknown:
-        raise ConfigError(f"unknown setting(s) {sorted(unknown)}; valid: {sorted(names)}")
-    values: dict[str, Any] = {}
-    for name in names:
-        env_name = f"{env_prefix}{name.upper()}"
-        for source, raw in (
-            ("file", file_values.get(name)),
-            (env_name, env.get(env_name)),
-            ("--" + name.replace("_", "-"), flags.get(name)),
-        ):
-            if raw is not None:
-                values[name] = _coerce(raw, hints[name], f"{source} {name}")
-    return cls(**values)
-
-
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def parse_size(text: str) -> int:
-    """'4096', '64MiB', '4G', '1.5GiB' -> bytes (binary units; a trailing 'iB'/'B' is optional)."""
-    cleaned = text.strip().lower().removesuffix("b").removesuffix("i")
-    number, unit = cleaned.rstrip("kmgt"), cleaned[len(cleaned.rstrip("kmgt")) :]
-    if len(unit) > 1:
-        raise ValueError(text)
-    return int(float(number) * _UNITS[unit])
-
-
-def _coerce(raw: Any, hint: Any, where: str) -> Any:
-    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
-    target = next(t for t in options if t is not type(None))
-    if dataclasses.is_dataclass(target):
-        raise ConfigError(f"{where}: cannot be set here")
-    try:
-        if target is bool and isinstance(raw, str):
-            return {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}[
-                raw.lower()
-            ]
-        if target is Path:
-            return Path(raw)
-        if target is int and isinstance(raw, str):
-            return parse_size(raw)
-        return target(raw)
-    except (KeyError, TypeError, ValueError):
-        raise ConfigError(f"{where}: {raw!r} is not a valid {target.__name__}") from None
+) -> Any:
+    """`section`'s config from the `[table]` of the TOML file at `path` (if any), the
+    environment and the flags."""
+    file_values = read_toml_section(path, section.table)
+    return section.load(file_values, env, flags, str(path))
 
 
 def read_secret_file(path: Path, what: str) -> str:

@@ -10,11 +10,10 @@ from pathlib import Path
 import pytest
 
 from kvstore.client import KVStoreClient
-from kvstore.config import build_config
 from kvstore.errors import ConfigError
 from kvstore.keys import Namespace, chunk_keys
 from kvstore.metadata.client import MetadataClient
-from kvstore.metadata.server.server import MetadataConfig
+from kvstore.sections import METADATA
 from tests.metadata.servers import health_status, start_cli, wait_until
 
 # Kubernetes' default terminationGracePeriodSeconds: a stop must fit in it (it takes ~2 s on an
@@ -91,13 +90,10 @@ def test_the_readme_serve_command_starts_answers_health_and_stops_on_sigterm(tmp
 def test_settings_come_from_file_then_environment_then_flags(tmp_path):
     path = tmp_path / "kvstore.toml"
     path.write_text('[metadata]\nlisten = "0.0.0.0:1"\nkey_quota_per_tenant = 5\nmax_workers = 8\n')
-    from kvstore.config import read_toml_section
+    from kvstore.config import build_config
 
-    section = read_toml_section(path, "metadata")
     env = {"KVSTORE_METADATA_LISTEN": "127.0.0.1:2", "KVSTORE_METADATA_KEY_QUOTA_PER_TENANT": "7"}
-    config = build_config(
-        MetadataConfig, section, env, {"listen": "127.0.0.1:3"}, "KVSTORE_METADATA_"
-    )
+    config = build_config(METADATA, path, env, {"listen": "127.0.0.1:3"})
     assert (config.listen, config.key_quota_per_tenant, config.max_workers) == ("127.0.0.1:3", 7, 8)
 
 
@@ -105,14 +101,14 @@ def test_settings_come_from_file_then_environment_then_flags(tmp_path):
     ("section", "env", "message"),
     [
         ({"listn": "x"}, {}, "unknown setting"),
-        ({}, {"KVSTORE_METADATA_MAX_WORKERS": "many"}, "not a valid int"),
+        ({}, {"KVSTORE_METADATA_MAX_WORKERS": "many"}, "max_workers must be an integer"),
         ({"backend": "etcd"}, {}, "backend 'etcd' unknown"),
         ({"tls_cert": "/c"}, {}, "both tls_cert and tls_key"),
     ],
 )
 def test_bad_settings_say_what_to_change(section, env, message):
     with pytest.raises(ConfigError, match=message):
-        build_config(MetadataConfig, section, env, {}, "KVSTORE_METADATA_")
+        METADATA.load(section, env, {})
 
 
 def test_cli_reports_config_errors_without_a_traceback(tmp_path):
@@ -120,7 +116,10 @@ def test_cli_reports_config_errors_without_a_traceback(tmp_path):
     bad.write_text("[metadata]\nlisen = 1\n")
     result = kvstore("serve", "--config", str(bad))
     assert result.returncode == 2
-    assert "unknown setting(s) ['lisen']" in result.stderr and "Traceback" not in result.stderr
+    assert (
+        "unknown setting(s) ['lisen'] in [metadata] of" in result.stderr
+        and "Traceback" not in result.stderr
+    )
     unknown_policy = kvstore("replay", "trace.jsonl", "--policy", "nope", "--capacity-blocks", "1")
     assert unknown_policy.returncode == 2 and "invalid choice: 'nope'" in unknown_policy.stderr
 
@@ -140,3 +139,34 @@ def test_the_readme_first_command_serves_metadata_and_an_agent(tmp_path):
             assert client.lookup("t", chunk_keys(Namespace("m", "l"), range(256), 256)).total == 0
     finally:
         stop_cleanly(process)
+
+
+def cli_help(capsys, command: str) -> str:
+    """`kvstore <command> --help`, its lines joined (argparse wraps them)."""
+    from kvstore.cli import main
+
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    return " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize(("command", "section"), [("node", "NODE"), ("metadata", "METADATA")])
+def test_the_help_shows_each_settings_declared_help_and_default(capsys, command, section):
+    import kvstore.sections
+
+    help_text = cli_help(capsys, command)
+    for setting in getattr(kvstore.sections, section).settings():
+        if setting.flag:
+            assert f"{setting.flag} " in help_text
+            assert " ".join(setting.spec.help.split()) in help_text, setting.name
+    if command == "node":
+        assert "shared-memory arena size, e.g. 8GiB (default: 4GiB)" in help_text
+        assert "worker connections at once (default: 256)" in help_text
+        assert "--transfer {tcp,ucx,none} transfer engine (default: tcp)" in help_text
+
+
+def test_the_serve_help_shows_the_defaults_serve_gives(capsys):
+    help_text = cli_help(capsys, "serve")
+    assert "shared-memory arena size, e.g. 8GiB (default: 1GiB)" in help_text
+    assert "unix socket workers connect to (default: DATA_DIR/agent.sock)" in help_text
+    assert "--backend" not in help_text and "--insecure-transfer" not in help_text

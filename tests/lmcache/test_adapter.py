@@ -50,7 +50,7 @@ def test_lmcache_builds_the_adapter_from_its_l2_adapter_json(agent, adapter):
         adapter.get_load_event_fd(),
     }
     assert len(fds) == 3, "LMCache routes completions by fd: each must be distinct"
-    with pytest.raises(ConfigError, match="unknown kvstore keys \\['socket'\\]"):
+    with pytest.raises(ConfigError, match=r"unknown setting\(s\) \['socket'\] in"):
         build_adapter(agent.config.socket_path, socket="typo")
     with pytest.raises(ConfigError, match="load_timeout_s must be a number"):
         build_adapter(agent.config.socket_path, load_timeout_s="10")

@@ -11,12 +11,13 @@ vLLM's paged layout: SGLang's HiCache backend reads and writes the same blocks.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from kvstore.client import DEFAULT_ANSWER_SPIN_US, check_answer_spin_us
+from kvstore.codec import CODEC_IDS
+from kvstore.connectors.agent_settings import AgentSettings
 from kvstore.connectors.vllm import compat
 from kvstore.errors import ConfigError
 from kvstore.fingerprint import model_fingerprint
@@ -24,6 +25,7 @@ from kvstore.keys import Namespace, chunk_keys
 from kvstore.keys_sglang import HeadGroups, head_groups, sglang_page_hashes, shared_namespace
 from kvstore.kvcopy.paged import PagedLayer, head_slice
 from kvstore.layout import KVLayout
+from kvstore.settings import parse_values, setting
 
 KEY_SCHEMES = ("vllm", "sglang")
 LOAD_THREADS = ("auto", "thread", "inline")
@@ -31,67 +33,41 @@ MAX_STAGE_THREADS = 16  # each holds one agent connection (a control thread in t
 
 
 @dataclass(frozen=True)
-class ConnectorSettings:
-    """kv_connector_extra_config fields."""
+class ConnectorSettings(AgentSettings):
+    """kv_connector_extra_config fields (docs/vllm.md); unknown keys are refused."""
 
-    socket_path: str = "/run/kvstore/agent.sock"  # the host's node agent
-    credential_file: str = ""  # a token the agent maps to tenants; empty: this process's uid
-    answer_spin_us: int = DEFAULT_ANSWER_SPIN_US  # polling for the agent's answer (client.py)
-    chunk_tokens: int = 256  # a multiple of vLLM's block size
-    tenant: str = "default"
-    salt: str = ""  # isolates deployments that must never share KV
-    codec: str = "raw"  # raw | fp8
-    model_revision: str = ""  # mixed into the model fingerprint
-    load_timeout_s: float = 10.0
-    verify_checksums: bool = True
-    key_scheme: str = "vllm"  # vllm | sglang (shared with SGLang; chunk_tokens = its page size)
-    head_group_size: int = 0  # kv heads per stored block, fleet-wide; 0: this rank's heads
-    load_thread: str = "auto"  # auto | thread | inline: where layer-wise loads copy (worker.py)
-    stage_threads: int = 2  # requests staged at once (disk promotions, pulls from other hosts)
+    chunk_tokens: int = setting(256, help="tokens per stored chunk; a multiple of vLLM's", gt=0)
+    codec: str = setting("raw", help="how blocks are stored", choices=tuple(CODEC_IDS))
+    model_revision: str = setting("", help="mixed into the model fingerprint")
+    verify_checksums: bool = setting(True, help="checksum every payload before using it")
+    key_scheme: str = setting(
+        "vllm",
+        help="vllm, or sglang (SGLang's page hashes; chunk_tokens = its page size)",
+        choices=KEY_SCHEMES,
+    )
+    head_group_size: int = setting(
+        0, help="kv heads per stored block, fleet-wide; 0: this rank's heads", ge=0
+    )
+    load_thread: str = setting(
+        "auto", help="where layer-wise loads copy (worker.py)", choices=LOAD_THREADS
+    )
+    stage_threads: int = setting(
+        2,
+        help="requests staged at once (disk promotions, pulls from other hosts)",
+        ge=1,
+        le=MAX_STAGE_THREADS,
+    )
     # KV events (--kv-events-config): the metadata service whose event stream tells this
     # host's evictions; its token file; how many announced chunks are remembered for them.
-    events_metadata_address: str = ""
-    events_token_file: str = ""
-    events_max_chunks: int = 65_536
+    events_metadata_address: str = setting("", help="the metadata service of KV events")
+    events_token_file: str = setting("", help="a metadata token for that event stream")
+    events_max_chunks: int = setting(
+        65_536, help="announced chunks remembered for their removals", gt=0
+    )
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
-        extra = dict(extra or {})
-        known = {f.name: f.type for f in fields(cls)}
-        unknown = set(extra) - set(known)
-        if unknown:
-            raise ConfigError(
-                f"unknown kv_connector_extra_config keys {sorted(unknown)}; valid: {sorted(known)}"
-            )
-        try:
-            values = {name: _coerce(value, known[name]) for name, value in extra.items()}
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"kv_connector_extra_config: {exc}") from None
-        settings = cls(**values)
-        if settings.chunk_tokens <= 0:
-            raise ConfigError("chunk_tokens must be positive")
-        if settings.key_scheme not in KEY_SCHEMES:
-            raise ConfigError(
-                f"key_scheme {settings.key_scheme!r} unknown; use one of {KEY_SCHEMES}"
-            )
-        if settings.load_thread not in LOAD_THREADS:
-            raise ConfigError(
-                f"load_thread {settings.load_thread!r} unknown; use one of {LOAD_THREADS}"
-            )
-        if settings.events_max_chunks <= 0:
-            raise ConfigError("events_max_chunks must be positive")
-        if not 1 <= settings.stage_threads <= MAX_STAGE_THREADS:
-            raise ConfigError(f"stage_threads must be in [1, {MAX_STAGE_THREADS}]")
-        check_answer_spin_us(settings.answer_spin_us)
-        if settings.head_group_size < 0:
-            raise ConfigError("head_group_size must be >= 0 (0: this TP rank's kv heads)")
-        return settings
-
-
-def _coerce(value: Any, type_name: str) -> Any:
-    if type_name == "bool" and isinstance(value, str):
-        return value.lower() in ("1", "true", "yes")
-    return {"int": int, "float": float, "bool": bool, "str": str}[type_name](value)
+        return cls(**parse_values(cls, extra or {}, "kv_connector_extra_config"))
 
 
 @dataclass(frozen=True)

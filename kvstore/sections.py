@@ -1,0 +1,109 @@
+"""The settings sections of the `kvstore` processes: the metadata service's ([metadata],
+KVSTORE_METADATA_*) and the node agent's ([node], KVSTORE_NODE_*). Their dataclasses declare
+each setting's type and default; here is the rest of its declaration (help, flag, choices).
+
+Imported by the CLI (kvstore/cli.py) in the user's shell process.
+"""
+
+from __future__ import annotations
+
+from kvstore.config import Section
+from kvstore.metadata.server.server import BACKENDS, MetadataConfig
+from kvstore.node.agent import NodeConfig
+from kvstore.settings import Spec
+
+_ACCOUNT = "NAMESPACE/NAME"
+
+
+def _flag(help: str, **spec) -> Spec:
+    """A setting the command line takes, as --its-name."""
+    return Spec(help, flag=True, **spec)
+
+
+METADATA = Section(
+    MetadataConfig,
+    "metadata",
+    {
+        "listen": _flag("gRPC host:port"),
+        "backend": _flag("where the index lives", choices=BACKENDS),
+        "insecure_no_auth": _flag(
+            "listen beyond loopback without --token-file: anyone who reaches it may read and "
+            "publish every tenant's keys"
+        ),
+        "redis_url": _flag("redis://host:port/db; redis-cluster: redis://h1:p1,h2:p2"),
+        "redis_wait_replicas": _flag("WAIT for N replicas after each write", ge=0),
+        "redis_wait_timeout_ms": _flag("WAIT timeout", ge=0),
+        "data_dir": _flag("where LMDB keeps the index"),
+        "token_file": _flag("'TOKEN TENANT [node=NODE_ID]' lines; enables auth"),
+        "kube_agent_service_account": _flag(
+            "accept this service account's projected tokens (audience kvstore), each acting as "
+            "the node its pod runs on (TokenReview; enables auth)",
+            metavar=_ACCOUNT,
+        ),
+        "kube_sidecar_service_account": _flag(
+            "the same for sidecar agents, each acting as its pod's name", metavar=_ACCOUNT
+        ),
+        "tls_cert": _flag("server certificate (PEM)"),
+        "tls_key": _flag("its private key (PEM)"),
+        "tls_client_ca": _flag("require client certificates signed by this CA"),
+        "key_quota_per_tenant": _flag("keys one tenant may hold; 0: unlimited"),
+        "max_watch_streams_per_tenant": _flag("WatchEvents streams per tenant"),
+        "max_watch_streams_all_tenants": _flag(
+            "WatchEvents streams of all-tenant tokens: node agents hold one each"
+        ),
+        "max_lookup_streams_per_tenant": _flag(
+            "LookupStream calls per tenant token: a client holds one per concurrent lookup"
+        ),
+        "max_lookup_streams_all_tenants": _flag(
+            "LookupStream calls of all-tenant tokens (node agents, routers)"
+        ),
+        "lookup_listen": _flag(
+            "the lookup port, HOST:PORT; 'auto': the gRPC port + 1 on its host; 'off'"
+        ),
+        "lmdb_map_size_bytes": _flag("LMDB map of the index, e.g. 8GiB"),
+        "metrics_listen": _flag("host:port of the Prometheus endpoint; empty: none"),
+    },
+)
+
+NODE = Section(
+    NodeConfig,
+    "node",
+    {
+        "node_id": _flag("this host's name in the cluster (default: hostname)"),
+        "socket_path": _flag("unix socket workers connect to"),
+        "host_capacity_bytes": _flag("shared-memory arena size, e.g. 8GiB"),
+        "page_size_bytes": _flag("one block's page"),
+        "disk_dir": _flag("LMDB disk tier directory (none: off)"),
+        "disk_capacity_bytes": _flag("disk tier size, e.g. 200GiB"),
+        "host_policy": _flag("eviction policy of the host tier"),
+        "disk_policy": _flag("eviction policy of the disk tier"),
+        "metadata_address": _flag("host:port of the metadata service"),
+        "metadata_token_file": _flag("file holding a `*` metadata token"),
+        "worker_credentials": _flag(
+            "lines 'token:T|uid:N|gid:N TENANTS' (default: this user, every tenant)"
+        ),
+        "cluster_secret_file": _flag("secret every agent shares; authenticates transfers"),
+        "insecure_transfer": _flag(
+            "serve transfers without --cluster-secret-file: any process that reaches the "
+            "port, other local users included, may read every block"
+        ),
+        "max_workers": _flag("worker connections at once"),
+        "max_pins_per_worker": _flag("pages one worker may hold"),
+        "tenant_share": _flag(
+            "share of the arena one tenant's reserved and pinned pages may hold while other "
+            "tenants use it"
+        ),
+        "reservation_ttl_s": _flag("a save not committed by then is released"),
+        "promotion_reserve_pages": _flag(
+            "arena pages no save may reserve, kept for promotions from disk (-1: 1/64 with a "
+            "disk tier)"
+        ),
+        "private_buffer_bytes": _flag("buffer of each private worker"),
+        "transfer": _flag("transfer engine", choices=("tcp", "ucx", "none")),
+        "transfer_host": _flag("address the transfer engine binds"),
+        "transfer_port": _flag("its port; 0: any free one"),
+        "advertise_host": _flag("address other nodes dial (default: the bind address)"),
+        "metrics_listen": Spec("host:port of the agent's metrics", flag="--node-metrics-listen"),
+        "view_max_keys": _flag("keys the cluster view holds (0: ask the service)"),
+    },
+)
