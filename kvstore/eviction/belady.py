@@ -6,11 +6,11 @@ For trace replay only: it needs the future, which the replay driver feeds it thr
 
 from __future__ import annotations
 
-import heapq
 import math
 
 from kvstore.errors import ConfigError
 from kvstore.eviction.base import CanEvict, EvictionPolicy, register_policy
+from kvstore.eviction.heap import LazyHeap
 from kvstore.keys import BlockKey
 
 NEVER = math.inf
@@ -29,7 +29,7 @@ class BeladyPolicy(EvictionPolicy):
     def __init__(self) -> None:
         self._next_use: dict[BlockKey, float] = {}  # resident keys, and keys announced for insert
         self._resident: set[BlockKey] = set()
-        self._heap: list[tuple[float, BlockKey]] = []  # (-next use, key); may hold stale entries
+        self._heap: LazyHeap[float] = LazyHeap(self._is_live)  # (-next use, key)
 
     def set_next_use(self, key: BlockKey, position: float) -> None:
         """Record that `key` is next read at `position` (`NEVER` if it is not read again)."""
@@ -53,20 +53,7 @@ class BeladyPolicy(EvictionPolicy):
             self._next_use.pop(key, None)
 
     def victim(self, can_evict: CanEvict) -> BlockKey | None:
-        skipped: list[tuple[float, BlockKey]] = []
-        found = None
-        while self._heap:
-            entry = self._heap[0]
-            if not self._is_live(entry):
-                heapq.heappop(self._heap)
-            elif can_evict(entry[1]):
-                found = entry[1]
-                break
-            else:
-                skipped.append(heapq.heappop(self._heap))
-        for entry in skipped:
-            heapq.heappush(self._heap, entry)
-        return found
+        return self._heap.victim(can_evict)
 
     def __len__(self) -> int:
         return len(self._resident)
@@ -79,7 +66,4 @@ class BeladyPolicy(EvictionPolicy):
         return key in self._resident and self._next_use[key] == -negated_use
 
     def _push(self, key: BlockKey) -> None:
-        heapq.heappush(self._heap, (-self._next_use[key], key))
-        if len(self._heap) > 2 * len(self._resident) + 64:
-            self._heap = [entry for entry in self._heap if self._is_live(entry)]
-            heapq.heapify(self._heap)
+        self._heap.push(-self._next_use[key], key, len(self._resident))

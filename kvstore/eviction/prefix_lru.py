@@ -8,11 +8,11 @@ worker could fill the tier with blocks nothing evicts. Runs in the tier's owning
 
 from __future__ import annotations
 
-import heapq
 from itertools import count
 
 from kvstore.errors import ConfigError
 from kvstore.eviction.base import CanEvict, EvictionPolicy, register_policy
+from kvstore.eviction.heap import LazyHeap
 from kvstore.keys import BlockKey
 
 Priority = tuple[float, ...]
@@ -48,7 +48,7 @@ class PrefixLRUPolicy(EvictionPolicy):
         self._inserts = 0
         self._nodes: dict[BlockKey, TreeNode] = {}
         self._children: dict[BlockKey, int] = {}  # resident-child counts, for any parent key
-        self._heap: list[tuple[Priority, BlockKey]] = []  # leaves; may hold stale entries
+        self._heap: LazyHeap[Priority] = LazyHeap(self._is_live)  # leaves
 
     def insert(self, key: BlockKey, parent: BlockKey | None) -> None:
         if key in self._nodes:
@@ -100,20 +100,7 @@ class PrefixLRUPolicy(EvictionPolicy):
             self._refresh(node.parent)
 
     def victim(self, can_evict: CanEvict) -> BlockKey | None:
-        skipped: list[tuple[Priority, BlockKey]] = []
-        found = None
-        while self._heap:
-            entry = self._heap[0]
-            if not self._is_live(entry):
-                heapq.heappop(self._heap)
-            elif can_evict(entry[1]):
-                found = entry[1]
-                break
-            else:
-                skipped.append(heapq.heappop(self._heap))
-        for entry in skipped:
-            heapq.heappush(self._heap, entry)
-        return found
+        return self._heap.victim(can_evict)
 
     def __len__(self) -> int:
         return len(self._nodes)
@@ -135,10 +122,7 @@ class PrefixLRUPolicy(EvictionPolicy):
         if node is None or key in self._children:
             return
         node.priority = self._priority(key, node)
-        heapq.heappush(self._heap, (node.priority, key))
-        if len(self._heap) > 2 * len(self._nodes) + 64:
-            self._heap = [entry for entry in self._heap if self._is_live(entry)]
-            heapq.heapify(self._heap)
+        self._heap.push(node.priority, key, len(self._nodes))
 
     def _is_live(self, entry: tuple[Priority, BlockKey]) -> bool:
         priority, key = entry

@@ -10,6 +10,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvstore.metrics_families import family_by_label
+
 
 class AgentCollector(Collector):
     """Turns `snapshot()` (NodeAgent.stats) into metric families."""
@@ -80,12 +82,13 @@ class AgentCollector(Collector):
             "Blocks discarded for a bad checksum",
             value=stats["checksum_failures"] + transfer["failures"],
         )
-        evictions = CounterMetricFamily(
-            "kvstore_agent_evictions", "Blocks removed from a tier", labels=["tier"]
+        yield family_by_label(
+            CounterMetricFamily,
+            "kvstore_agent_evictions",
+            "Blocks removed from a tier",
+            "tier",
+            stats["evictions"],
         )
-        for tier, count in stats["evictions"].items():
-            evictions.add_metric([tier], count)
-        yield evictions
         yield CounterMetricFamily(
             "kvstore_agent_demoted_ahead_blocks",
             "Blocks the demotion thread wrote to disk to keep arena pages free",
@@ -104,34 +107,33 @@ class AgentCollector(Collector):
 
     def _bounds(self, stats: dict):
         """What the agent refused or holds at its bounds (docs/security.md: Workers and tenants)."""
-        refused = CounterMetricFamily(
-            "kvstore_agent_refused_connections", "Worker connections refused", labels=["reason"]
+        yield family_by_label(
+            CounterMetricFamily,
+            "kvstore_agent_refused_connections",
+            "Worker connections refused",
+            "reason",
+            stats["refused"],
         )
-        for reason, count in stats["refused"].items():
-            refused.add_metric([reason], count)
-        yield refused
         yield GaugeMetricFamily(
             "kvstore_agent_orphaned_pages",
             "Pages still pinned for workers whose connection broke (until they exit)",
             value=stats["orphaned_pages"],
         )
-        dropped = CounterMetricFamily(
+        yield family_by_label(
+            CounterMetricFamily,
             "kvstore_agent_publish_dropped_blocks",
             "Blocks the metadata service refused to index (quota, full, permission)",
-            labels=["cause"],
+            "cause",
+            stats["dropped_by_cause"],
         )
-        for cause, count in stats["dropped_by_cause"].items():
-            dropped.add_metric([cause], count)
-        yield dropped
-        engine = CounterMetricFamily(
+        yield family_by_label(
+            CounterMetricFamily,
             "kvstore_agent_transfer_events",
             "Transfer engine events: connections accepted/opened/refused at the caps, batches "
             "served/cut at the deadline, transfers broken, handshakes and MACs failed",
-            labels=["event"],
+            "event",
+            stats["transfer"].get("engine_events", {}),
         )
-        for event, count in stats["transfer"].get("engine_events", {}).items():
-            engine.add_metric([event], count)
-        yield engine
 
     def _tenants(self, tenants: dict):
         """Each tenant's pages: reserved by its saves, pinned by its loads, stored per tier;

@@ -9,7 +9,6 @@ Runs in the `kvstore plan` process (the engine in-process, as `kvstore bench vll
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import tempfile
 import time
@@ -20,6 +19,7 @@ import numpy as np
 import torch
 
 from kvstore.bench.timing import machine_info
+from kvstore.bench.vllm import cpu_engine
 from kvstore.costmodel import LOAD_MARGIN, TierLink, best_load_prefix
 from kvstore.plan import calibrate as cal
 from kvstore.plan import scaled
@@ -145,29 +145,13 @@ def _engine(model_dir: Path, socket_path: Path):
     comes from the store; block size = chunk size, so each trace block is one chunk. One
     torch thread (ENGINE_THREADS): other tenants' load then slows it in proportion, where two
     threads meeting at every op's barrier stall whenever either is descheduled."""
-    os.environ.update(
-        VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0"
-    )
     torch.set_num_threads(ENGINE_THREADS)
-    from vllm import LLM
-    from vllm.config import KVTransferConfig
-
-    transfer = KVTransferConfig(
-        kv_connector="KVStoreConnector",
-        kv_connector_module_path="kvstore.connectors.vllm.connector",
-        kv_role="kv_both",
-        kv_load_failure_policy="recompute",
-        kv_connector_extra_config={"socket_path": str(socket_path), "chunk_tokens": CHUNK_TOKENS},
-    )
-    return LLM(
-        model=str(model_dir),
-        tokenizer=str(model_dir),
-        dtype="float32",
-        enforce_eager=True,
-        gpu_memory_utilization=0.2,
+    return cpu_engine(
+        model_dir,
+        socket_path,
+        CHUNK_TOKENS,
         kv_cache_memory_bytes=1 << 30,
         block_size=CHUNK_TOKENS,
-        kv_transfer_config=transfer,
         max_model_len=MAX_PROMPT_TOKENS + 64,
         max_num_batched_tokens=MAX_PROMPT_TOKENS + 64,
         enable_prefix_caching=False,

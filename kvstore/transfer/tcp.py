@@ -26,6 +26,7 @@ from kvstore.transfer.base import (
     register_engine,
 )
 from kvstore.transfer.gate import Gate, LinkOptions, dial, is_quiet
+from kvstore.transfer.pool import IdlePool
 from kvstore.transfer.tcp_wire import (
     BATCH,
     FRAME,
@@ -70,7 +71,11 @@ class TcpEngine(TransferEngine):
         self.options = TcpOptions.make("tcp", options)
         self.stats = TransferStats()  # updated under the engine's lock
         self._lock = threading.Lock()
-        self._pool: dict[str, list[Conn]] = {}
+        self._pool: IdlePool[Conn] = IdlePool(
+            self.options.pool_connections_per_peer,
+            usable=lambda conn: is_quiet(conn.sock),  # readable while idle: the peer hung up
+            drop=lambda conn: conn.sock.close(),
+        )
         self._gate = Gate("tcp", self.options, self.stats, self._lock)
         self._serving = False
         self._closed = False
@@ -122,7 +127,7 @@ class TcpEngine(TransferEngine):
         if not keys:
             return landed.received
         deadline = time.monotonic() + timeout_s
-        conn = self._pooled(address)
+        conn = self._pool.take(address)
         if conn is None or not self._exchange(conn, address, request, landed, deadline):
             conn = self._dial(address, deadline)  # none pooled, or the peer had closed it
             self._exchange(conn, address, request, landed, deadline, False)
@@ -157,28 +162,8 @@ class TcpEngine(TransferEngine):
                 self.stats.transfers_broken += 1
                 self.stats.macs_failed += isinstance(exc, MacError)
             return True
-        self._release(address, conn)
+        self._pool.put(address, conn)
         return True
-
-    def _pooled(self, address: str) -> Conn | None:
-        """An idle pooled connection to `address` that the peer has not closed, or None."""
-        while True:
-            with self._lock:
-                idle = self._pool.get(address)
-                if not idle:
-                    return None
-                conn = idle.pop()
-            if is_quiet(conn.sock):
-                return conn
-            conn.sock.close()  # readable while idle: the peer hung up (or sent garbage)
-
-    def _release(self, address: str, conn: Conn) -> None:
-        with self._lock:
-            idle = self._pool.setdefault(address, [])
-            if not self._closed and len(idle) < self.options.pool_connections_per_peer:
-                idle.append(conn)
-                return
-        conn.sock.close()
 
     def _dial(self, address: str, deadline: float) -> Conn:
         """A new connection to `address`, authenticated when the engine has a secret."""
@@ -198,8 +183,7 @@ class TcpEngine(TransferEngine):
             if self._closed:
                 return
             self._closed = True
-            idle = [conn for conns in self._pool.values() for conn in conns]
-            self._pool.clear()
+            idle = self._pool.drain()
         for conn in idle:
             conn.sock.close()
         self._gate.close()

@@ -33,6 +33,7 @@ from kvstore.transfer.base import (
     register_engine,
 )
 from kvstore.transfer.gate import Gate, LinkOptions, dial, is_quiet, shutdown, wait_readable
+from kvstore.transfer.pool import IdlePool
 from kvstore.transfer.tcp_wire import Conn, HandshakeError, ProtocolError
 from kvstore.transfer.ucx_runtime import (
     START_TIMEOUT_S,
@@ -94,7 +95,11 @@ class UcxEngine(TransferEngine):
         self._rt: Runtime | None = None
         self._closed = False
         self._open_block: OpenBlock | None = None
-        self._idle: dict[str, list[_Link]] = {}  # under the lock
+        self._idle: IdlePool[_Link] = IdlePool(
+            self.options.pool_connections_per_peer,
+            usable=lambda link: is_quiet(link.control) and not link.endpoint.closed,
+            drop=self._drop,
+        )
         self._busy: set[Any] = set()  # endpoints; touched on the loop thread only
         self._peers: set[Any] = set()  # the same
 
@@ -116,8 +121,7 @@ class UcxEngine(TransferEngine):
             if self._closed:
                 return
             runtime, self._closed = self._rt, True  # in-flight coroutines still use _rt
-            idle = [link for links in self._idle.values() for link in links]
-            self._idle.clear()
+            idle = self._idle.drain()
         self._gate.close()  # its threads abort their peers' endpoints
         if runtime is not None and runtime.context is not None:  # not stopped at exit
             runtime.call(self._drop_endpoints(idle), START_TIMEOUT_S)
@@ -273,7 +277,7 @@ class UcxEngine(TransferEngine):
         if not keys:
             return []
         deadline = time.monotonic() + timeout_s
-        link = self._pooled(address)
+        link = self._idle.take(address)
         if link is None or self._exchange(runtime, address, link, batch, deadline) == "stale":
             link = self._dial(runtime, address, deadline)  # none pooled, or the peer dropped it
             self._exchange(runtime, address, link, batch, deadline)
@@ -293,7 +297,7 @@ class UcxEngine(TransferEngine):
             _wait_dead(batch.receives, address)
             outcome = "broken"
         if outcome == "done":
-            self._pool(address, link)
+            self._idle.put(address, link)
         else:
             link.control.close()
         return outcome
@@ -316,26 +320,6 @@ class UcxEngine(TransferEngine):
         finally:
             self._busy.discard(link.endpoint)
         return "done"
-
-    def _pooled(self, address: str) -> _Link | None:
-        """An idle pooled link to `address` whose peer has not hung up, or None."""
-        while True:
-            with self._lock:
-                idle = self._idle.get(address)
-                if not idle:
-                    return None
-                link = idle.pop()
-            if is_quiet(link.control) and not link.endpoint.closed:
-                return link
-            self._drop(link)
-
-    def _pool(self, address: str, link: _Link) -> None:
-        with self._lock:
-            idle = self._idle.setdefault(address, [])
-            if len(idle) < self.options.pool_connections_per_peer and not self._closed:
-                idle.append(link)
-                return
-        self._drop(link)
 
     def _drop(self, link: _Link) -> None:
         link.control.close()

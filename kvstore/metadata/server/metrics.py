@@ -12,6 +12,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvstore.metrics_families import family_by_label
+
 _LATENCY_BUCKETS_S = (5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1.0)
 
 
@@ -22,12 +24,13 @@ class _IndexGauges(Collector):
 
     def collect(self):
         stats = self._stats()
-        blocks = GaugeMetricFamily(
-            "kvstore_metadata_blocks", "Published blocks by tier", labels=["tier"]
+        yield family_by_label(
+            GaugeMetricFamily,
+            "kvstore_metadata_blocks",
+            "Published blocks by tier",
+            "tier",
+            stats["blocks_per_tier"],
         )
-        for tier, count in stats["blocks_per_tier"].items():
-            blocks.add_metric([tier], count)
-        yield blocks
         yield GaugeMetricFamily(
             "kvstore_metadata_nodes_alive", "Nodes with a live lease", value=self._nodes_alive()
         )
