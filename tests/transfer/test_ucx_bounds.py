@@ -63,12 +63,12 @@ def test_peers_over_the_caps_are_refused_and_the_admitted_ones_still_served(make
         other_host = connect((host, int(port)), source="127.0.0.2")  # the last slot in total
         over_total = connect((host, int(port)), source="127.0.0.3")
         if secret is None:  # admitted at once: they take served slots
-            until(lambda: pair.server.stats.connections_accepted == 2, within_s=2.0)
-            until(lambda: pair.server.stats.connections_refused == 2, within_s=2.0)
-            until(lambda: hung_up(over_total), within_s=2.0)  # counted, then closed
+            until(lambda: pair.server.stats.connections_accepted == 2, within_s=10.0)
+            until(lambda: pair.server.stats.connections_refused == 2, within_s=10.0)
+            until(lambda: hung_up(over_total), within_s=10.0)  # counted, then closed
             assert not hung_up(other_host)
         else:  # they never prove the secret: handshake slots only, never a served one
-            until(lambda: pair.server._gate.connections == 3, within_s=2.0)
+            until(lambda: pair.server._gate.connections == 3, within_s=10.0)
             assert pair.server.stats.connections_accepted == 1
         assert pair.fetch(keys[1:]) == [SMALL_PAGE_BYTES]  # the admitted peer is still served
         assert int(page.count_nonzero()) == 0
@@ -78,7 +78,7 @@ def test_peers_over_the_caps_are_refused_and_the_admitted_ones_still_served(make
         second.close()
     assert pair.server.stats.connections_refused == (2 if secret is None else 1)
     # counted once the holder's send completes, which may trail the reader's receipt
-    until(lambda: pair.server.stats.batches_served == 2, within_s=2.0)
+    until(lambda: pair.server.stats.batches_served == 2, within_s=10.0)
 
 
 @pytest.mark.multiprocess
@@ -98,10 +98,10 @@ def test_a_peer_stopped_mid_batch_is_cut_at_the_deadline_and_its_pins_released(
     )
     try:
         assert client.stdout.readline() == "asked\n"
-        until(lambda: holder.pins_held() > 0, within_s=3.0)  # sending block 0 (or 1) now
+        until(lambda: holder.pins_held() > 0, within_s=10.0)  # sending block 0 (or 1) now
         released_after_s = until(lambda: holder.pins_held() == 0, within_s=3.0)
-        until(lambda: pair.server.stats.batches_cut == 1, within_s=2.0)
-        until(lambda: pair.server._gate.connections == 0, within_s=2.0)  # its gate link too
+        until(lambda: pair.server.stats.batches_cut == 1, within_s=10.0)
+        until(lambda: pair.server._gate.connections == 0, within_s=10.0)  # its gate link too
 
         assert released_after_s < 1.0  # the 0.5 s deadline, not the stopped peer's mercy
         assert pair.server.stats.batches_served == 0
@@ -119,7 +119,7 @@ def test_an_accepted_peer_that_never_says_hello_is_dropped_at_the_handshake_dead
     pair = make_ucx_pair(handshake_timeout_s=0.3)
     host, port = pair.address.rsplit(":", 1)
     silent = connect((host, int(port)))
-    until(lambda: pair.server.stats.connections_accepted == 1, within_s=2.0)
+    until(lambda: pair.server.stats.connections_accepted == 1, within_s=10.0)
 
     dropped_after_s = until(lambda: hung_up(silent), within_s=2.0)
 
@@ -140,7 +140,7 @@ def test_a_malformed_hello_drops_that_peer_and_the_service_keeps_serving(make_uc
     peer = connect((host, int(port)))
     peer.sendall(hello)
 
-    until(lambda: hung_up(peer), within_s=2.0)
+    until(lambda: hung_up(peer), within_s=10.0)
 
     peer.close()
     assert pair.fetch(keys) == [SMALL_PAGE_BYTES]
