@@ -1,23 +1,16 @@
-"""Each tenant's share of a TieredStore's top tier: the limits (ArenaLimits), reserved and
-pinned pages counted per tenant and refused past a tenant's share, reservations that expire
-unless their writer claims them, and pages kept free of saves for promotions from disk.
-
-A mixin of TieredStore (kvstore/store.py), whose lock, slots, pending writes and per-tenant
-counters it uses; runs in the node agent's worker threads (their saves and loads) and at each
-metrics scrape.
+"""Each tenant's share of a node's top tier: the limits (ArenaLimits) and the per-tenant
+accounting the store checks them against (TenantShares: reserved, pinned and stored pages).
+No lock inside: StoreLedger (kvstore/store_ledger.py) calls it only under its own. Runs in the
+node agent (its workers' saves and loads, each metrics scrape).
 """
 
 from __future__ import annotations
 
-import logging
-import time
 from collections import Counter
 from dataclasses import dataclass
 
-from kvstore.errors import CapacityError, ConfigError, QuotaExceededError
-from kvstore.store_received import PendingWrite
-
-logger = logging.getLogger(__name__)
+from kvstore.errors import ConfigError, QuotaExceededError
+from kvstore.tiers.base import Tier
 
 
 @dataclass(frozen=True)
@@ -41,22 +34,44 @@ class ArenaLimits:
             raise ConfigError("reservation_ttl_s must be >= 0 (0: reservations never expire)")
 
 
-class ArenaShares:
-    """Tenants' shares, reservation expiry and the promotion reserve of TieredStore."""
+class TenantShares:
+    """Per tenant: top-tier pages its saves reserved, blocks pinned, blocks stored per tier;
+    and the refusals of pages past its share. Mutated only under its owner's lock."""
 
-    def _within_share(self, tenant: str, raise_if_not: bool) -> bool:
-        """Under the lock: whether `tenant` may hold one more top-tier page reserved or pinned
-        (always while no other tenant uses the tier). Past its share, False, or with
-        `raise_if_not` QuotaExceededError; counted either way."""
-        top = self.slots[0].tier
+    def __init__(self, limits: ArenaLimits) -> None:
+        self.limits = limits
+        self.refusals = 0  # reserves and pins refused: the tenant held its share
+        self._reserved: Counter[str] = Counter()  # tenant -> its saves' reserved pages
+        self._pinned: Counter[str] = Counter()  # tenant -> its pinned blocks
+        self._stored: Counter[tuple[str, str]] = Counter()  # (tenant, tier kind) -> blocks
+
+    def count_reserved(self, tenant: str, change: int) -> None:
+        count_change(self._reserved, tenant, change)
+
+    def count_pinned(self, tenant: str, change: int) -> None:
+        count_change(self._pinned, tenant, change)
+
+    def count_stored(self, tenant: str, kind: str, change: int) -> None:
+        count_change(self._stored, (tenant, kind), change)
+
+    def at_share(self, tenant: str, top: Tier) -> bool:
+        """Whether `tenant`'s reserved and pinned pages fill its share of `top`'s pages."""
         limit = max(1, int(self.limits.tenant_share * top.capacity_pages))
-        held = self._reserved[tenant] + self._pinned[tenant]
-        if held >= limit and self.expire_reservations():
-            held = self._reserved[tenant] + self._pinned[tenant]
-        if held < limit or not self._others_use_top(tenant):
-            return True
-        self.share_refusals += 1
+        return self._reserved[tenant] + self._pinned[tenant] >= limit
+
+    def others_use(self, tenant: str, top: Tier) -> bool:
+        """Whether a tenant other than `tenant` reserved, pinned or stored pages in `top`."""
+        users = (*self._reserved, *self._pinned)
+        return any(other != tenant for other in users) or any(
+            other != tenant and where == top.kind for other, where in self._stored
+        )
+
+    def refuse(self, tenant: str, top: Tier, raise_if_not: bool) -> bool:
+        """Count a refusal of one more page to `tenant` (at its share); False, or with
+        `raise_if_not` QuotaExceededError saying what to do."""
+        self.refusals += 1
         if raise_if_not:
+            held = self._reserved[tenant] + self._pinned[tenant]
             raise QuotaExceededError(
                 f"tenant {tenant!r} holds {held} of this node's {top.capacity_pages} "
                 f"{top.kind} pages reserved or pinned, its share while other tenants use them "
@@ -64,88 +79,16 @@ class ArenaShares:
             )
         return False
 
-    def _others_use_top(self, tenant: str) -> bool:
-        kind = self.slots[0].tier.kind
-        users = (*self._reserved, *self._pinned)
-        return any(other != tenant for other in users) or any(
-            other != tenant and where == kind for other, where in self._stored
-        )
-
-    def tenant_pages(self) -> dict[str, dict[str, int]]:
-        """Per tenant: pages its saves reserved, blocks pinned, and blocks stored per tier
-        (as "stored_host", "stored_disk")."""
-        self.expire_reservations()
-        with self._lock:
-            pages: dict[str, dict[str, int]] = {}
-            for tenant, reserved in self._reserved.items():
-                pages.setdefault(tenant, {})["reserved"] = reserved
-            for tenant, pinned in self._pinned.items():
-                pages.setdefault(tenant, {})["pinned"] = pinned
-            for (tenant, kind), stored in self._stored.items():
-                pages.setdefault(tenant, {})[f"stored_{kind}"] = stored
-            return pages
-
-    def _check_room_for_saves(self) -> None:
-        """Under the lock: CapacityError when a save's page would leave fewer evictable pages
-        than the promotion reserve (a pinned block on disk could then not be read)."""
-        top = self.slots[0].tier
-        kept = self.limits.promotion_reserve_pages
-        if not kept or self._unevictable() < top.capacity_pages - kept:
-            return
-        if self.expire_reservations() and self._unevictable() < top.capacity_pages - kept:
-            return
-        raise CapacityError(
-            f"{top.kind} tier: {self._unevictable()} of {top.capacity_pages} pages are reserved "
-            f"or pinned; the last {kept} are kept for promotions"
-        )
-
-    def _unevictable(self) -> int:
-        """Top-tier pages reserved or pinned (a pin below the top tier counts too: rare, and
-        erring on the side of room for promotions)."""
-        return len(self._pending) + len(self._pins)
-
-    def claim(self, key: bytes, writer: object) -> bool:
-        """Whether `writer`'s reservation of `key` is still there; if so it no longer expires
-        (its writer is about to commit or abort it). Call before copying into its page."""
-        with self._lock:
-            pending = self._pending.get(key)
-            if pending is None or pending.writer is not writer:
-                return False
-            pending.claimed = True
-            return True
-
-    def expire_reservations(self) -> int:
-        """Release worker reservations older than the reservation TTL and not claimed; returns
-        how many (counted in expired_reservations). Runs whenever pages are wanted and none
-        is free (a save, a promotion, a tenant at its share) and at each metrics scrape."""
-        ttl_s = self.limits.reservation_ttl_s
-        if not ttl_s:
-            return 0
-        now = time.monotonic()
-        with self._lock:
-            stale = [
-                key
-                for key, pending in self._pending.items()
-                if pending.writer is not None
-                and not pending.claimed
-                and now - pending.reserved_at > ttl_s
-            ]
-            for key in stale:
-                self.slots[self._drop_pending(key).slot].tier.release(key)
-            self.expired_reservations += len(stale)
-        if stale:
-            logger.warning(
-                "released %d reservations not committed within %.0f s", len(stale), ttl_s
-            )
-        return len(stale)
-
-    def _drop_pending(self, key: bytes) -> PendingWrite:
-        """Under the lock: forget `key`'s reservation (its page stays the caller's to free or
-        commit) and what it counted against its tenant."""
-        pending = self._pending.pop(key)
-        if pending.arrived is None:  # a save's page (reserve), not a block from a peer
-            count_change(self._reserved, pending.header.tenant, -1)
-        return pending
+    def pages(self) -> dict[str, dict[str, int]]:
+        """Per tenant: "reserved", "pinned", and blocks stored per tier ("stored_host", ...)."""
+        pages: dict[str, dict[str, int]] = {}
+        for tenant, reserved in self._reserved.items():
+            pages.setdefault(tenant, {})["reserved"] = reserved
+        for tenant, pinned in self._pinned.items():
+            pages.setdefault(tenant, {})["pinned"] = pinned
+        for (tenant, kind), stored in self._stored.items():
+            pages.setdefault(tenant, {})[f"stored_{kind}"] = stored
+        return pages
 
 
 def count_change(counter: Counter, name: object, change: int) -> None:

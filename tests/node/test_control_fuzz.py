@@ -99,7 +99,7 @@ def _still_serving(agent) -> None:
         assert client.lookup("t", [bytes(16)]).total == 0
     assert wait_until(lambda: agent.control.connections == 0, timeout_s=5)
     assert wait_until(lambda: not len(agent.control.orphans), timeout_s=5)  # their lease ran out
-    assert agent.store.pins_held() == 0 and not agent.store._pending
+    assert agent.store.pins_held() == 0 and agent.store.writes_pending() == 0
     assert not agent.control.sessions
 
 

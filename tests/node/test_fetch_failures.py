@@ -114,7 +114,7 @@ def test_a_victim_the_disk_fails_to_store_is_evicted_and_the_save_goes_on(tmp_pa
         reader.put(KEYS[0], None, bytes([1]) * 500)
         reader.put(KEYS[1], KEYS[0], bytes([2]) * 500)
         disk.fail = True
-        with caplog.at_level(logging.WARNING, logger="kvstore.store_moves"):
+        with caplog.at_level(logging.WARNING, logger="kvstore.store_ledger"):
             reader.put(KEYS[2], KEYS[1], bytes([3]) * 500)  # evicts KEYS[0]: its write fails
             reader.put(KEYS[3], KEYS[2], bytes([4]) * 500)
         assert reader.tier_of(KEYS[0]) is None and reader.tier_of(KEYS[3]) == "host"

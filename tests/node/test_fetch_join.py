@@ -68,8 +68,8 @@ def test_a_load_that_loses_the_race_for_a_reservation_waits_for_the_winner():
         """KEYS[0] is found neither stored nor on its way; right after, another load
         reserves it and commits it 0.2 s later."""
         answer = checked(key, timeout_s)
-        if key == KEYS[0] and not engine.fetched and reader.reserve_page(key) is not None:
-            size = copy_block(holder, key, reader._pending[key].page)
+        if key == KEYS[0] and not engine.fetched and (page := reader.reserve_page(key)) is not None:
+            size = copy_block(holder, key, page)
             threading.Timer(0.2, reader.commit_received, (key, size)).start()
         return answer
 

@@ -112,7 +112,7 @@ def test_a_load_joins_the_fetch_another_worker_has_under_way(tmp_path):
                 loads = []
                 thread = threading.Thread(target=lambda: loads.append(first.load("t", KEYS[:2])))
                 thread.start()
-                assert wait_until(lambda: reader.store._pending, timeout_s=READ_S)
+                assert wait_until(lambda: reader.store.writes_pending(), timeout_s=READ_S)
                 joined = second.load("t", KEYS[:2])
                 thread.join()
                 for loaded in (*loads, joined):
