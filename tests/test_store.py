@@ -5,7 +5,6 @@ import threading
 import time
 
 import pytest
-import torch
 
 from kvstore.block import HEADER_BYTES
 from kvstore.errors import CapacityError, ConfigError, NotFoundError
@@ -14,7 +13,7 @@ from kvstore.eviction import make_policy
 from kvstore.keys import Namespace, chunk_keys
 from kvstore.owned import owned_key, owned_keys
 from kvstore.store import TieredStore, TierSlot
-from kvstore.tiers import DeviceTier, DiskTier, HostTier
+from kvstore.tiers import DiskTier, HostTier
 
 PAGE = 1024
 NS = Namespace("sha256:store-test", "layout")
@@ -133,22 +132,6 @@ def test_a_host_page_holding_another_key_reads_as_a_miss(store):
 def test_payload_larger_than_a_page_is_rejected_with_sizes(store):
     with pytest.raises(ConfigError, match="does not fit a host page of 1024"):
         store.reserve(KEYS[0], None, PAGE)
-
-
-def test_three_tiers_device_host_disk(tmp_path):
-    store = TieredStore(
-        [
-            TierSlot(DeviceTier(2 * PAGE, PAGE, "cpu"), make_policy("lru")),
-            TierSlot(HostTier(2 * PAGE, PAGE), make_policy("lru")),
-            TierSlot(DiskTier(tmp_path, 4 * PAGE, PAGE), make_policy("lru")),
-        ]
-    )
-    put_chain(store, 6)
-    assert [store.tier_of(k) for k in KEYS[:6]] == ["disk"] * 2 + ["host"] * 2 + ["device"] * 2
-    assert all(read(store, KEYS[n]) == payload(n) for n in range(6))
-    store.put(KEYS[6], KEYS[5], torch.full((500,), 6, dtype=torch.uint8))
-    assert read(store, KEYS[6]) == payload(6)
-    store.close()
 
 
 def test_remove_drops_unpinned_blocks_from_every_tier(store):

@@ -31,12 +31,12 @@ from kvstore.eviction import make_policy
 from kvstore.keys import BlockKey, Namespace, chunk_keys
 from kvstore.layout import KVLayout
 from kvstore.store import TieredStore, TierSlot
-from kvstore.tiers import DeviceTier, DiskTier, HostTier, Tier
+from kvstore.tiers import DiskTier, HostTier, Tier
 from kvstore.tiers.base import copy_bytes
 
 MIB = 1 << 20
 BLOCK_SIZES_MIB = (4, 16)
-TIER_KINDS = ("device", "host", "disk")
+TIER_KINDS = ("host", "disk")
 HASH_CHUNK_TOKENS = 256
 HASH_PROMPT_TOKENS = 131072
 VOCAB_SIZE = 128256  # Llama-3's; only the int32 range of the ids matters to the hash
@@ -118,8 +118,6 @@ def open_tier(kind: str, block_bytes: int, blocks: int, directory: str) -> Tier:
     """A tier of `kind` with room for exactly `blocks` sealed blocks of `block_bytes`."""
     page_bytes = block.HEADER_BYTES + block_bytes
     capacity_bytes = blocks * page_bytes
-    if kind == "device":
-        return DeviceTier(capacity_bytes, page_bytes, device="cpu")
     if kind == "host":
         return HostTier(capacity_bytes, page_bytes)
     return DiskTier(Path(directory) / f"disk-{block_bytes}", capacity_bytes, page_bytes)

@@ -12,7 +12,7 @@ from kvstore.bench.micro import run_micro
 from kvstore.bench.timing import MemcpyBaseline, gbps, median_time_s
 from kvstore.errors import ConfigError
 
-TIERS = ("device", "host", "disk")
+TIERS = ("host", "disk")
 TIER_FIELDS = [
     f"{tier}_{name}_{size}"
     for tier in TIERS

@@ -1,21 +1,16 @@
 """One factory per tier implementation; the contract suite runs against each."""
 
 import pytest
-import torch
 
-from kvstore.tiers import DeviceTier, DiskTier, HostTier
+from kvstore.tiers import DiskTier, HostTier
 from kvstore.tiers.throttled import ThrottledDiskTier
 
 PAGE_BYTES = 4096
 CAPACITY_PAGES = 4
 
-_DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-
 
 def _make(kind, tmp_path):
     capacity = CAPACITY_PAGES * PAGE_BYTES
-    if kind.startswith("device"):
-        return DeviceTier(capacity, PAGE_BYTES, device=kind.split(":", 1)[1])
     if kind == "host":
         return HostTier(capacity, PAGE_BYTES)
     if kind == "disk-throttled":
@@ -23,7 +18,7 @@ def _make(kind, tmp_path):
     return DiskTier(tmp_path / "disk", capacity, PAGE_BYTES)
 
 
-@pytest.fixture(params=[f"device:{d}" for d in _DEVICES] + ["host", "disk", "disk-throttled"])
+@pytest.fixture(params=["host", "disk", "disk-throttled"])
 def tier(request, tmp_path):
     with _make(request.param, tmp_path) as made:
         yield made
