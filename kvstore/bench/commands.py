@@ -223,7 +223,34 @@ class Scale:
         )
 
 
-_BENCHES = (Micro, Lookup, Transfer, Gpu, Sglang, Vllm, Serve, Chaos, Soak, Scale)
+@dataclass(frozen=True)
+class Eviction:
+    """eviction policies' hit ratios vs Belady on a trace's time slice"""
+
+    trace: str = _flag("", "Mooncake JSONL (default: ../shared/traces)")
+    policies: str = _flag("lru,prefix-reuse,reuse-interval", "comma-separated")
+    capacities: str = _flag("5000,10000,20000,40000", "blocks, comma-separated; '': timing only")
+    slice_from: float = _flag(0.0, "fraction of the requests where the slice starts", ge=0, le=1)
+    slice_to: float = _flag(1.0, "fraction of the requests where it ends", ge=0, le=1)
+    timing_capacity: int = _flag(10_000, "blocks, for the time per access", gt=0)
+    timing_runs: int = _runs(3)
+
+    def run(self) -> dict:
+        from kvstore.bench.eviction import run_eviction
+        from kvstore.bench.scale import DEFAULT_TRACE
+
+        return run_eviction(
+            self.trace or str(DEFAULT_TRACE),
+            _csv(self.policies),
+            _csv(self.capacities, int) if self.capacities else (),
+            self.slice_from,
+            self.slice_to,
+            self.timing_capacity,
+            self.timing_runs,
+        )
+
+
+_BENCHES = (Micro, Lookup, Transfer, Gpu, Sglang, Vllm, Serve, Chaos, Soak, Scale, Eviction)
 
 
 def _run(section: Section, args: argparse.Namespace) -> dict:
