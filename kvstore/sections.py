@@ -33,6 +33,12 @@ METADATA = Section(
         "redis_url": _flag("redis://host:port/db; redis-cluster: redis://h1:p1,h2:p2"),
         "redis_wait_replicas": _flag("WAIT for N replicas after each write", ge=0),
         "redis_wait_timeout_ms": _flag("WAIT timeout", ge=0),
+        "redis_shards": _flag(
+            "shards of the index over the cluster's masters, one hash tag each; 0: 4 per master "
+            "on a cluster, 1 on a standalone server; changing it revokes every lease (agents "
+            "republish)",
+            ge=0,
+        ),
         "data_dir": _flag("where LMDB keeps the index"),
         "token_file": _flag("'TOKEN TENANT [node=NODE_ID]' lines; enables auth"),
         "kube_agent_service_account": _flag(

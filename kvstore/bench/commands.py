@@ -250,7 +250,22 @@ class Eviction:
         )
 
 
-_BENCHES = (Micro, Lookup, Transfer, Gpu, Sglang, Vllm, Serve, Chaos, Soak, Scale, Eviction)
+@dataclass(frozen=True)
+class Shards:
+    """the Redis index on a real 3-master cluster: one slot vs sharded"""
+
+    seconds: float = _flag(10.0, "of publishing, per run", gt=0)
+    writers: int = _flag(4, "publishing processes", ge=1)
+    shards: int = _flag(12, "of the sharded index", ge=2)
+    runs: int = _runs(2)
+
+    def run(self) -> dict:
+        from kvstore.bench.shards import run_shards
+
+        return run_shards(**asdict(self))
+
+
+_BENCHES = (Micro, Lookup, Transfer, Gpu, Sglang, Vllm, Serve, Chaos, Soak, Scale, Eviction, Shards)
 
 
 def _run(section: Section, args: argparse.Namespace) -> dict:

@@ -41,12 +41,16 @@ class Holding:
 
 @dataclass(frozen=True)
 class BlockEntry:
-    """One block a node publishes or unpublishes."""
+    """One block a node publishes or unpublishes. `anchor`: where a sharded index keeps it,
+    the key at depth 1 of its chain (b"": the key is its chain's first, kept on every shard;
+    None: unknown, kept on the key's own shard, and a lookup reads it at a second round trip).
+    Unpublish names the anchor it published with."""
 
     key: bytes
     tier: str
     size_bytes: int = 0
     checksum: int = 0
+    anchor: bytes | None = None
 
 
 @dataclass(frozen=True)

@@ -78,8 +78,17 @@ def tier_name(value: int, field: str = "tier") -> str:
 
 def entries_from_proto(entries: Sequence[pb.BlockEntry], max_entries: int) -> list[BlockEntry]:
     check_keys([e.key for e in entries], max_entries, "entries")
+    anchors = [e.anchor for e in entries if e.anchor]
+    if anchors:
+        check_keys(anchors, max_entries, "entries' anchors")
     return [
-        BlockEntry(e.key, tier_name(e.tier, f"entries[{i}].tier"), e.size_bytes, e.checksum)
+        BlockEntry(
+            e.key,
+            tier_name(e.tier, f"entries[{i}].tier"),
+            e.size_bytes,
+            e.checksum,
+            e.anchor if e.HasField("anchor") else None,
+        )
         for i, e in enumerate(entries)
     ]
 
@@ -87,7 +96,11 @@ def entries_from_proto(entries: Sequence[pb.BlockEntry], max_entries: int) -> li
 def entries_to_proto(entries: Sequence[BlockEntry]) -> list[pb.BlockEntry]:
     return [
         pb.BlockEntry(
-            key=e.key, tier=TIER_TO_PROTO[e.tier], size_bytes=e.size_bytes, checksum=e.checksum
+            key=e.key,
+            tier=TIER_TO_PROTO[e.tier],
+            size_bytes=e.size_bytes,
+            checksum=e.checksum,
+            anchor=e.anchor,
         )
         for e in entries
     ]

@@ -82,16 +82,18 @@ class DeregisterNodeResponse(_message.Message):
     def __init__(self, removed_blocks: _Optional[int] = ...) -> None: ...
 
 class BlockEntry(_message.Message):
-    __slots__ = ("key", "tier", "size_bytes", "checksum")
+    __slots__ = ("key", "tier", "size_bytes", "checksum", "anchor")
     KEY_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    ANCHOR_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     tier: Tier
     size_bytes: int
     checksum: int
-    def __init__(self, key: _Optional[bytes] = ..., tier: _Optional[_Union[Tier, str]] = ..., size_bytes: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
+    anchor: bytes
+    def __init__(self, key: _Optional[bytes] = ..., tier: _Optional[_Union[Tier, str]] = ..., size_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., anchor: _Optional[bytes] = ...) -> None: ...
 
 class PublishRequest(_message.Message):
     __slots__ = ("node_id", "lease_id", "tenant", "entries")
@@ -140,16 +142,18 @@ class NodeAddress(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., tcp_address: _Optional[str] = ..., ucx_address: _Optional[str] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("tenant", "keys", "caller_node_id", "chunk_tokens")
+    __slots__ = ("tenant", "keys", "caller_node_id", "chunk_tokens", "anchor")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     CALLER_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ANCHOR_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     caller_node_id: str
     chunk_tokens: int
-    def __init__(self, tenant: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., caller_node_id: _Optional[str] = ..., chunk_tokens: _Optional[int] = ...) -> None: ...
+    anchor: bytes
+    def __init__(self, tenant: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., caller_node_id: _Optional[str] = ..., chunk_tokens: _Optional[int] = ..., anchor: _Optional[bytes] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("prefix_length", "nodes", "holder_counts", "holder_nodes", "holder_tiers")

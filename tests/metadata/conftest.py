@@ -11,9 +11,9 @@ import uuid
 
 import pytest
 
+from kvstore.bench.redis_cluster_procs import RedisClusterProcesses
 from kvstore.metadata.index.memory import MemoryIndex
 from tests.metadata.certs import write_tls_files
-from tests.metadata.cluster import RedisClusterProcesses
 
 
 class FakeClock:
@@ -84,25 +84,33 @@ def redis_cluster(tmp_path_factory):
         cluster.stop()
 
 
+SHARDS = 4  # of the sharded backends ("redis-sharded", "redis-cluster-sharded")
+
+
 def url_for(backend: str, request) -> str | None:
     """The server (or cluster seeds) a redis backend talks to; None for the embedded ones."""
-    if backend == "redis":
+    if backend in ("redis", "redis-sharded"):
         return request.getfixturevalue("redis_url")
-    if backend == "redis-cluster":
+    if backend in ("redis-cluster", "redis-cluster-sharded"):
         return request.getfixturevalue("redis_cluster").url
     return None
 
 
 def make_index(kind: str, tmp_path, clock, redis_url=None, **options):
-    """`redis_url`: a standalone server's for "redis", the cluster's seeds for "redis-cluster"."""
+    """`redis_url`: a standalone server's for "redis", the cluster's seeds for "redis-cluster".
+    The "-sharded" kinds: the same servers, SHARDS shards (redis_shards.py)."""
     if kind == "memory":
         return MemoryIndex(None, clock=clock, **options)
     if kind == "lmdb":
         return MemoryIndex(tmp_path / "meta", clock=clock, **options)
     from kvstore.metadata.index.redis_index import RedisIndex
+    from kvstore.metadata.index.redis_shards import ShardedRedisIndex
 
     prefix = f"test-{uuid.uuid4().hex[:8]}"
-    cluster = kind == "redis-cluster"
+    cluster = kind.startswith("redis-cluster")
+    if kind.endswith("-sharded"):
+        options = {"shards": SHARDS, **options}
+        return ShardedRedisIndex(redis_url, prefix=prefix, clock=clock, cluster=cluster, **options)
     return RedisIndex(redis_url, prefix=prefix, clock=clock, cluster=cluster, **options)
 
 

@@ -146,10 +146,10 @@ class SlowIndex(MemoryIndex):
         self.slow = threading.Event()
         self.delay_s = 1.0
 
-    def lookup(self, tenant, keys):
+    def lookup(self, tenant, keys, anchor=None):
         if self.slow.is_set():
             time.sleep(self.delay_s)
-        return super().lookup(tenant, keys)
+        return super().lookup(tenant, keys, anchor)
 
 
 def test_a_late_answer_is_a_deadline_error_and_the_next_lookup_is_answered(tmp_path):

@@ -99,7 +99,10 @@ def _drill(tmp_path, cluster, wait_replicas: int, replica_lag_s: float) -> dict:
         writer = Writer(c, lease)
         writer.thread.start()
         time.sleep(LOAD_BEFORE_KILL_S)
-        slot_key = ClusterLink.key_prefix(prefix) + b":seq"
+        # the master of the index's one slot; of its first shard where it is sharded (the
+        # default: 4 shards per master), which holds a third of the shards
+        tags = getattr(server.index, "tags", [ClusterLink.key_prefix(prefix)])
+        slot_key = tags[0] + b":seq"
         master = cluster.master_of(slot_key)
         replica = cluster.replica_of(master)
         if replica_lag_s:

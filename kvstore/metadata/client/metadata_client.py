@@ -194,11 +194,17 @@ class MetadataClient:
         caller_node_id: str = "",
         chunk_tokens: int = 0,
         timeout_s: float | None = None,
+        anchor: bytes | None = None,
     ) -> LookupResult:
         """On the lookup port; else on an open LookupStream call; else a unary Lookup (see
-        lookup_sockets and lookup_calls: each says when it passes the lookup on)."""
+        lookup_sockets and lookup_calls: each says when it passes the lookup on). `anchor`:
+        the chain's depth-1 key where `keys` do not start at the prompt's first key."""
         request = pb.LookupRequest(
-            tenant=tenant, keys=keys, caller_node_id=caller_node_id, chunk_tokens=chunk_tokens
+            tenant=tenant,
+            keys=keys,
+            caller_node_id=caller_node_id,
+            chunk_tokens=chunk_tokens,
+            anchor=anchor,
         )
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         response = self._lookup_sockets.lookup(request, deadline)

@@ -49,9 +49,13 @@ class MetadataIndex(ABC):
         """Forget holdings (key and tier); unknown ones are ignored. Returns how many went."""
 
     @abstractmethod
-    def lookup(self, tenant: str, keys: Sequence[bytes]) -> list[Sequence[Holding]]:
+    def lookup(
+        self, tenant: str, keys: Sequence[bytes], anchor: bytes | None = None
+    ) -> list[Sequence[Holding]]:
         """Holdings on live nodes for the longest prefix of `keys` that has any (each key's a
-        list or a tuple: read them, never change them). No side effects."""
+        list or a tuple: read them, never change them). No side effects. `keys` are a prompt's
+        chained keys from depth 0, or from later on with `anchor` (the chain's depth-1 key):
+        a sharded index reads the anchor's shard (BlockEntry.anchor); others ignore it."""
 
     @abstractmethod
     def live_nodes(self) -> dict[str, NodeRecord]:
@@ -63,7 +67,9 @@ class MetadataIndex(ABC):
 
     @abstractmethod
     def events_since(self, from_seq: int, max_events: int) -> EventPage:
-        """Events with seq >= from_seq, oldest first, at most `max_events`."""
+        """Events with seq >= from_seq, oldest first, at most `max_events`. One key's events
+        are in the order of its changes; a sharded index may order the events of keys on
+        different shards otherwise than their writes (each shard's are relayed in order)."""
 
     @abstractmethod
     def wait_for_events(self, after_seq: int, timeout_s: float) -> bool:

@@ -255,7 +255,9 @@ class MemoryIndex(MetadataIndex):
             _decrement(node_blocks, tier)
             self._emit("removed", tenant, key, node_id, tier)
 
-    def lookup(self, tenant: str, keys: Sequence[bytes]) -> list[tuple[Holding, ...]]:
+    def lookup(
+        self, tenant: str, keys: Sequence[bytes], anchor: bytes | None = None
+    ) -> list[tuple[Holding, ...]]:
         """Lock-free: a key's holders are a tuple that writers replace whole, and the keys'
         tuples are read in one C-level step (`map` over `dict.get`) that no writer thread can
         interleave: the prefix is of one moment, as under the lock. It ends at the first key

@@ -112,6 +112,13 @@ class StandaloneLink:
         """The server's replication id: a new one when a replica is promoted in its place."""
         return _replication_id(self)
 
+    def for_slot_of(self, slot_key: bytes) -> StandaloneLink:
+        """One server holds every tag: the same link."""
+        return self
+
+    def masters(self) -> int:
+        return 1
+
     def close(self) -> None:
         self._redis.close()
 
@@ -179,6 +186,19 @@ class ClusterLink:
     def replication_id(self) -> str:
         """The slot master's replication id: a new one when a replica is promoted."""
         return _replication_id(self)
+
+    def for_slot_of(self, slot_key: bytes) -> ClusterLink:
+        """A link to the master of `slot_key`'s slot sharing this one's cluster client (its
+        slot map and connection pools): one per shard tag of a sharded index."""
+        link = object.__new__(ClusterLink)
+        link.url, link._slot_key = self.url, slot_key
+        link._failover_timeout_s, link._backoff = self._failover_timeout_s, self._backoff
+        link._lock, link._master, link._cluster = threading.Lock(), None, self._cluster
+        return link
+
+    def masters(self) -> int:
+        """How many masters serve slots now (the slot map as last read)."""
+        return max(len(self._cluster.get_primaries()), 1)
 
     def close(self) -> None:
         self._cluster.close()

@@ -191,7 +191,9 @@ class RedisIndex(MetadataIndex):
         pairs = [part for e in entries for part in (e.key, e.tier)]
         return self._leased("unpublish", node_id, lease_id, tenant, *pairs)[1]
 
-    def lookup(self, tenant: str, keys: Sequence[bytes]) -> list[list[Holding]]:
+    def lookup(
+        self, tenant: str, keys: Sequence[bytes], anchor: bytes | None = None
+    ) -> list[list[Holding]]:
         """One round trip: the ids of nodes live at `now`, then one MGET of the prompt's holder
         records. Not a MULTI: a script running between the two can only hide a holder (its node
         purged, or registered after the first read), never show a dead one."""

@@ -59,10 +59,14 @@ class MetadataConfig:
     backend: str = "lmdb"
     data_dir: Path = Path("./kvstore-data")
     redis_url: str = "redis://127.0.0.1:6379/0"
-    redis_prefix: str = "kvstore"  # on a cluster, the hash tag: the whole index in one slot
+    redis_prefix: str = "kvstore"  # the index's keys' prefix; on a cluster, in each hash tag
     redis_wait_replicas: int = 0  # WAIT for this many replicas after each write; 0: async
     redis_wait_timeout_ms: int = 100
     redis_failover_timeout_s: float = 10.0  # redis-cluster: retry this long for a new master
+    # shards of the index, one hash tag each, spread over the masters (redis_shards.py); 0: 1
+    # on a standalone server (the single-tag index), 4 per master on a cluster. Changing it
+    # revokes every lease: agents register again and republish (docs/scale.md)
+    redis_shards: int = 0
     token_file: Path | None = None
     # listen beyond loopback without tokens: anyone who reaches the service may read and
     # publish every tenant's keys (warned at every start)
@@ -115,6 +119,8 @@ class MetadataConfig:
                 raise ConfigError(
                     f"max_{kind}_streams_per_tenant and _all_tenants must be at least 1"
                 )
+        if self.redis_shards < 0:
+            raise ConfigError("redis_shards must be 0 (fit the servers found) or more")
         if self.redis_failover_timeout_s <= 0:
             raise ConfigError("redis_failover_timeout_s must be positive")
         if self.backend == "redis-cluster" and not self.redis_prefix:
@@ -160,11 +166,12 @@ class MetadataConfig:
 def open_index(config: MetadataConfig) -> MetadataIndex:
     if config.backend.startswith("redis"):
         from kvstore.metadata.index.redis_cluster import Durability
-        from kvstore.metadata.index.redis_index import RedisIndex
+        from kvstore.metadata.index.redis_shards import open_redis_index
 
         durability = Durability(config.redis_wait_replicas, config.redis_wait_timeout_ms)
-        return RedisIndex(
+        return open_redis_index(
             config.redis_url,
+            shards=config.redis_shards or None,
             prefix=config.redis_prefix,
             key_quota_per_tenant=config.key_quota_per_tenant,
             max_events=config.max_events,

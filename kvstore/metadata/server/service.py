@@ -228,7 +228,12 @@ class MetadataServicer(StreamingRpcs):
     def _lookup(self, request: pb.LookupRequest, scope: TenantScope) -> pb.LookupResponse:
         tenant = self._tenant(request.tenant, scope)
         keys = wire.check_keys(request.keys, self.limits.max_batch)
-        found = self.index.lookup(tenant, keys)
+        anchor = (
+            wire.check_keys([request.anchor], 1, "anchor")[0]
+            if request.HasField("anchor")
+            else None
+        )
+        found = self.index.lookup(tenant, keys, anchor)
         nodes = self.index.live_nodes() if found else {}
         response = wire.lookup_response(found, nodes, request.caller_node_id)
         self.metrics.observe_lookup(len(keys), len(found), request.chunk_tokens)

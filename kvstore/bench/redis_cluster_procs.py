@@ -1,7 +1,8 @@
-"""A real Redis Cluster on loopback for tests: 3 masters, 3 replicas, `redis-cli --cluster create`.
+"""A real Redis Cluster on loopback: masters with a replica each, `redis-cli --cluster create`.
 
-Started once per session by the `redis_cluster` fixture (conftest.py); a test may SIGKILL a
-master and `restart` it, after which it rejoins as a replica. Every process dies at teardown.
+Started by `kvstore bench shards` and, once per session, by the tests' `redis_cluster` fixture
+(tests/metadata/conftest.py), in that process; a test may SIGKILL a master and `restart` it,
+after which it rejoins as a replica. Every process dies at `stop`.
 """
 
 from __future__ import annotations
