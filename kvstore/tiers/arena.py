@@ -5,7 +5,7 @@ Runs inside the process that owns the arena. Not thread-safe: the store serialis
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
@@ -57,16 +57,3 @@ class ArenaTier(Tier):
         """The row holding `key` (committed or reserved), for processes mapping the arena."""
         entry = self._committed.get(key)
         return entry[0] if entry is not None else self._reserved.get(key)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._committed
-
-    def committed_keys(self) -> Container[object]:
-        return self._committed
-
-    def keys(self) -> Iterator[BlockKey]:
-        return iter(list(self._committed))
-
-    @property
-    def used_pages(self) -> int:
-        return len(self._committed) + len(self._reserved)

@@ -71,23 +71,28 @@ class Tier(ABC):
         """Yield the committed bytes of `key` (read-only by contract), or None if absent.
         The view is valid only inside the `with` block."""
 
-    @abstractmethod
+    # ---- bookkeeping: subclasses keep their committed keys in `_committed` (a dict or a set)
+    # and their reserved ones in `_reserved` (a dict), and these read both --------------------
+    _committed: dict | set
+    _reserved: dict
+
     def __contains__(self, key: object) -> bool:
         """Whether `key` is committed here (reserved pages do not count)."""
+        return key in self._committed
 
-    @abstractmethod
     def keys(self) -> Iterator[BlockKey]:
         """Committed keys, in no particular order."""
+        return iter(list(self._committed))
 
     def committed_keys(self) -> Container[object]:
         """What `key in` tests for committed keys, read under the store's lock: the tier's own
-        dict or set where it keeps one, so a lookup tests each key in C, without a call."""
-        return self
+        dict or set, so a lookup tests each key in C, without a call."""
+        return self._committed
 
     @property
-    @abstractmethod
     def used_pages(self) -> int:
         """Pages reserved or committed."""
+        return len(self._committed) + len(self._reserved)
 
     def write(self, key: BlockKey, block: torch.Tensor) -> None:
         """Store a whole block in one step (reserve, copy, commit)."""

@@ -20,7 +20,7 @@ import shutil
 import time
 import warnings
 import weakref
-from collections.abc import Container, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -83,7 +83,7 @@ class DiskTier(Tier):
         except BaseException:
             self._unlock()
             raise
-        self._staging: dict[BlockKey, torch.Tensor] = {}
+        self._reserved: dict[BlockKey, torch.Tensor] = {}
         self._spare_pages: list[torch.Tensor] = []  # reused staging pages: no page faults
 
     def _open(self, options: dict) -> tuple[lmdb.Environment, set[BlockKey]]:
@@ -108,7 +108,7 @@ class DiskTier(Tier):
         raise AssertionError("unreachable")
 
     def reserve(self, key: BlockKey) -> torch.Tensor:
-        if key in self._committed or key in self._staging:
+        if key in self._committed or key in self._reserved:
             raise ConfigError(f"disk tier already holds {key!r}")
         if self.free_pages <= 0:
             raise CapacityError(f"disk tier is full ({self.capacity_pages} pages)")
@@ -116,21 +116,21 @@ class DiskTier(Tier):
             page = self._spare_pages.pop()
         else:
             page = torch.empty(self.page_size_bytes, dtype=torch.uint8)
-        self._staging[key] = page
+        self._reserved[key] = page
         return page
 
     def commit(self, key: BlockKey, used_bytes: int) -> None:
-        page = self._staging.get(key)
+        page = self._reserved.get(key)
         if page is None:
             raise NotFoundError(f"disk tier: {key!r} is not reserved")
         if not 0 < used_bytes <= self.page_size_bytes:
             raise ConfigError(f"used_bytes {used_bytes} outside (0, {self.page_size_bytes}]")
         self._put(key, page[:used_bytes])
-        self._recycle(self._staging.pop(key))
+        self._recycle(self._reserved.pop(key))
 
     def write(self, key: BlockKey, block: torch.Tensor) -> None:
         """One copy: straight from `block` into LMDB, no staging page."""
-        if key in self._committed or key in self._staging:
+        if key in self._committed or key in self._reserved:
             raise ConfigError(f"disk tier already holds {key!r}")
         if self.free_pages <= 0:
             raise CapacityError(f"disk tier is full ({self.capacity_pages} pages)")
@@ -141,11 +141,11 @@ class DiskTier(Tier):
     def write_reserved(self, key: BlockKey, page: torch.Tensor, block: torch.Tensor) -> None:
         """One copy, straight from `block` into LMDB (the staging page goes back unused).
         Safe beside the store's calls for other keys: LMDB serialises write transactions."""
-        if key not in self._staging:
+        if key not in self._reserved:
             raise NotFoundError(f"disk tier: {key!r} is not reserved")
         if block.numel() > self.page_size_bytes:
             raise ConfigError(f"block of {block.numel()} bytes exceeds the page size")
-        staging = self._staging.pop(key)  # before the put: never counted twice in used_pages
+        staging = self._reserved.pop(key)  # before the put: never counted twice in used_pages
         try:
             self._put(key, block)
         finally:
@@ -166,7 +166,7 @@ class DiskTier(Tier):
             self._spare_pages.append(page)
 
     def release(self, key: BlockKey) -> None:
-        page = self._staging.pop(key, None)
+        page = self._reserved.pop(key, None)
         if page is not None:
             self._recycle(page)
             return
@@ -183,19 +183,6 @@ class DiskTier(Tier):
         with self._env.begin(buffers=True) as txn:
             buffer = txn.get(key)
             yield None if buffer is None else torch.frombuffer(buffer, dtype=torch.uint8)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._committed
-
-    def committed_keys(self) -> Container[object]:
-        return self._committed
-
-    def keys(self) -> Iterator[BlockKey]:
-        return iter(list(self._committed))
-
-    @property
-    def used_pages(self) -> int:
-        return len(self._committed) + len(self._staging)
 
     @property
     def closed(self) -> bool:
