@@ -71,45 +71,4 @@ METADATA = Section(
     },
 )
 
-NODE = Section(
-    NodeConfig,
-    "node",
-    {
-        "node_id": _flag("this host's name in the cluster (default: hostname)"),
-        "socket_path": _flag("unix socket workers connect to"),
-        "host_capacity_bytes": _flag("shared-memory arena size, e.g. 8GiB"),
-        "page_size_bytes": _flag("one block's page"),
-        "disk_dir": _flag("LMDB disk tier directory (none: off)"),
-        "disk_capacity_bytes": _flag("disk tier size, e.g. 200GiB"),
-        "host_policy": _flag("eviction policy of the host tier"),
-        "disk_policy": _flag("eviction policy of the disk tier"),
-        "metadata_address": _flag("host:port of the metadata service"),
-        "metadata_token_file": _flag("file holding a `*` metadata token"),
-        "worker_credentials": _flag(
-            "lines 'token:T|uid:N|gid:N TENANTS' (default: this user, every tenant)"
-        ),
-        "cluster_secret_file": _flag("secret every agent shares; authenticates transfers"),
-        "insecure_transfer": _flag(
-            "serve transfers without --cluster-secret-file: any process that reaches the "
-            "port, other local users included, may read every block"
-        ),
-        "max_workers": _flag("worker connections at once"),
-        "max_pins_per_worker": _flag("pages one worker may hold"),
-        "tenant_share": _flag(
-            "share of the arena one tenant's reserved and pinned pages may hold while other "
-            "tenants use it"
-        ),
-        "reservation_ttl_s": _flag("a save not committed by then is released"),
-        "promotion_reserve_pages": _flag(
-            "arena pages no save may reserve, kept for promotions from disk (-1: 1/64 with a "
-            "disk tier)"
-        ),
-        "private_buffer_bytes": _flag("buffer of each private worker"),
-        "transfer": _flag("transfer engine", choices=("tcp", "ucx", "none")),
-        "transfer_host": _flag("address the transfer engine binds"),
-        "transfer_port": _flag("its port; 0: any free one"),
-        "advertise_host": _flag("address other nodes dial (default: the bind address)"),
-        "metrics_listen": Spec("host:port of the agent's metrics", flag="--node-metrics-listen"),
-        "view_max_keys": _flag("keys the cluster view holds (0: ask the service)"),
-    },
-)
+NODE = Section(NodeConfig, "node")  # its settings declare themselves (node/agent.py)

@@ -64,6 +64,6 @@ def test_the_agent_and_the_service_keep_their_flags_and_environment_names():
     assert len(node_flags) == 25
     metadata_flags = {s.flag for s in METADATA.settings() if s.flag}
     assert {"--listen", "--backend", "--redis-wait-timeout-ms"} <= metadata_flags
-    assert len(metadata_flags) == 21
+    assert len(metadata_flags) == 22  # with --redis-shards
     env = {"KVSTORE_NODE_DISK_READ_BYTES_PER_S": "256KiB", "KVSTORE_NODE_TRANSFER": "none"}
     assert NODE.load({}, env, {}).disk_read_bytes_per_s == 256 << 10

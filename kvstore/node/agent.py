@@ -9,7 +9,7 @@ import dataclasses
 import json
 import logging
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from prometheus_client import start_http_server
@@ -31,6 +31,7 @@ from kvstore.node.remote import RemoteFetcher
 from kvstore.node.session import RequestCounters, WorkerSession
 from kvstore.node.view import ClusterView
 from kvstore.node.view_feed import ViewFeed
+from kvstore.settings import setting
 from kvstore.store import ArenaLimits, TieredStore, TierSlot
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.host import HostTier, remove_stale_arenas
@@ -46,45 +47,86 @@ DEFAULT_SOCKET_PATH = Path("/run/kvstore/agent.sock")
 class NodeConfig:
     """Settings of one node agent; see `kvstore node --help`."""
 
-    node_id: str = field(default_factory=socket.gethostname)
-    socket_path: Path = DEFAULT_SOCKET_PATH
-    host_capacity_bytes: int = 4 << 30
-    page_size_bytes: int = DEFAULT_PAGE_BYTES
-    disk_dir: Path | None = None  # None: no disk tier
-    disk_capacity_bytes: int = 64 << 30
-    host_policy: str = "prefix-lru"
-    disk_policy: str = "prefix-lru"
+    node_id: str = setting(
+        default_factory=socket.gethostname,
+        help="this host's name in the cluster (default: hostname)",
+        flag=True,
+    )
+    socket_path: Path = setting(
+        DEFAULT_SOCKET_PATH, help="unix socket workers connect to", flag=True
+    )
+    host_capacity_bytes: int = setting(
+        4 << 30, help="shared-memory arena size, e.g. 8GiB", flag=True
+    )
+    page_size_bytes: int = setting(DEFAULT_PAGE_BYTES, help="one block's page", flag=True)
+    disk_dir: Path | None = setting(None, help="LMDB disk tier directory (none: off)", flag=True)
+    disk_capacity_bytes: int = setting(64 << 30, help="disk tier size, e.g. 200GiB", flag=True)
+    host_policy: str = setting("prefix-lru", help="eviction policy of the host tier", flag=True)
+    disk_policy: str = setting("prefix-lru", help="eviction policy of the disk tier", flag=True)
     disk_read_bytes_per_s: int = 0  # > 0: hold disk reads to this rate (tests: a slow disk)
     disk_write_bytes_per_s: int = 0  # > 0: hold disk writes to this rate (tests: a slow disk)
     # arena pages kept free by writing victims to disk ahead of need; -1: 1/32 of the arena
     host_free_pages: int = -1
-    metadata_address: str = ""  # empty: this node serves only its own blocks
-    metadata_token_file: Path | None = None  # a `*` token for the metadata service
+    # empty: this node serves only its own blocks
+    metadata_address: str = setting("", help="host:port of the metadata service", flag=True)
+    metadata_token_file: Path | None = setting(
+        None, help="file holding a `*` metadata token", flag=True
+    )
     metadata_tls_ca: Path | None = None
-    worker_credentials: Path | None = None  # token/uid/gid → tenants; None: own uid only
-    cluster_secret_file: Path | None = None  # shared by every agent; authenticates transfers
-    # serve transfers without a cluster secret (to any process that reaches the port; warned)
-    insecure_transfer: bool = False
-    max_workers: int = 256
-    max_pins_per_worker: int = 65536
+    worker_credentials: Path | None = setting(
+        None,
+        help="lines 'token:T|uid:N|gid:N TENANTS' (default: this user, every tenant)",
+        flag=True,
+    )
+    cluster_secret_file: Path | None = setting(
+        None, help="secret every agent shares; authenticates transfers", flag=True
+    )
+    insecure_transfer: bool = setting(
+        False,
+        help="serve transfers without --cluster-secret-file: any process that reaches the "
+        "port, other local users included, may read every block",
+        flag=True,
+    )
+    max_workers: int = setting(256, help="worker connections at once", flag=True)
+    max_pins_per_worker: int = setting(65536, help="pages one worker may hold", flag=True)
     # a tenant's reservations and pins hold at most this share of the arena's pages while
     # other tenants use it (1.0: no bound)
-    tenant_share: float = 0.5
-    reservation_ttl_s: float = 120.0  # a save not committed by then is released
+    tenant_share: float = setting(
+        0.5,
+        help="share of the arena one tenant's reserved and pinned pages may hold while other "
+        "tenants use it",
+        flag=True,
+    )
+    reservation_ttl_s: float = setting(
+        120.0, help="a save not committed by then is released", flag=True
+    )
     # arena pages no save may reserve, so a block on disk can always be promoted to be read;
     # -1: 1/64 of the arena with a disk tier (none without one, or under 64 pages)
-    promotion_reserve_pages: int = -1
+    promotion_reserve_pages: int = setting(
+        -1,
+        help="arena pages no save may reserve, kept for promotions from disk (-1: 1/64 with a "
+        "disk tier)",
+        flag=True,
+    )
     orphan_pin_ttl_s: float = 600.0
     control_frame_timeout_s: float = 10.0
-    private_buffer_bytes: int = 256 << 20  # per private worker (see --worker-credentials)
-    transfer: str = "tcp"  # tcp | ucx | none
-    transfer_host: str = "127.0.0.1"  # where the transfer engine listens
-    transfer_port: int = 0
-    advertise_host: str = ""  # the address peers dial; default: transfer_host
+    private_buffer_bytes: int = setting(256 << 20, help="buffer of each private worker", flag=True)
+    transfer: str = setting(
+        "tcp", help="transfer engine", flag=True, choices=("tcp", "ucx", "none")
+    )
+    transfer_host: str = setting("127.0.0.1", help="address the transfer engine binds", flag=True)
+    transfer_port: int = setting(0, help="its port; 0: any free one", flag=True)
+    advertise_host: str = setting(
+        "", help="address other nodes dial (default: the bind address)", flag=True
+    )
     lease_ttl_ms: int = 10_000
     fetch_timeout_s: float = 5.0
-    metrics_listen: str = ""
-    view_max_keys: int = 1_000_000  # keys of the cluster view (view.py); 0: no view
+    metrics_listen: str = setting(
+        "", help="host:port of the agent's metrics", flag="--node-metrics-listen"
+    )
+    view_max_keys: int = setting(
+        1_000_000, help="keys the cluster view holds (0: ask the service)", flag=True
+    )
     view_resync_min_interval_s: float = 30.0  # after an overflow, a snapshot at most this often
 
     def __post_init__(self) -> None:
