@@ -67,11 +67,11 @@ def test_the_feed_copies_each_followed_tenant_so_the_cap_counts_only_theirs(tmp_
         client.publish("n2", lease, "b", [BlockEntry(key(100), "host")])
         view = ClusterView("n1", frozenset({"b", "c"}), max_keys=4)
         feed = ViewFeed(client, view)
-        feed._snapshot()
+        feed._resync()
         assert view.holders("b", key(100)) == {("n2", "host")} and not view.overflowed
         assert feed.seq == 11  # the service's seq when b and c were copied
 
         capped = ClusterView("n1", frozenset({"a", "b"}), max_keys=4)
-        ViewFeed(client, capped)._snapshot()  # a's 10 keys fill the cap; b is not copied
+        ViewFeed(client, capped)._resync()  # a's 10 keys fill the cap; b is not copied
         assert capped.keys == 4 and capped.overflowed
         assert capped.remote_prefix("b", [key(100)]) is None  # asks the service

@@ -99,6 +99,18 @@ def call_metadata(token: str | TokenFile | None) -> Callable[[], tuple]:
     return lambda: fixed
 
 
+def _entries_request(
+    message: type[pb.PublishRequest | pb.UnpublishRequest],
+    node_id: str,
+    lease_id: int,
+    tenant: str,
+    entries: Sequence[BlockEntry],
+) -> pb.PublishRequest | pb.UnpublishRequest:
+    """A PublishRequest or an UnpublishRequest: the two carry the same fields."""
+    proto_entries = wire.entries_to_proto(entries)
+    return message(node_id=node_id, lease_id=lease_id, tenant=tenant, entries=proto_entries)
+
+
 class MetadataClient:
     def __init__(
         self,
@@ -168,23 +180,13 @@ class MetadataClient:
     def publish(
         self, node_id: str, lease_id: int, tenant: str, entries: Sequence[BlockEntry]
     ) -> int:
-        request = pb.PublishRequest(
-            node_id=node_id,
-            lease_id=lease_id,
-            tenant=tenant,
-            entries=wire.entries_to_proto(entries),
-        )
+        request = _entries_request(pb.PublishRequest, node_id, lease_id, tenant, entries)
         return self._call("Publish", request).accepted
 
     def unpublish(
         self, node_id: str, lease_id: int, tenant: str, entries: Sequence[BlockEntry]
     ) -> int:
-        request = pb.UnpublishRequest(
-            node_id=node_id,
-            lease_id=lease_id,
-            tenant=tenant,
-            entries=wire.entries_to_proto(entries),
-        )
+        request = _entries_request(pb.UnpublishRequest, node_id, lease_id, tenant, entries)
         return self._call("Unpublish", request).removed
 
     def lookup(
