@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from kvstore.errors import AuthError, ConfigError, PermissionDeniedError
+from kvstore.metadata import wire
 
 if TYPE_CHECKING:
     from kvstore.metadata.server.kube_tokens import KubeAgentTokens
@@ -43,6 +44,13 @@ class TenantScope:
     def require(self, tenant: str) -> None:
         if self.tenant != ALL_TENANTS and tenant != self.tenant:
             raise PermissionDeniedError(f"this token may only act for tenant {self.tenant!r}")
+
+    def check_tenant(self, tenant: str) -> str:
+        """`tenant`, once it is a well-formed name (else ConfigError) this scope may act for
+        (else PermissionDeniedError)."""
+        wire.check_name(tenant, "tenant")
+        self.require(tenant)
+        return tenant
 
     def require_all_tenants(self, action: str) -> None:
         if self.tenant != ALL_TENANTS:

@@ -115,7 +115,7 @@ class LookupConnection(asyncio.Protocol):
         answers: list[bytes] = []
         while len(answers) < FRAMES_PER_TURN and (payload := self._next_payload(answers)):
             if self.scope is not None:
-                answers.append(wire.frame(self.port.answer(payload[0], self.scope)))
+                answers.append(wire.frame(self.port.access.answer(payload[0], self.scope)))
             elif not self._hello(payload[0], answers):
                 return
         if self.ended:
@@ -165,7 +165,7 @@ class LookupConnection(asyncio.Protocol):
                     "described; ask Describe again"
                 )
             token = hello.token.encode()
-            scope = self.port.auth.scope_now(token)
+            scope = self.port.access.auth.scope_now(token)
             if scope is None:  # an agent token to review: nothing more is read until it ends
                 self._scheduled = True
                 self._read(False)
@@ -182,7 +182,7 @@ class LookupConnection(asyncio.Protocol):
         frames that came after it answered; or refused."""
         answers: list[bytes] = []
         try:
-            scope = await self.port.auth.authorize_token(token)
+            scope = await self.port.access.auth.authorize_token(token)
             if self.ended:  # the hello's time ran out, or the client left, meanwhile
                 return
             self._accept(scope, answers)
@@ -196,7 +196,7 @@ class LookupConnection(asyncio.Protocol):
 
     def _accept(self, scope: TenantScope, answers: list[bytes]) -> None:
         """Take a slot of the hello's scope (CapacityError at the cap) and say so."""
-        self.port.slots.acquire(scope.tenant)
+        self.port.access.slots.acquire(scope.tenant)
         self.scope = scope
         self._stop_awaiting_hello()
         self.port.count_connection(grpc.StatusCode.OK)
@@ -261,4 +261,4 @@ class LookupConnection(asyncio.Protocol):
         self._stop_awaiting_hello()
         self.port.connections.discard(self)
         if self.scope is not None:
-            self.port.slots.release(self.scope.tenant)
+            self.port.access.slots.release(self.scope.tenant)

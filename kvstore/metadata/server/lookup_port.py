@@ -27,14 +27,12 @@ import grpc
 
 from kvstore.errors import ConfigError
 from kvstore.metadata import wire
-from kvstore.metadata.server.auth import TenantScope, TokenAuth
+from kvstore.metadata.server.lookup_access import LookupAccess
 from kvstore.metadata.server.lookup_connection import LookupConnection
 from kvstore.metadata.server.slots import StreamSlots
-from kvstore.v1 import metadata_pb2 as pb
 
 REQUEST_OVERHEAD_BYTES = 1024  # a LookupRequest's fields besides its keys (names are short)
 WILDCARD_HOSTS = ("", "0.0.0.0", "::")  # every address, of both families where the port is fixed
-Answer = Callable[[bytes, TenantScope], pb.LookupStreamResponse]
 
 
 def listen_address(lookup_listen: str, grpc_listen: str) -> tuple[str, int] | None:
@@ -60,20 +58,13 @@ def max_request_bytes(max_keys: int) -> int:
 class LookupPort:
     def __init__(
         self,
-        auth: TokenAuth,
-        slots: StreamSlots,
-        answer: Answer,
+        access: LookupAccess,
         count_connection: Callable[[grpc.StatusCode], None],
-        idle_s: float,
         max_request_bytes: int,
     ) -> None:
-        """`answer`: one serialized LookupRequest's answer, a failure inside it (never raises);
-        `count_connection`: counts a connection by the status its hello got."""
-        self.auth = auth
-        self.slots = slots
-        self.answer = answer
+        """`count_connection`: counts a connection by the status its hello got."""
+        self.access = access
         self.count_connection = count_connection
-        self.idle_s = idle_s
         self.max_request_bytes = max_request_bytes
         self.instance = secrets.token_bytes(16)  # DescribeResponse.instance
         self.connections: set[LookupConnection] = set()
@@ -82,6 +73,10 @@ class LookupPort:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.Server | None = None
         self._sweep_handle: asyncio.TimerHandle | None = None
+
+    @property
+    def slots(self) -> StreamSlots:
+        return self.access.slots
 
     async def start(self, host: str, port: int, tls: ssl.SSLContext | None) -> int:
         """Listen (on the running loop); returns the bound port. TLS is started by each
@@ -95,7 +90,7 @@ class LookupPort:
             port,
             reuse_address=True,
         )
-        self._sweep_handle = self.loop.call_later(self.idle_s / 4, self._sweep)
+        self._sweep_handle = self.loop.call_later(self.access.idle_s / 4, self._sweep)
         return self._server.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
@@ -109,9 +104,9 @@ class LookupPort:
 
     def _sweep(self) -> None:
         """Closes connections idle for over `idle_s` (every quarter of it)."""
-        now = self.loop.time()
+        now, idle_s = self.loop.time(), self.access.idle_s
         for connection in list(self.connections):
-            idle = connection.scope is not None and now - connection.last_request > self.idle_s
+            idle = connection.scope is not None and now - connection.last_request > idle_s
             if idle and not connection.ended:
                 connection.close_idle()
-        self._sweep_handle = self.loop.call_later(self.idle_s / 4, self._sweep)
+        self._sweep_handle = self.loop.call_later(idle_s / 4, self._sweep)

@@ -21,40 +21,36 @@ from concurrent.futures import Executor
 
 import grpc
 
-from kvstore.metadata.server.auth import TenantScope, TokenAuth
+from kvstore.metadata.server.auth import TenantScope
+from kvstore.metadata.server.lookup_access import LookupAccess
 from kvstore.metadata.server.slots import StreamSlots
-from kvstore.v1 import metadata_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
 ANSWERING = float("inf")  # the idle clock of a call whose request is being answered
-# answers one serialized LookupRequest for a scope, its failure inside the answer (never raises)
-Answer = Callable[[bytes, TenantScope], pb.LookupStreamResponse]
 
 
 class LookupStreams:
     def __init__(
         self,
-        auth: TokenAuth,
-        slots: StreamSlots,
-        answer: Answer,
+        access: LookupAccess,
         executor: Executor | None,
         count_call: Callable[[grpc.StatusCode], None],
-        idle_s: float,
     ) -> None:
-        """`executor`: where `answer` runs when index reads may block (None: on the loop);
-        `count_call`: counts a call's opening by its status."""
-        self.auth = auth
-        self.slots = slots
-        self.answer = answer
+        """`executor`: where `access.answer` runs when index reads may block (None: on the
+        loop); `count_call`: counts a call's opening by its status."""
+        self.access = access
         self.executor = executor
         self.count_call = count_call
-        self.idle_s = idle_s
         self._last_request: dict[asyncio.Task, tuple[float, grpc.aio.ServicerContext]] = {}
         self._sweep_handle: asyncio.TimerHandle | None = None
 
+    @property
+    def slots(self) -> StreamSlots:
+        return self.access.slots
+
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._sweep_handle = loop.call_later(self.idle_s / 4, self._sweep, loop)
+        self._sweep_handle = loop.call_later(self.access.idle_s / 4, self._sweep, loop)
 
     def stop(self) -> None:
         if self._sweep_handle is not None:
@@ -72,9 +68,11 @@ class LookupStreams:
             async for payload in requests:
                 self._last_request[task] = (ANSWERING, context)  # not idle, however long
                 if self.executor is None:
-                    answer = self.answer(payload, scope)
+                    answer = self.access.answer(payload, scope)
                 else:
-                    answer = await loop.run_in_executor(self.executor, self.answer, payload, scope)
+                    answer = await loop.run_in_executor(
+                        self.executor, self.access.answer, payload, scope
+                    )
                 self._last_request[task] = (loop.time(), context)  # idle from here
                 yield answer
         finally:
@@ -82,21 +80,21 @@ class LookupStreams:
             self.slots.release(scope.tenant)
 
     async def _authorized(self, context: grpc.aio.ServicerContext) -> tuple[TenantScope, None]:
-        return await self.auth.authorize(context), None
+        return await self.access.auth.authorize(context), None
 
     def _sweep(self, loop: asyncio.AbstractEventLoop) -> None:
         """Ends the calls idle for longer than `idle_s` (on the loop, every quarter of it)."""
-        now = loop.time()
+        now, idle_s = loop.time(), self.access.idle_s
         for task, (last, context) in list(self._last_request.items()):
-            if last != ANSWERING and now - last > self.idle_s:
+            if last != ANSWERING and now - last > idle_s:
                 del self._last_request[task]  # ended once, even if the next sweep comes first
                 loop.create_task(self._end(task, context))
-        self._sweep_handle = loop.call_later(self.idle_s / 4, self._sweep, loop)
+        self._sweep_handle = loop.call_later(idle_s / 4, self._sweep, loop)
 
     async def _end(self, task: asyncio.Task, context: grpc.aio.ServicerContext) -> None:
         """Sends the call's status from outside its handler (cancelling the handler's task
         alone sends none: the client would wait for good), then stops the handler."""
-        message = f"LookupStream idle for over {self.idle_s:g} s; open another"
+        message = f"LookupStream idle for over {self.access.idle_s:g} s; open another"
         with contextlib.suppress(Exception):  # AbortError, or the call ended meanwhile
             await context.abort(grpc.StatusCode.UNAVAILABLE, message)
         task.cancel()

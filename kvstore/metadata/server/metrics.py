@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -84,6 +85,11 @@ class MetadataMetrics:
 
     def watch_index(self, stats: Callable[[], dict], nodes_alive: Callable[[], int]) -> None:
         self.registry.register(_IndexGauges(stats, nodes_alive))
+
+    def count_calls(self, method: str) -> Callable[[grpc.StatusCode], None]:
+        """Counts a stream call (or lookup-port connection) of `method` by the status it
+        opened (or failed) with."""
+        return lambda code: self.rpcs.labels(method, code.name).inc()
 
     def observe_lookup(self, asked: int, hit: int, chunk_tokens: int) -> None:
         chunks_asked, chunks_hit, tokens_asked, tokens_hit = self._lookup_series

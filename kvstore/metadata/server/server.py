@@ -215,10 +215,7 @@ class MetadataServer:
         )
         self._pool = futures.ThreadPoolExecutor(config.max_workers, thread_name_prefix="rpc")
         lookup_slots = StreamSlots(
-            "LookupStream calls and lookup-port connections",
-            "max_lookup_streams",
-            config.max_lookup_streams_per_tenant,
-            config.max_lookup_streams_all_tenants,
+            "lookup", config.max_lookup_streams_per_tenant, config.max_lookup_streams_all_tenants
         )
         self.servicer = MetadataServicer(
             self.index,
@@ -230,11 +227,8 @@ class MetadataServer:
             lookup_slots,
         )
         self.lookup_port = LookupPort(
-            self.servicer.auth,
-            lookup_slots,
-            self.servicer.answer_lookup,
-            self.servicer.count_stream("LookupPort"),
-            limits.lookup_stream_idle_s,
+            self.servicer.lookup_access,
+            self.metrics.count_calls("LookupPort"),
             min(config.max_message_bytes, max_request_bytes(limits.max_batch)),
         )
         self.health = health.aio.HealthServicer()
@@ -299,7 +293,7 @@ class MetadataServer:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.streams.start(asyncio.get_running_loop())
-        self.servicer.lookup_streams.start(asyncio.get_running_loop())
+        self.servicer.start(asyncio.get_running_loop())
         return port
 
     async def _start_lookup_port(self) -> None:
@@ -370,9 +364,8 @@ class MetadataServer:
         if self._loop is not None and self._server is not None:
             self._on_loop(self._shutdown(grace_s), timeout_s=grace_s + START_TIMEOUT_S)
         self.streams.stop()
-        self.servicer.lookup_streams.stop()
+        self.servicer.stop()
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self.servicer.snapshot_pool.shutdown(wait=False, cancel_futures=True)
         self.servicer.auth.close()
         self._close_loop()
         if self._metrics_http is not None:

@@ -2,10 +2,11 @@
 
 Runs in the metadata service process, on the gRPC asyncio loop: writes (and every call to an
 index whose reads block, Redis) run in the `pool` of unary threads, non-blocking reads inline,
-streams on the loop itself (WatchEvents and Snapshot in streams.py, LookupStream in
-lookup_stream.py), so streams never take the threads heartbeats need. Every unary RPC is
-wrapped by `_unary`, which authenticates, times it, and maps kvstore errors to status codes
-through STATUS_FOR (status.py), the one table of that mapping.
+streams on the loop itself, in the collaborators the servicer holds (WatchEvents and Snapshot:
+StreamRpcs, streams.py; LookupStream: LookupStreams, lookup_stream.py), so streams never take
+the threads heartbeats need. Every unary RPC is wrapped by `_unary`, which authenticates,
+times it, and maps kvstore errors to status codes through STATUS_FOR (status.py), the one
+table of that mapping.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import grpc
@@ -25,16 +26,16 @@ from kvstore import errors
 from kvstore.metadata import wire
 from kvstore.metadata.index.base import MetadataIndex
 from kvstore.metadata.server.auth import TenantScope, TokenAuth
+from kvstore.metadata.server.lookup_access import LookupAccess
 from kvstore.metadata.server.lookup_stream import LookupStreams
 from kvstore.metadata.server.metrics import MetadataMetrics
 from kvstore.metadata.server.slots import StreamSlots
-from kvstore.metadata.server.streams import StreamingRpcs
+from kvstore.metadata.server.streams import StreamRpcs
 from kvstore.metadata.server.watch import EventStreams
 from kvstore.metadata.status import status_for
 from kvstore.v1 import metadata_pb2 as pb
 
 logger = logging.getLogger(__name__)
-SNAPSHOT_THREADS = 2  # copies of the index at once; more Snapshot streams wait their turn
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Metadata"].full_name
 
@@ -85,13 +86,16 @@ def _wrap_unary(request_cls: type[Message], read: bool, method: Callable) -> Cal
     return handler
 
 
-class MetadataServicer(StreamingRpcs):
+class MetadataServicer:
+    """The unary RPCs, and the answer to one lookup of a stream or the lookup port; holds the
+    streaming RPCs' handlers (`stream_rpcs`, `lookup_streams`) and starts and stops them."""
+
     def __init__(
         self,
         index: MetadataIndex,
         auth: TokenAuth,
         metrics: MetadataMetrics,
-        streams: EventStreams,
+        events: EventStreams,
         pool: Executor,
         limits: ServiceLimits,
         lookup_slots: StreamSlots,
@@ -99,23 +103,29 @@ class MetadataServicer(StreamingRpcs):
         self.index = index
         self.auth = auth
         self.metrics = metrics
-        self.streams = streams
         self.pool = pool
-        # copies of the index (O(keys), a whole SCAN on Redis) run apart from the unary pool,
-        # so that however many Snapshot streams are open, heartbeats keep their threads
-        self.snapshot_pool = ThreadPoolExecutor(SNAPSHOT_THREADS, thread_name_prefix="snapshot")
         self.limits = limits
         self._metric_children: dict[tuple[str, grpc.StatusCode], tuple] = {}
         self.lookup_port = 0  # where the server's lookup port listens (lookup_port.py); 0: none
         self.lookup_instance = b""  # the id its hellos must carry
-        self.lookup_streams = LookupStreams(
-            auth,
-            lookup_slots,
-            self.answer_lookup,
-            None if index.nonblocking_reads else pool,
-            self.count_stream("LookupStream"),
-            limits.lookup_stream_idle_s,
+        self.stream_rpcs = StreamRpcs(auth, index, events, metrics, limits.max_batch)
+        # LookupStream calls share it with the lookup port's connections (server.py)
+        self.lookup_access = LookupAccess(
+            auth, lookup_slots, self.answer_lookup, limits.lookup_stream_idle_s
         )
+        self.lookup_streams = LookupStreams(
+            self.lookup_access,
+            None if index.nonblocking_reads else pool,
+            metrics.count_calls("LookupStream"),
+        )
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Starts the streams' housekeeping on the server's loop (LookupStream's idle sweep)."""
+        self.lookup_streams.start(loop)
+
+    def stop(self) -> None:
+        self.lookup_streams.stop()
+        self.stream_rpcs.stop()
 
     def _children(self, name: str, code: grpc.StatusCode) -> tuple:
         """The (rpcs, latency) series of one method and status: `labels` costs microseconds
@@ -168,35 +178,37 @@ class MetadataServicer(StreamingRpcs):
     # ---- holdings -------------------------------------------------------------------------
     @_unary(pb.PublishRequest)
     def Publish(self, request: pb.PublishRequest, scope: TenantScope):
-        scope.require_all_tenants("publish blocks: node agents do, with a node token")
-        tenant = self._tenant(request.tenant, scope)
-        entries = wire.entries_from_proto(request.entries, self.limits.max_batch)
-        node_id = self._node_id(request.node_id, scope, "publish")
-        accepted = self.index.publish(node_id, request.lease_id, tenant, entries)
+        accepted = self._change_holdings(request, scope, "publish", self.index.publish)
         self.metrics.events.labels("stored").inc(accepted)
         return pb.PublishResponse(accepted=accepted)
 
     @_unary(pb.UnpublishRequest)
     def Unpublish(self, request: pb.UnpublishRequest, scope: TenantScope):
-        scope.require_all_tenants("unpublish blocks: node agents do, with a node token")
-        tenant = self._tenant(request.tenant, scope)
-        entries = wire.entries_from_proto(request.entries, self.limits.max_batch)
-        node_id = self._node_id(request.node_id, scope, "unpublish")
-        removed = self.index.unpublish(node_id, request.lease_id, tenant, entries)
+        removed = self._change_holdings(request, scope, "unpublish", self.index.unpublish)
         self.metrics.events.labels("removed").inc(removed)
         self.metrics.evictions.inc(removed)
         return pb.UnpublishResponse(removed=removed)
+
+    def _change_holdings(
+        self,
+        request: pb.PublishRequest | pb.UnpublishRequest,
+        scope: TenantScope,
+        action: str,
+        change: Callable[..., int],
+    ) -> int:
+        """`change` (the index's publish or unpublish) of a checked Publish or Unpublish
+        request's entries; returns how many blocks it changed."""
+        scope.require_all_tenants(f"{action} blocks: node agents do, with a node token")
+        tenant = scope.check_tenant(request.tenant)
+        entries = wire.entries_from_proto(request.entries, self.limits.max_batch)
+        node_id = self._node_id(request.node_id, scope, action)
+        return change(node_id, request.lease_id, tenant, entries)
 
     @staticmethod
     def _node_id(node_id: str, scope: TenantScope, action: str) -> str:
         wire.check_name(node_id, "node_id")
         scope.require_node(node_id, action)
         return node_id
-
-    def _tenant(self, tenant: str, scope: TenantScope) -> str:
-        wire.check_name(tenant, "tenant")
-        scope.require(tenant)
-        return tenant
 
     # ---- queries --------------------------------------------------------------------------
     @_unary(pb.LookupRequest, read=True)
@@ -226,7 +238,7 @@ class MetadataServicer(StreamingRpcs):
             latency.observe(time.perf_counter() - started)
 
     def _lookup(self, request: pb.LookupRequest, scope: TenantScope) -> pb.LookupResponse:
-        tenant = self._tenant(request.tenant, scope)
+        tenant = scope.check_tenant(request.tenant)
         keys = wire.check_keys(request.keys, self.limits.max_batch)
         anchor = (
             wire.check_keys([request.anchor], 1, "anchor")[0]
@@ -241,7 +253,7 @@ class MetadataServicer(StreamingRpcs):
 
     @_unary(pb.RouteRequest, read=True)
     def Route(self, request: pb.RouteRequest, scope: TenantScope):
-        tenant = self._tenant(request.tenant, scope)
+        tenant = scope.check_tenant(request.tenant)
         keys = wire.check_keys(request.keys, self.limits.max_batch)
         candidates = self._route_candidates(list(request.candidate_node_ids))
         found = self.index.lookup(tenant, keys)
@@ -323,7 +335,7 @@ def rpc_handlers(servicer: MetadataServicer) -> grpc.GenericRpcHandler:
     }
     for name in ("WatchEvents", "Snapshot"):
         methods[name] = grpc.unary_stream_rpc_method_handler(
-            getattr(servicer, name), response_serializer=serialize
+            getattr(servicer.stream_rpcs, name), response_serializer=serialize
         )
     methods["LookupStream"] = grpc.stream_stream_rpc_method_handler(
         servicer.lookup_streams.serve, response_serializer=serialize

@@ -17,13 +17,19 @@ from kvstore.errors import CapacityError, KVStoreError
 from kvstore.metadata.server.auth import ALL_TENANTS, TenantScope
 from kvstore.metadata.status import REFUSED_A_SLOT, status_for
 
+# the calls that hold each kind of slot, by kind: a kind's caps are the settings
+# `max_<kind>_streams_per_tenant` and `max_<kind>_streams_all_tenants`
+HELD_BY = {
+    "watch": "WatchEvents, Snapshot",
+    "lookup": "LookupStream calls and lookup-port connections",
+}
+
 
 class StreamSlots:
-    def __init__(self, calls: str, setting: str, max_per_tenant: int, max_all_tenants: int) -> None:
-        """`calls` names the calls that hold these slots and `setting` the settings' prefix
-        (`<setting>_per_tenant`, `<setting>_all_tenants`), for the refusal's message."""
-        self.calls = calls
-        self.setting = setting
+    def __init__(self, kind: str, max_per_tenant: int, max_all_tenants: int) -> None:
+        """`kind`: "watch" or "lookup" (HELD_BY), named with its setting in a refusal."""
+        self.calls = HELD_BY[kind]
+        self.setting = f"max_{kind}_streams"
         self.max_per_tenant = max_per_tenant
         self.max_all_tenants = max_all_tenants
         self._open: Counter[str] = Counter()

@@ -1,93 +1,106 @@
 """The metadata service's server-streaming RPCs: WatchEvents and Snapshot.
 
 Runs in the metadata service process, on the gRPC asyncio loop (WatchEvents' pages are read in
-watch.py's readers, Snapshot's copies in the servicer's snapshot pool). A mixin of
-MetadataServicer (service.py), whose state it uses: auth, streams, metrics, index, limits,
-snapshot_pool. Each open stream holds a slot of its caller's scope.
+watch.py's readers, Snapshot's copies in a pool of its own). The servicer (service.py) holds
+one StreamRpcs; each open stream holds a slot of its caller's scope (the events' "watch" slots).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import grpc
 
 from kvstore import errors
 from kvstore.metadata import wire
 from kvstore.metadata.index.base import MetadataIndex
+from kvstore.metadata.server.auth import TokenAuth
+from kvstore.metadata.server.metrics import MetadataMetrics
+from kvstore.metadata.server.watch import EventStreams
 from kvstore.metadata.status import status_for
 from kvstore.v1 import metadata_pb2 as pb
 
+SNAPSHOT_THREADS = 2  # copies of the index at once; more Snapshot streams wait their turn
 
-class StreamingRpcs:
-    def count_stream(self, method: str) -> Callable[[grpc.StatusCode], None]:
-        """Counts a stream call of `method` by the status it opened (or failed) with."""
-        return lambda code: self.metrics.rpcs.labels(method, code.name).inc()
 
-    async def _stream_request(self, request_cls, payload: bytes, context, every_tenant: str):
+def _snapshot_pool() -> Executor:
+    return ThreadPoolExecutor(SNAPSHOT_THREADS, thread_name_prefix="snapshot")
+
+
+@dataclass
+class StreamRpcs:
+    """WatchEvents and Snapshot handlers (async generators of responses): each authorises its
+    call, checks its request and takes a slot before its first response, and gives the slot
+    back however the call ends. `stop` ends the snapshot copies."""
+
+    auth: TokenAuth
+    index: MetadataIndex
+    events: EventStreams  # their slots are these calls' slots
+    metrics: MetadataMetrics
+    max_batch: int  # keys per Snapshot page, at most
+    # copies of the index (O(keys), a whole SCAN on Redis) run apart from the unary pool,
+    # so that however many Snapshot streams are open, heartbeats keep their threads
+    snapshot_pool: Executor = field(default_factory=_snapshot_pool)
+
+    def stop(self) -> None:
+        self.snapshot_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _open(self, request_cls, payload: bytes, context, every_tenant: str):
         """(scope, request) of a streaming call whose `tenant` ("" for every tenant, which
         needs an all-tenant token: `every_tenant` says what for) the caller may read."""
         scope = await self.auth.authorize(context)
         request = wire.parse(request_cls, payload)
         if request.tenant:
-            self._tenant(request.tenant, scope)
+            scope.check_tenant(request.tenant)
         else:
             scope.require_all_tenants(every_tenant)
         return scope, request
 
+    async def _admit(self, request_cls, payload: bytes, context, every_tenant: str, count):
+        """(scope, request) once the call holds a slot; a refusal ends it (StreamSlots.admit)."""
+        opened = functools.partial(self._open, request_cls, payload, context, every_tenant)
+        return await self.events.slots.admit(context, opened, count)
+
     async def WatchEvents(self, payload: bytes, context: grpc.aio.ServicerContext):
         """Runs on the loop: the slot check is cheap, authorisation never blocks it (an agent
         token's review, where one is needed, is awaited)."""
-        scope, request = await self.streams.slots.admit(
-            context,
-            functools.partial(
-                self._stream_request,
-                pb.WatchEventsRequest,
-                payload,
-                context,
-                "watch every tenant's events",
-            ),
-            self.count_stream("WatchEvents"),
+        count = self.metrics.count_calls("WatchEvents")
+        scope, request = await self._admit(
+            pb.WatchEventsRequest, payload, context, "watch every tenant's events", count
         )
-        self.count_stream("WatchEvents")(grpc.StatusCode.OK)
+        count(grpc.StatusCode.OK)
         try:
-            async for event in self.streams.stream(request):
+            async for event in self.events.stream(request):
                 yield event
         finally:
-            self.streams.slots.release(scope.tenant)
+            self.events.slots.release(scope.tenant)
 
     async def Snapshot(self, payload: bytes, context: grpc.aio.ServicerContext):
         """A copy of the index in pages, for node agents' views; copied and paged in the
-        unary pool (a big tenant's copy must not stall the loop). Each open one holds a
+        snapshot pool (a big tenant's copy must not stall the loop). Each open one holds a
         stream slot of the caller's scope, as WatchEvents does (each holds a whole copy)."""
-        scope, request = await self.streams.slots.admit(
-            context,
-            functools.partial(
-                self._stream_request,
-                pb.SnapshotRequest,
-                payload,
-                context,
-                "copy every tenant's index",
-            ),
-            self.count_stream("Snapshot"),
+        count = self.metrics.count_calls("Snapshot")
+        scope, request = await self._admit(
+            pb.SnapshotRequest, payload, context, "copy every tenant's index", count
         )
         try:
             loop = asyncio.get_running_loop()
             pool = self.snapshot_pool
             try:
                 pages = await loop.run_in_executor(
-                    pool, _snapshot_pages, self.index, request, self.limits.max_batch
+                    pool, _snapshot_pages, self.index, request, self.max_batch
                 )
             except errors.KVStoreError as exc:
-                self.count_stream("Snapshot")(status_for(exc))
+                count(status_for(exc))
                 await context.abort(status_for(exc), str(exc))
-            self.count_stream("Snapshot")(grpc.StatusCode.OK)
+            count(grpc.StatusCode.OK)
             while (page := await loop.run_in_executor(pool, next, pages, None)) is not None:
                 yield page
         finally:
-            self.streams.slots.release(scope.tenant)
+            self.events.slots.release(scope.tenant)
 
 
 def _snapshot_pages(index: MetadataIndex, request: pb.SnapshotRequest, max_batch: int):

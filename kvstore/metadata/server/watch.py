@@ -96,9 +96,7 @@ class EventStreams:
         max_all_tenants: int = 4096,
     ) -> None:
         self.index = index
-        self.slots = StreamSlots(
-            "WatchEvents, Snapshot", "max_watch_streams", max_per_tenant, max_all_tenants
-        )
+        self.slots = StreamSlots("watch", max_per_tenant, max_all_tenants)
         self.batch = batch
         self.poll_s = poll_s
         self.notifier = EventNotifier(index, poll_s)

@@ -1,0 +1,26 @@
+"""What the two long-lived ways of looking up share: LookupStream calls (lookup_stream.py) and
+lookup-port connections (lookup_port.py) are authorised by the same tokens, hold slots of one
+kind ("lookup") under one cap, get the same answers and end after the same idle time.
+
+Runs in the metadata service process; built once by the servicer (service.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvstore.metadata.server.auth import TenantScope, TokenAuth
+from kvstore.metadata.server.slots import StreamSlots
+from kvstore.v1 import metadata_pb2 as pb
+
+# answers one serialized LookupRequest for a scope, its failure inside the answer (never raises)
+Answer = Callable[[bytes, TenantScope], pb.LookupStreamResponse]
+
+
+@dataclass(frozen=True)
+class LookupAccess:
+    auth: TokenAuth
+    slots: StreamSlots  # taken by a call at its start, by a connection at its hello
+    answer: Answer
+    idle_s: float  # a call or connection with no request for this long is ended
