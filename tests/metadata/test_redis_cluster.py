@@ -93,14 +93,14 @@ def _drill(tmp_path, cluster, wait_replicas: int, replica_lag_s: float) -> dict:
         redis_wait_replicas=wait_replicas,
         redis_wait_timeout_ms=500,
         redis_failover_timeout_s=FAILOVER_BUDGET_S,
+        redis_shards=0,  # sharded: 4 per master
     )
     with running_server(tmp_path, **settings) as server, client_for(server, timeout_s=30) as c:
         lease = _register_once_replicas_caught_up(c)
         writer = Writer(c, lease)
         writer.thread.start()
         time.sleep(LOAD_BEFORE_KILL_S)
-        # the master of the index's one slot; of its first shard where it is sharded (the
-        # default: 4 shards per master), which holds a third of the shards
+        # the master of the index's first shard (4 shards per master): a third of the shards
         tags = getattr(server.index, "tags", [ClusterLink.key_prefix(prefix)])
         slot_key = tags[0] + b":seq"
         master = cluster.master_of(slot_key)

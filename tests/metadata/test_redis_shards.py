@@ -172,6 +172,7 @@ def test_two_service_replicas_on_a_sharded_cluster_answer_as_one(redis_cluster, 
         "backend": "redis-cluster",
         "redis_url": redis_cluster.url,
         "redis_prefix": f"svc-{uuid.uuid4().hex[:6]}",
+        "redis_shards": 0,  # 4 per master (the default is one slot until agents send anchors)
     }
     with (
         running_server(tmp_path / "a", **settings) as a_server,
@@ -184,7 +185,7 @@ def test_two_service_replicas_on_a_sharded_cluster_answer_as_one(redis_cluster, 
         prompts = [chain(f"svc-{i}", 6) for i in range(8)]
         a.publish("gpu-1", lease, "t", [e for keys in prompts for e in anchored(keys)])
         for keys in prompts:
-            assert wait_until(lambda k=keys: b.lookup("t", k).prefix_length == 6)
+            assert wait_until(lambda k=keys: b.lookup("t", k).prefix_length == 6, timeout_s=20)
             assert a.lookup("t", keys).prefix_length == 6
         events = list(islice(b.watch_events(from_seq=1), 48))
         assert [e.seq for e in events] == list(range(1, 49))
@@ -297,3 +298,17 @@ def test_a_shard_failover_that_lost_writes_makes_every_reader_resync(redis_url):
     after = index.events_since(last_seq + 1, 100)
     assert not after.gap and [(e.key, e.tier) for e in after.events] == [(more[1], "disk")]
     index.close()
+
+
+def test_the_service_keeps_one_slot_unless_told_to_shard(redis_cluster, tmp_path):
+    """Agents do not name their chains' anchors yet: a sharded index would read their keys
+    shard by shard, so the service's default is the single-tag index; --redis-shards 0 fits
+    the cluster (4 per master), N gives N."""
+    from kvstore.metadata.index.redis_index import RedisIndex
+    from tests.metadata.servers import running_server
+
+    settings = {"backend": "redis-cluster", "redis_url": redis_cluster.url}
+    with running_server(tmp_path / "a", redis_prefix="one", **settings) as one:
+        assert isinstance(one.index, RedisIndex)
+    with running_server(tmp_path / "b", redis_prefix="fit", redis_shards=0, **settings) as fit:
+        assert isinstance(fit.index, ShardedRedisIndex) and fit.index.shards == 12

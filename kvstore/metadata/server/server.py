@@ -43,6 +43,7 @@ from kvstore.metadata.server.service import (
 )
 from kvstore.metadata.server.slots import StreamSlots
 from kvstore.metadata.server.watch import EventStreams
+from kvstore.settings import setting
 
 logger = logging.getLogger(__name__)
 
@@ -55,48 +56,150 @@ MIN_MESSAGE_BYTES = 1 << 20  # a full Publish batch (4096 entries) is ~150 KiB
 class MetadataConfig:
     """Settings of one metadata service process; see `kvstore metadata --help`."""
 
-    listen: str = "127.0.0.1:50051"
-    backend: str = "lmdb"
-    data_dir: Path = Path("./kvstore-data")
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    listen: str = setting(
+        "127.0.0.1:50051",
+        help="gRPC host:port",
+        flag=True,
+    )
+    backend: str = setting(
+        "lmdb",
+        help="where the index lives",
+        flag=True,
+        choices=BACKENDS,
+    )
+    data_dir: Path = setting(
+        Path("./kvstore-data"),
+        help="where LMDB keeps the index",
+        flag=True,
+    )
+    redis_url: str = setting(
+        "redis://127.0.0.1:6379/0",
+        help="redis://host:port/db; redis-cluster: redis://h1:p1,h2:p2",
+        flag=True,
+    )
     redis_prefix: str = "kvstore"  # the index's keys' prefix; on a cluster, in each hash tag
-    redis_wait_replicas: int = 0  # WAIT for this many replicas after each write; 0: async
-    redis_wait_timeout_ms: int = 100
+    redis_wait_replicas: int = setting(
+        0,
+        help="WAIT for N replicas after each write",
+        flag=True,
+        ge=0,
+    )
+    redis_wait_timeout_ms: int = setting(
+        100,
+        help="WAIT timeout",
+        flag=True,
+        ge=0,
+    )
     redis_failover_timeout_s: float = 10.0  # redis-cluster: retry this long for a new master
-    # shards of the index, one hash tag each, spread over the masters (redis_shards.py); 0: 1
-    # on a standalone server (the single-tag index), 4 per master on a cluster. Changing it
-    # revokes every lease: agents register again and republish (docs/scale.md)
-    redis_shards: int = 0
-    token_file: Path | None = None
+    redis_shards: int = setting(
+        1,
+        help=(
+            "shards of the index over a cluster's masters, one hash tag each; 1: one slot "
+            "(the single-tag index); 0: 4 per master. Agents do not name their chains' "
+            "anchors yet, so a sharded index reads their keys shard by shard; changing it "
+            "revokes every lease (agents republish)"
+        ),
+        flag=True,
+        ge=0,
+    )
+    token_file: Path | None = setting(
+        None,
+        help="'TOKEN TENANT [node=NODE_ID]' lines; enables auth",
+        flag=True,
+    )
     # listen beyond loopback without tokens: anyone who reaches the service may read and
     # publish every tenant's keys (warned at every start)
-    insecure_no_auth: bool = False
+    insecure_no_auth: bool = setting(
+        False,
+        help=(
+            "listen beyond loopback without --token-file: anyone who reaches it may read "
+            "and publish every tenant's keys"
+        ),
+        flag=True,
+    )
     # NAMESPACE/NAME: projected tokens (audience kvstore) of this service account act as the
     # node their pod runs on (DaemonSet agents: node id = node name), verified by TokenReview
-    kube_agent_service_account: str = ""
+    kube_agent_service_account: str = setting(
+        "",
+        help=(
+            "accept this service account's projected tokens (audience kvstore), each acting"
+            " as the node its pod runs on (TokenReview; enables auth)"
+        ),
+        flag=True,
+        metavar="NAMESPACE/NAME",
+    )
     # the same for sidecar agents, whose node id is their pod's name
-    kube_sidecar_service_account: str = ""
+    kube_sidecar_service_account: str = setting(
+        "",
+        help="the same for sidecar agents, each acting as its pod's name",
+        flag=True,
+        metavar="NAMESPACE/NAME",
+    )
     kube_api_url: str = ""  # the API server for TokenReviews; empty: in-cluster (the pod's env)
     kube_credentials_dir: Path = SERVICE_ACCOUNT_DIR  # this service's own `token` and `ca.crt`
-    tls_cert: Path | None = None
-    tls_key: Path | None = None
-    tls_client_ca: Path | None = None
-    key_quota_per_tenant: int = 0  # 0: unlimited
+    tls_cert: Path | None = setting(
+        None,
+        help="server certificate (PEM)",
+        flag=True,
+    )
+    tls_key: Path | None = setting(
+        None,
+        help="its private key (PEM)",
+        flag=True,
+    )
+    tls_client_ca: Path | None = setting(
+        None,
+        help="require client certificates signed by this CA",
+        flag=True,
+    )
+    key_quota_per_tenant: int = setting(
+        0,
+        help="keys one tenant may hold; 0: unlimited",
+        flag=True,
+    )
     max_events: int = 100_000
-    metrics_listen: str = ""  # host:port of the Prometheus endpoint; empty: none
+    metrics_listen: str = setting(
+        "",
+        help="host:port of the Prometheus endpoint; empty: none",
+        flag=True,
+    )
     max_workers: int = 32  # threads for unary RPCs; streams do not use them
     max_message_bytes: int = 16 << 20  # received and sent; larger is RESOURCE_EXHAUSTED
-    max_watch_streams_per_tenant: int = 16  # per tenant token
+    max_watch_streams_per_tenant: int = setting(
+        16,
+        help="WatchEvents streams per tenant",
+        flag=True,
+    )
     # streams of all-tenant ("*") tokens, which every node agent's view holds one of (and every
     # client when auth is off); they run on the loop, not on threads: the bound is memory
-    max_watch_streams_all_tenants: int = 4096
+    max_watch_streams_all_tenants: int = setting(
+        4096,
+        help=("WatchEvents streams of all-tenant tokens: node agents hold one each"),
+        flag=True,
+    )
     # LookupStream calls (clients keep one open per concurrent lookup, a few each; on the loop)
-    max_lookup_streams_per_tenant: int = 64
-    max_lookup_streams_all_tenants: int = 4096
+    max_lookup_streams_per_tenant: int = setting(
+        64,
+        help=("LookupStream calls per tenant token: a client holds one per concurrent lookup"),
+        flag=True,
+    )
+    max_lookup_streams_all_tenants: int = setting(
+        4096,
+        help=("LookupStream calls of all-tenant tokens (node agents, routers)"),
+        flag=True,
+    )
     # the lookup port (lookup_port.py): HOST:PORT, "auto" (gRPC's port + 1) or "off"; its
     # connections hold the LookupStream slots above
-    lookup_listen: str = "auto"
-    lmdb_map_size_bytes: int = DEFAULT_MAP_SIZE_BYTES  # the journal's ceiling (sparse file)
+    lookup_listen: str = setting(
+        "auto",
+        help=("the lookup port, HOST:PORT; 'auto': the gRPC port + 1 on its host; 'off'"),
+        flag=True,
+    )
+    lmdb_map_size_bytes: int = setting(
+        DEFAULT_MAP_SIZE_BYTES,
+        help="LMDB map of the index, e.g. 8GiB",
+        flag=True,
+    )
     limits: ServiceLimits = field(default_factory=ServiceLimits)
 
     def __post_init__(self) -> None:
