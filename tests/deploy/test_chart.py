@@ -146,6 +146,17 @@ def test_redis_cluster_metadata_gets_its_seeds_and_wait():
     assert "--backend redis-cluster" in args
     assert "--redis-url redis://redis-0.redis:6379,redis-1.redis:6379" in args
     assert "--redis-wait-replicas 1 --redis-wait-timeout-ms 100" in args
+    assert "--redis-shards" not in args  # one slot, the service's own default
+
+
+def test_redis_cluster_metadata_shards_when_told():
+    rendered = render(
+        CHART / "ci" / "redis-cluster-values.yaml", "--set", "metadata.redis.shards=0"
+    )
+    metadata = [
+        c for obj in rendered for c in kvstore_containers(obj) if c["name"] == "kvstore-metadata"
+    ]
+    assert "--redis-shards 0" in " ".join(metadata[0]["args"])
 
 
 def test_agent_pods_follow_the_deployment_contract():
