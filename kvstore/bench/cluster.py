@@ -71,6 +71,9 @@ class Cluster:
         self.spec = spec
         self.on_line = on_line or (lambda *_: None)
         self.metadata_address = f"127.0.0.1:{free_port()}"
+        # its own, not "auto" (the gRPC port + 1, which another process may hold), kept
+        # across the service's restarts
+        self.lookup_address = f"127.0.0.1:{free_port()}"
         self.members: dict[str, Member] = {"metadata": Member("metadata", "metadata")}
         for a in range(1, spec.agents + 1):
             self.members[f"agent-{a}"] = Member(f"agent-{a}", "agent")
@@ -97,6 +100,8 @@ class Cluster:
                 "lmdb",
                 "--listen",
                 self.metadata_address,
+                "--lookup-listen",
+                self.lookup_address,
                 "--data-dir",
                 str(spec.workdir / "metadata"),
             ]

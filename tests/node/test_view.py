@@ -29,8 +29,11 @@ PAYLOAD = 100_000
 
 
 @contextmanager
-def metadata_process(*args: str, port: int = 0):
-    process, address = start_cli("metadata", "--listen", f"127.0.0.1:{port}", *args)
+def metadata_process(*args: str, port: int = 0, lookup_port: int = 0):
+    """A metadata service process; on `port` and `lookup_port` where given (a restart at the
+    same address), not "auto"'s gRPC port + 1, which another process may hold (CI saw it)."""
+    lookup = ("--lookup-listen", f"127.0.0.1:{lookup_port}") if port else ()
+    process, address = start_cli("metadata", "--listen", f"127.0.0.1:{port}", *lookup, *args)
     try:
         yield process, address
     finally:
@@ -129,15 +132,16 @@ def test_lookups_are_answered_by_the_view_while_the_service_is_frozen(tmp_path):
 def test_the_view_converges_after_a_metadata_restart(tmp_path, backend):
     """lmdb: the journal kept the keys and the events' numbers: the view resumes by seq;
     memory: the index comes back empty under a new incarnation: the view resyncs first."""
-    port, data = free_port(), ["--data-dir", str(tmp_path / "meta")] if backend == "lmdb" else []
-    with metadata_process("--backend", backend, *data, port=port) as (service, address):
+    data = ["--data-dir", str(tmp_path / "meta")] if backend == "lmdb" else []
+    ports = {"port": free_port(), "lookup_port": free_port()}
+    with metadata_process("--backend", backend, *data, **ports) as (service, address):
         with agent_at(tmp_path, address) as a:
             b = FakePeer(address, "node-b", lease_ttl_ms=600_000)
             b.publish(KEYS[:4])
             assert converges(a, KEYS, 4)
             service.send_signal(signal.SIGKILL)
             service.wait()
-            with metadata_process("--backend", backend, *data, port=port) as (_, again):
+            with metadata_process("--backend", backend, *data, **ports) as (_, again):
                 if backend == "lmdb":  # kept node-b and its keys
                     b = FakePeer(again, "node-b", lease_ttl_ms=600_000)
                     b.evict(KEYS[2:4])
