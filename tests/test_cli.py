@@ -2,6 +2,7 @@
 stats and stops cleanly on SIGTERM; configuration comes from file, environment and flags."""
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -170,3 +171,20 @@ def test_the_serve_help_shows_the_defaults_serve_gives(capsys):
     assert "shared-memory arena size, e.g. 8GiB (default: 1GiB)" in help_text
     assert "unix socket workers connect to (default: DATA_DIR/agent.sock)" in help_text
     assert "--backend" not in help_text and "--insecure-transfer" not in help_text
+
+
+def test_the_readme_test_command_installs_what_ci_installs():
+    """The README's second command must pass the tests on a fresh machine: it installs every
+    extra, pinned package and tool script .ci/run installs for them (it lacked LMCache, whose
+    tests then could not import), the docs build's extra aside."""
+    root = Path(__file__).parents[1]
+    command = (root / "README.md").read_text().split("```bash\n")[2].split("\n", 1)[0]
+    ci = (root / ".ci" / "run").read_text()
+    ci_extras = re.search(r"^deploy/install\.sh .*--extras (\S+)", ci, re.M).group(1)
+    readme_extras = re.search(r"deploy/install\.sh .*--extras (\S+)", command).group(1)
+    assert set(ci_extras.split(",")) - {"docs"} <= set(readme_extras.split(",")), command
+    for package in re.findall(r'^pip install -q --no-deps "?([^"\s]+)', ci, re.M):
+        assert f"pip install --no-deps {package}" in command, package
+    for script in ("deploy/install-sglang.sh", "deploy/test-tools.sh"):
+        assert script in command and script in ci
+    assert command.endswith("python -m pytest") and ci.rstrip().endswith("python -m pytest")
