@@ -87,7 +87,9 @@ def test_local_hits_are_served_while_the_metadata_service_is_down(tmp_path):
             client.release(loaded)
             assert not agent.link.connected
         # The service comes back on the same port: the agent registers and publishes.
-        with running_server(server_dir, listen=f"127.0.0.1:{port}") as server:
+        # its lookup port anywhere: "auto" (the gRPC port + 1) may be another process's now
+        again = {"listen": f"127.0.0.1:{port}", "lookup_listen": "127.0.0.1:0"}
+        with running_server(server_dir, **again) as server:
             with client_for(server) as metadata:
                 assert wait_until(lambda: published(metadata, KEYS) == 3, timeout_s=10)
 

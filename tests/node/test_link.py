@@ -104,7 +104,9 @@ def test_an_unavailable_service_is_retried_until_it_is_back(tmp_path):
     try:
         store.store(KEYS[:3])
         assert not wait_until(lambda: link.connected, timeout_s=0.5)
-        with running_server(tmp_path, listen=f"127.0.0.1:{port}") as server:
+        # its lookup port anywhere: "auto" (the gRPC port + 1) may be another process's now
+        again = {"listen": f"127.0.0.1:{port}", "lookup_listen": "127.0.0.1:0"}
+        with running_server(tmp_path, **again) as server:
             with client_for(server) as meta:
                 assert wait_until(lambda: meta.lookup("t", KEYS[:64]).prefix_length == 3, 10)
         assert link.dropped_blocks == 0
