@@ -4,13 +4,18 @@ paged layer (any device, any strides; see paged.py). A prompt's tail (a block of
 than a chunk) goes through the same buffers, with its own layout (KVLayout.with_tokens).
 
 Runs in the worker (the connectors' worker halves) and in `kvstore bench gpu`. One code path
-for every device; only its `Streams` (streams.py) differ: on the CPU each step runs at once,
-on CUDA it is queued on the copier's stream. A layer moves in a constant number of device
-operations, whatever the number of blocks per chunk: one indexed gather (`index_select`) or
-scatter (`index_copy_`) per K and V, over a `BlockIndex` built once per chunk and step, on
-views that read the head-dim axis as 8-byte words (a bitwise copy with 4-8x fewer elements).
-- A load stages the page's bytes privately (hashed as copied on the CPU; hashed beside the DMA
-  on CUDA), decodes them in place (raw) or into the canonical buffer (fp8), and scatters.
+for every device (but the CPU's raw loads, below); only its `Streams` (streams.py) differ: on
+the CPU each step runs at once, on CUDA it is queued on the copier's stream. A layer moves
+in a constant number of device operations, whatever the number of blocks per chunk: one
+indexed gather (`index_select`) or scatter (`index_copy_`) per K and V, over a `BlockIndex`
+built once per chunk and step, on views that read the head-dim axis as 8-byte words (a
+bitwise copy with 4-8x fewer elements).
+- A load stages the page's bytes privately (hashed beside the DMA on CUDA), decodes them in
+  place (raw) or into the canonical buffer (fp8), and scatters. On the CPU a raw load skips
+  the staging pass: each engine block's K and V go straight from the page into the engine,
+  hashed as copied (a transposed K through an L1 tile: kvstore/native/copyhash.c), one
+  host copy per run of consecutive engine blocks: half the bytes that staging then
+  scattering move.
 - A save gathers into the canonical buffer, encodes it into staging (raw: the same bytes),
   and writes staging into the reserved page (hashed as written on the CPU).
 Buffers are allocated once per copier and reused: a step allocates nothing per layer.
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvstore.codec import decode_layer, encode_layer
@@ -33,11 +39,14 @@ from kvstore.layout import KVLayout
 @dataclass(frozen=True)
 class BlockIndex:
     """Which engine blocks a stored block's positions fill: `blocks` (on the device) holds the
-    engine block of each position in [first, stop) of the stored block."""
+    engine block of each position in [first, stop) of the stored block. `runs`, for host
+    copies: every position of the stored block as (start, stop, first engine block) runs of
+    consecutive engine blocks, the first engine block None where a run is not filled."""
 
     blocks: torch.Tensor
     first: int
     stop: int
+    runs: tuple[tuple[int, int, int | None], ...] = ()
 
     def __len__(self) -> int:
         return self.stop - self.first
@@ -67,8 +76,9 @@ class ChunkCopier:
         keep = range(len(blocks)) if keep is None else keep
         if keep.step != 1 or keep.start < 0 or keep.stop > len(blocks):
             raise ValueError(f"positions {keep} are not a run within {len(blocks)} blocks")
-        ids = torch.tensor([blocks[i] for i in keep], dtype=torch.int64)
-        return BlockIndex(self.streams.index(ids), keep.start, keep.stop)
+        host = torch.tensor([blocks[i] for i in keep], dtype=torch.int64)
+        runs = _runs(blocks, keep)
+        return BlockIndex(self.streams.index(host), keep.start, keep.stop, runs)
 
     # ---- loads -----------------------------------------------------------------------------
     def load_layer(
@@ -85,11 +95,39 @@ class ChunkCopier:
         synchronized: a mismatch means the KV written is not the block's and must be
         recomputed). `layout`: a tail's (fewer tokens), else the chunk's."""
         layout = self._checked(layout)
+        if self.streams.in_place and layout.codec == "raw":
+            self._load_in_place(page, hasher, paged, index, layout)
+            return
         staging = self._staging[: layout.layer_bytes]
         with self.streams.submitting():
             self.streams.upload(staging, page, hasher)
             if len(index):
                 self._scatter(self._decode(layout, staging), paged, index)
+
+    def _load_in_place(
+        self,
+        page: torch.Tensor,
+        hasher: Hasher,
+        paged: PagedLayer,
+        index: BlockIndex,
+        layout: KVLayout,
+    ) -> None:
+        """Host memory, raw payloads: K, then V, of each engine block straight from the page,
+        hashed as copied (a K kept as [head][dim][token] is transposed on the way: see
+        kvstore/native/copyhash.c); positions the engine has already go into staging, so
+        the digest still covers every byte of the layer, each byte as it was copied."""
+        stored = _items(page, layout.torch_dtype).reshape(layout.layer_shape)
+        spare = _items(self._staging[: layout.layer_bytes], layout.torch_dtype)
+        spare = spare.reshape(layout.layer_shape)
+        for part, view in enumerate(kv_views(paged)):
+            engine = _items(view, view.dtype)
+            source = stored[part].reshape(-1, self.block_size, *stored.shape[2:])
+            unfilled = spare[part].reshape(source.shape)
+            for start, stop, block in index.runs:
+                target = (
+                    unfilled[start:stop] if block is None else engine[block : block + stop - start]
+                )
+                hasher.copy(target, source[start:stop])
 
     def _decode(self, layout: KVLayout, staging: torch.Tensor) -> torch.Tensor:
         if layout.codec == "raw":
@@ -173,7 +211,34 @@ class ChunkCopier:
         self.streams.synchronize()
 
 
+def _runs(blocks: list[int], keep: range) -> tuple[tuple[int, int, int | None], ...]:
+    """Positions 0..len(blocks) as (start, stop, first engine block) runs: consecutive engine
+    blocks within `keep` make one run (one host copy), positions outside it runs of None."""
+    runs = [(0, keep.start, None)] if keep.start else []
+    for position in keep:
+        start, stop, block = runs[-1] if runs else (0, 0, None)
+        if block is not None and stop == position and blocks[position] == block + stop - start:
+            runs[-1] = (start, position + 1, block)
+        else:
+            runs.append((position, position + 1, blocks[position]))
+    if keep.stop < len(blocks):
+        runs.append((keep.stop, len(blocks), None))
+    return tuple(runs)
+
+
 _WORDS = (torch.int64, torch.int32, torch.int16)
+_ITEMS = {1: (torch.uint8, np.uint8), 2: (torch.int16, np.int16), 4: (torch.int32, np.int32)}
+_ITEMS[8] = (torch.int64, np.int64)
+
+
+def _items(tensor: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
+    """A host tensor's items of `dtype` (a flat uint8 one's: its bytes read as `dtype`) as a
+    numpy array of integers of their size, sharing its memory: what Hasher.copy takes, for
+    any dtype (numpy has no bfloat16) and any strides."""
+    torch_items, numpy_items = _ITEMS[dtype.itemsize]
+    if tensor.dtype == torch.uint8:
+        return tensor.numpy().view(numpy_items)
+    return tensor.view(torch_items).numpy()
 
 
 def _as_words(*views: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -3,8 +3,9 @@
 The copy engine (engine.py) runs the same loads and saves on every device; a `Streams` object
 says where each step goes and how bytes cross between the host page and the device:
 - `HostStreams` (the CPU): everything runs at once, on the calling thread alone (not torch's
-  thread pool); a page's bytes are copied into the private staging buffer and hashed in the
-  same pass (kvcopy.verified), so the digest is of the copy that becomes KV.
+  thread pool); a raw page's bytes are copied into the engine's blocks (else into the private
+  staging buffer) and hashed in the same pass (kvcopy.verified), so the digest is of the copy
+  that becomes KV.
 - `CudaStreams`: copies are queued on the copier's own stream and ordered against the compute
   stream by one event per layer, so the forward waits on the device, never on the host. A
   load DMAs the pinned page into device staging and, beside the DMA, a verifier thread hashes
@@ -29,7 +30,12 @@ from kvstore.kvcopy.verified import Hasher, copy_hashed
 
 
 class HostStreams:
-    """The CPU: no queues; each copy is done when its call returns."""
+    """The CPU: no queues; each copy is done when its call returns. A raw load goes from the
+    page into the engine's blocks in place, hashed as copied (no staging pass), unless made
+    with `in_place=False` (the staged path every device shares, as tests exercise it)."""
+
+    def __init__(self, in_place: bool = True) -> None:
+        self.in_place = in_place
 
     def submitting(self) -> contextlib.AbstractContextManager:
         """Torch's copies on this thread alone: see `_one_thread`."""
@@ -69,6 +75,8 @@ class HostStreams:
 
 class CudaStreams:
     """A CUDA device: the copier's stream, an event per layer, and a verifier thread."""
+
+    in_place = False  # a page reaches the device by one DMA into staging
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

@@ -393,6 +393,19 @@ static inline int next_run(odometer *o, const Py_buffer *dst, const Py_buffer *s
     return 0;
 }
 
+/* Advance the destination to the next index of its first `axes` axes, and the C-contiguous
+ * source by one slab of `slab_bytes`; 0 when the last one is done. */
+static inline int next_outer(odometer *o, const Py_buffer *dst, int axes, Py_ssize_t slab_bytes) {
+    o->from += slab_bytes;
+    for (int d = axes - 1; d >= 0; d--) {
+        o->to += dst->strides[d];
+        if (++o->index[d] < dst->shape[d]) return 1;
+        o->to -= dst->strides[d] * dst->shape[d];
+        o->index[d] = 0;
+    }
+    return 0;
+}
+
 #ifdef HAVE_AVX2_PATH
 /* A copy whose runs are whole stripes, after whole stripes (nothing buffered) and past the
  * short-input bound: one fused pass, the accumulators in registers from run to run, so a run
@@ -427,9 +440,165 @@ __attribute__((target("avx2"))) static void copy_runs_avx2(hash_state *s, const 
 }
 #endif
 
+/* ---- transposing copies: a destination whose smallest stride is not its last axis -------- */
+
+/* A destination that keeps an earlier axis `r` at a stride of one item while the source is
+ * C-contiguous: vLLM's CPU kernels keep K as [head][dim][token] and a payload holds
+ * [token][head][dim]. Walked in C order, its runs would be single items. Instead, for each
+ * index of the axes before r, TILE_ROWS indices of r at a time (with every axis after r: one
+ * contiguous slab of the source) are copied and hashed into a private tile, in C order, then
+ * written out of the tile transposed: 8 x 8 items in registers, each store 8 consecutive
+ * indices of r. The destination receives the tile, which nothing else writes, so the digest
+ * is of what it received, as in every other copy. */
+#define TILE_ROWS 8
+
+typedef struct {
+    int axis;                     /* r */
+    Py_ssize_t row_items;         /* items per index of r: all the axes after it */
+    Py_ssize_t row_bytes;
+} transpose_plan;
+
+/* Whether `dst` <- `src` is such a copy, and its plan; 0 when the runs path suits it. */
+static int plan_transpose(const Py_buffer *dst, const Py_buffer *src, const copy_plan *plan,
+                          transpose_plan *t) {
+    if (plan->run_bytes >= STRIPE || dst->ndim < 2 || !PyBuffer_IsContiguous(src, 'C'))
+        return 0;
+    Py_ssize_t item = dst->itemsize;
+    if (dst->strides[dst->ndim - 1] == item) return 0;
+    for (int d = dst->ndim - 2; d >= 0; d--) {
+        if (dst->shape[d] > 1 && dst->strides[d] == item) {
+            t->axis = d;
+            t->row_items = 1;
+            for (int inner = d + 1; inner < dst->ndim; inner++) t->row_items *= dst->shape[inner];
+            t->row_bytes = t->row_items * item;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* Item `p` of the slab's rows (C order over the axes after r) is at this offset of a row's
+ * first item in the destination. */
+static Py_ssize_t inner_offset(const Py_buffer *dst, int axis, Py_ssize_t p) {
+    Py_ssize_t offset = 0;
+    for (int d = dst->ndim - 1; d > axis; d--) {
+        offset += (p % dst->shape[d]) * dst->strides[d];
+        p /= dst->shape[d];
+    }
+    return offset;
+}
+
+/* Any item size, any row count: item by item out of the tile (still in L1). */
+static void untile_items(const Py_buffer *dst, const transpose_plan *t, xxh_u8 *to,
+                         const xxh_u8 *tile, Py_ssize_t rows) {
+    Py_ssize_t item = dst->itemsize;
+    for (Py_ssize_t p = 0; p < t->row_items; p++) {
+        xxh_u8 *column = to + inner_offset(dst, t->axis, p);
+        for (Py_ssize_t i = 0; i < rows; i++)
+            memcpy(column + i * item, tile + i * t->row_bytes + p * item, (size_t)item);
+    }
+}
+
+#ifdef HAVE_AVX2_PATH
+/* 8 rows of 8 4-byte items -> 8 columns, stored at `to` + j * `step`. */
+AVX2 void transpose_8x8_words(xxh_u8 *to, Py_ssize_t step, const xxh_u8 *from,
+                              Py_ssize_t row_bytes) {
+    __m256 r[8], u[8], v[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps((const float *)(from + i * row_bytes));
+    for (int i = 0; i < 8; i += 2) {
+        u[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        u[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        v[i] = _mm256_shuffle_ps(u[i], u[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        v[i + 1] = _mm256_shuffle_ps(u[i], u[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        v[i + 2] = _mm256_shuffle_ps(u[i + 1], u[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        v[i + 3] = _mm256_shuffle_ps(u[i + 1], u[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int j = 0; j < 4; j++) {
+        _mm256_storeu_ps((float *)(to + j * step), _mm256_permute2f128_ps(v[j], v[j + 4], 0x20));
+        _mm256_storeu_ps((float *)(to + (j + 4) * step),
+                         _mm256_permute2f128_ps(v[j], v[j + 4], 0x31));
+    }
+}
+
+/* 8 rows of 8 2-byte items -> 8 columns, stored at `to` + j * `step`. */
+AVX2 void transpose_8x8_halves(xxh_u8 *to, Py_ssize_t step, const xxh_u8 *from,
+                               Py_ssize_t row_bytes) {
+    __m128i a[8], b[8], c[8];
+    for (int i = 0; i < 8; i++) a[i] = _mm_loadu_si128((const __m128i *)(from + i * row_bytes));
+    for (int i = 0; i < 8; i += 2) {
+        b[i] = _mm_unpacklo_epi16(a[i], a[i + 1]);
+        b[i + 1] = _mm_unpackhi_epi16(a[i], a[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        c[i] = _mm_unpacklo_epi32(b[i], b[i + 2]);
+        c[i + 1] = _mm_unpackhi_epi32(b[i], b[i + 2]);
+        c[i + 2] = _mm_unpacklo_epi32(b[i + 1], b[i + 3]);
+        c[i + 3] = _mm_unpackhi_epi32(b[i + 1], b[i + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        _mm_storeu_si128((__m128i *)(to + 2 * j * step), _mm_unpacklo_epi64(c[j], c[j + 4]));
+        _mm_storeu_si128((__m128i *)(to + (2 * j + 1) * step), _mm_unpackhi_epi64(c[j], c[j + 4]));
+    }
+}
+
+/* A full tile of 4- or 2-byte items whose last axis holds whole groups of 8: 8 x 8 at once. */
+__attribute__((target("avx2"))) static void untile_vectors(const Py_buffer *dst,
+                                                          const transpose_plan *t, xxh_u8 *to,
+                                                          const xxh_u8 *tile) {
+    Py_ssize_t last = dst->shape[dst->ndim - 1], step = dst->strides[dst->ndim - 1];
+    for (Py_ssize_t p = 0; p < t->row_items; p += last) {
+        xxh_u8 *row = to + inner_offset(dst, t->axis, p);
+        const xxh_u8 *from = tile + p * dst->itemsize;
+        for (Py_ssize_t k = 0; k < last; k += 8, from += 8 * dst->itemsize) {
+            if (dst->itemsize == 4)
+                transpose_8x8_words(row + k * step, step, from, t->row_bytes);
+            else
+                transpose_8x8_halves(row + k * step, step, from, t->row_bytes);
+        }
+    }
+}
+#endif
+
+static void untile(enum isa isa, const Py_buffer *dst, const transpose_plan *t, xxh_u8 *to,
+                   const xxh_u8 *tile, Py_ssize_t rows) {
+#ifdef HAVE_AVX2_PATH
+    int vector_items = dst->itemsize == 4 || dst->itemsize == 2;
+    if (isa == ISA_AVX2 && rows == TILE_ROWS && vector_items && dst->shape[dst->ndim - 1] % 8 == 0) {
+        untile_vectors(dst, t, to, tile);
+        return;
+    }
+#endif
+    (void)isa;
+    untile_items(dst, t, to, tile, rows);
+}
+
+/* The transposing copy of `plan_transpose`; 0 when no tile could be allocated. */
+static int copy_transposed(hash_state *s, enum isa isa, const Py_buffer *dst,
+                           const Py_buffer *src, const transpose_plan *t) {
+    xxh_u8 *tile = malloc((size_t)(TILE_ROWS * t->row_bytes));
+    if (tile == NULL) return 0;
+    Py_ssize_t rows = dst->shape[t->axis], item = dst->itemsize;
+    odometer o = {.to = dst->buf, .from = src->buf};
+    do {
+        for (Py_ssize_t first = 0; first < rows; first += TILE_ROWS) {
+            Py_ssize_t count = rows - first < TILE_ROWS ? rows - first : TILE_ROWS;
+            update(s, isa, tile, o.from + first * t->row_bytes, (size_t)(count * t->row_bytes));
+            MEMORY_BARRIER();
+            untile(isa, dst, t, o.to + first * item, tile, count);
+        }
+    } while (next_outer(&o, dst, t->axis, rows * t->row_bytes));
+    free(tile);
+    return 1;
+}
+
 static void copy_strided(hash_state *s, enum isa isa, const Py_buffer *dst, const Py_buffer *src,
                          const copy_plan *plan) {
     if (plan->total_bytes == 0) return;
+    transpose_plan transpose;
+    if (plan_transpose(dst, src, plan, &transpose) && copy_transposed(s, isa, dst, src, &transpose))
+        return;
 #ifdef HAVE_AVX2_PATH
     if (isa == ISA_AVX2 && plan->run_bytes % STRIPE == 0 && s->buffered == 0 &&
         s->total_bytes + (xxh_u64)plan->total_bytes > BUFFER_BYTES) {

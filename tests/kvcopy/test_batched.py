@@ -8,6 +8,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvstore.kvcopy.engine import ChunkCopier
+from kvstore.kvcopy.streams import HostStreams
 from kvstore.kvcopy.verified import Hasher
 from kvstore.layout import KVLayout
 
@@ -41,6 +42,7 @@ def ops_of_one_layer(blocks_per_chunk: int, codec: str) -> tuple[list[str], list
     source = paged_layer(2 * blocks_per_chunk, seed=1)
     target = paged_layer(2 * blocks_per_chunk, seed=None)
     copier = ChunkCopier(layout, BLOCK, "cpu")
+    copier.streams = HostStreams(in_place=False)  # the staged path, as on every device
     blocks = torch.randperm(2 * blocks_per_chunk)[:blocks_per_chunk].tolist()
     index = copier.block_index(blocks)
     payload = torch.zeros(layout.payload_bytes, dtype=torch.uint8)

@@ -107,6 +107,53 @@ def test_strided_copies_hash_the_bytes_in_c_order(shape, row_bytes, before, seed
     assert hasher.intdigest() == reference(np.concatenate([whole, prefix]))
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    outer=st.integers(1, 3),
+    rows=st.integers(1, 20),
+    inner=st.lists(st.integers(1, 17), min_size=1, max_size=2),
+    itemsize=st.sampled_from([1, 2, 4, 8]),
+    before=st.sampled_from([0, 1, 64, 300]),
+    seed=st.integers(0, 2**32 - 1),
+    isa=st.sampled_from(ISAS),
+)
+def test_a_destination_whose_rows_are_its_smallest_stride_is_copied_through_a_tile(
+    outer, rows, inner, itemsize, before, seed, isa
+):
+    """vLLM's CPU kernels keep K as [head][dim][token]; a payload holds [token][head][dim].
+    Such a destination (an axis before the last at a stride of one item) is copied through a
+    private tile and transposed out of it, 8 x 8 items at a time where it can: the same bytes
+    arrive, and the digest is of the source's bytes in C order, whatever the row count, item
+    size or hash state before it."""
+    rng = np.random.default_rng(seed)
+    dtype = np.dtype(f"u{itemsize}")
+    prefix = rng.integers(0, 256, before, dtype=np.uint8)
+    source = rng.integers(0, np.iinfo(dtype).max, (outer, rows, *inner), dtype=dtype)
+    physical = np.zeros((outer, *inner, rows), dtype)  # rows innermost, as the engine keeps K
+    destination = np.moveaxis(physical, -1, 1)
+    hasher = Hasher(isa=isa)
+    hasher.update(prefix)
+    hasher.copy(destination, source)
+    assert np.array_equal(destination, source)
+    whole = np.concatenate([prefix, source.view(np.uint8).ravel()])
+    assert hasher.intdigest() == reference(whole)
+
+
+def test_a_transposed_k_block_of_vllms_cpu_layout_moves_in_vectors():
+    """A K block as vLLM's CPU cache holds it (128 tokens, 8 heads of 64 float32): the 8 x 8
+    register path, checked against the item-by-item one and xxh3."""
+    rng = np.random.default_rng(7)
+    source = rng.integers(0, 2**32 - 1, (128, 8, 64), dtype=np.uint32)
+    digests = []
+    for isa in ISAS:
+        physical = np.zeros((8, 64, 128), np.uint32)
+        hasher = Hasher(isa=isa)
+        hasher.copy(physical.transpose(2, 0, 1), source)
+        assert np.array_equal(physical.transpose(2, 0, 1), source)
+        digests.append(hasher.intdigest())
+    assert set(digests) == {reference(source)}
+
+
 def test_a_page_first_host_page_copies_into_a_layer_major_payload():
     """SGLang's page_first pool keeps a page token-major ([components, tokens, layers, row]);
     the payload is layer-major ([layers, components, tokens, row])."""

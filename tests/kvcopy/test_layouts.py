@@ -19,6 +19,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from kvstore.errors import ConfigError
 from kvstore.kvcopy.engine import ChunkCopier
 from kvstore.kvcopy.paged import check_paged_layer
+from kvstore.kvcopy.streams import HostStreams
 from kvstore.kvcopy.verified import Hasher
 from kvstore.layout import KVLayout
 
@@ -56,8 +57,10 @@ def save_chunk(views, blocks) -> torch.Tensor:
     return payload
 
 
-def load_chunk(payload, views, blocks, keep: range) -> int:
+def load_chunk(payload, views, blocks, keep: range, in_place: bool = True) -> int:
+    """Load into `views`; `in_place=False`: the staged path every device shares."""
     copier = ChunkCopier(LAYOUT, BLOCK, "cpu")
+    copier.streams = HostStreams(in_place=in_place)
     index = copier.block_index(blocks, keep)
     hasher = Hasher()
     for layer, view in enumerate(views):
@@ -71,11 +74,12 @@ def load_chunk(payload, views, blocks, keep: range) -> int:
     list(itertools.product(KVCacheLayout, KVCacheLayout)),
     ids=lambda layout: layout.name,
 )
-def test_a_chunk_saved_from_one_layout_loads_into_another_unchanged(source, target):
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "staged"])
+def test_a_chunk_saved_from_one_layout_loads_into_another_unchanged(source, target, in_place):
     saved_from = vllm_views(source, seed=1)
     payload = save_chunk(saved_from, blocks=[4, 1])
     loaded_into = vllm_views(target, seed=None)
-    digest = load_chunk(payload, loaded_into, blocks=[0, 3], keep=range(2))
+    digest = load_chunk(payload, loaded_into, blocks=[0, 3], keep=range(2), in_place=in_place)
     assert digest == xxhash.xxh3_64_intdigest(payload.numpy())
     for before, after in zip(saved_from, loaded_into, strict=True):
         assert torch.equal(after[0], before[4]) and torch.equal(after[3], before[1])
@@ -158,3 +162,46 @@ def test_a_tail_of_one_block_goes_through_the_chunks_copier(codec):
     other_heads = KVLayout(LAYERS, HEADS + 1, DIM, "bfloat16", BLOCK, codec)
     with pytest.raises(ConfigError, match="not a tail"):
         copier.load_layer(payload[:16], Hasher(), target[0], copier.block_index([2]), other_heads)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_vllms_cpu_layout_loads_in_place_with_k_transposed(dtype):
+    """vLLM's CPU cache ([blocks, heads, block, 2 * dim], K kept as [head][dim][token]), filled
+    by vLLM's own CPU kernel: a chunk saved from it loads in place into other blocks of another
+    cache, its K transposed on the way, positions the engine has left alone, and the digest
+    is the payload's."""
+    from vllm import _custom_ops as ops
+
+    from kvstore.connectors.vllm.compat import paged_layer_view
+
+    block, heads, dim = 16, 2, 64
+    layout = KVLayout(1, heads, dim, dtype, chunk_tokens=3 * block)
+    torch_dtype = layout.torch_dtype
+    source = torch.zeros(8, heads, block, 2 * dim, dtype=torch_dtype)
+    key, value = torch.randn(2, 3 * block, heads, dim).to(torch_dtype)
+    key_cache, value_cache = source.view(8, heads, 2 * block, dim).chunk(2, dim=2)
+    slots = torch.tensor([b * block + t for b in (4, 1, 6) for t in range(block)])
+    isa = "vec" if dtype == "float32" else "vec16"
+    ops.cpu_attn_reshape_and_cache(
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slots,
+        isa,
+        k_scale=1.0,
+        v_scale=1.0,
+        kv_cache_dtype="auto",
+    )
+    copier = ChunkCopier(layout, block, "cpu")
+    payload = torch.zeros(layout.payload_bytes, dtype=torch.uint8)
+    copier.save_layer(paged_layer_view(source, isa), copier.block_index([4, 1, 6]), payload, None)
+    target = torch.zeros_like(source)
+    hasher = Hasher()
+    index = copier.block_index([0, 2, 5], range(1, 3))  # block 0 was computed locally
+    copier.load_layer(payload, hasher, paged_layer_view(target, isa), index)
+    assert hasher.intdigest() == xxhash.xxh3_64_intdigest(payload.numpy())
+    keys, values = paged_layer_view(target, isa)
+    assert torch.equal(keys[[2, 5]].flatten(0, 1), key[block:])
+    assert torch.equal(values[[2, 5]].flatten(0, 1), value[block:])
+    assert not target[[0, 1, 3, 4, 6, 7]].any()
