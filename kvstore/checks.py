@@ -115,8 +115,10 @@ def _node_problems(
     if config.disk_dir is not None:
         problems.attempt(pages_for, config.disk_capacity_bytes, config.page_size_bytes, "disk")
         problems.attempt(check_writable_dir, config.disk_dir, "disk_dir")
-    if config.private_buffer_bytes < config.page_size_bytes:
-        problems.add("private_buffer_bytes must hold at least one page (page_size_bytes)")
+    if config.private_buffer_bytes < config.largest_block_bytes:
+        problems.add(
+            "private_buffer_bytes must hold at least one block (max_block_bytes, or one page)"
+        )
     problems.attempt(check_socket_path, config.socket_path)
     if config.metadata_address and not embedded:
         problems.attempt(check_address, config.metadata_address, "metadata_address", False)

@@ -252,7 +252,7 @@ class TieredStore:
         return self.ledger.inventory()
 
     def usage(self) -> dict[str, dict[str, int]]:
-        """Pages and bytes used and available per tier."""
+        """Pages used and available per tier, its page size and largest block."""
         return self.ledger.usage()
 
     def close(self) -> None:

@@ -65,6 +65,22 @@ class DemotionStart(NamedTuple):
     lower_page: torch.Tensor
 
 
+WINDOW_CANDIDATES = 8  # victims whose eviction windows are compared (see _cheapest_window)
+
+
+def _too_large(top: Tier, payload_bytes: int) -> str:
+    """Why a payload cannot be reserved, and the setting that would let it be."""
+    room = (
+        f"a {top.kind} page of {top.page_size_bytes} bytes"
+        if top.max_block_bytes == top.page_size_bytes
+        else f"the {top.kind} tier's largest block of {top.max_block_bytes} bytes"
+    )
+    return (
+        f"payload of {payload_bytes} bytes does not fit {room} (header {block.HEADER_BYTES}): "
+        "raise max_block_bytes (at most the arena) or store smaller chunks"
+    )
+
+
 class StoreLedger:
     """What every tier of a store holds, and who holds what of it. Every public method takes
     the lock at most once (an RLock: the ledger's own nested calls re-enter it) and moves no
@@ -186,17 +202,15 @@ class StoreLedger:
             if self._slot_of(key) is not None or self._being_written(key):
                 return None
             top = self.slots[0].tier
-            if block.HEADER_BYTES + payload_bytes > top.page_size_bytes or payload_bytes <= 0:
-                raise ConfigError(
-                    f"payload of {payload_bytes} bytes does not fit a {top.kind} page of "
-                    f"{top.page_size_bytes} bytes (header {block.HEADER_BYTES})"
-                )
+            size_bytes = block.HEADER_BYTES + payload_bytes
+            if size_bytes > top.max_block_bytes or payload_bytes <= 0:
+                raise ConfigError(_too_large(top, payload_bytes))
             tenant = tenant_of(key)
             block.encode_tenant(tenant)  # validate before taking a page, not at commit
             self._check_room_for_saves()
             self._within_share(tenant, raise_if_not=True)
-            self._make_room(0)
-            page = top.reserve(key)
+            self._make_room(0, size_bytes)
+            page = top.reserve(key, size_bytes)
             parent_key = None if parent is None else key_of(parent)
             header = block.BlockHeader(
                 key_of(key), parent_key, payload_bytes, 0, layout_hash, codec_id, tenant
@@ -310,9 +324,12 @@ class StoreLedger:
         )
 
     def _unevictable(self) -> int:
-        """Top-tier pages reserved or pinned (a pin below the top tier counts too: rare, and
-        erring on the side of room for promotions)."""
-        return len(self._pending) + len(self._pins)
+        """Top-tier pages reserved or pinned (a pin below the top tier counts a page: rare,
+        and erring on the side of room for promotions)."""
+        top = self.slots[0].tier
+        pinned = sum(top.pages_needed(top.stored_bytes(key)) for key in self._pins)
+        pending = sum(p.page.numel() // top.page_size_bytes for p in self._pending.values())
+        return pinned + pending
 
     def tenant_pages(self) -> dict[str, dict[str, int]]:
         """See TieredStore.tenant_pages."""
@@ -321,20 +338,48 @@ class StoreLedger:
             return self.shares.pages()
 
     # ---- eviction ------------------------------------------------------------------------
-    def _make_room(self, index: int) -> None:
+    def _make_room(self, index: int, size_bytes: int) -> None:
         """Under the lock: evict tier `index`'s victims (each demoted to the tier below where
-        it has room) until a page is free; CapacityError if all are pinned or reserved."""
+        it has room) until a block of `size_bytes` fits; CapacityError if the rest is pinned
+        or reserved. Victims come in the policy's order; where blocks need contiguous pages
+        (the arena), a victim's neighbours go with it when together they open a run wide
+        enough (Tier.eviction_window), so a block never waits for unrelated victims."""
         slot = self.slots[index]
-        while slot.tier.free_pages <= 0:
-            victim = slot.policy.victim(self._can_evict)
-            if victim is None and index == 0 and self.expire_reservations():
+        while not slot.tier.has_room(size_bytes):
+            window = self._cheapest_window(slot, size_bytes)
+            if window is None and index == 0 and self.expire_reservations():
                 continue
-            if victim is None:
+            if window is None:
                 raise CapacityError(
-                    f"{slot.tier.kind} tier full: all {slot.tier.capacity_pages} pages are "
-                    "pinned or being written"
+                    f"{slot.tier.kind} tier full: no room for a block of {size_bytes} bytes; "
+                    f"the rest of its {slot.tier.capacity_pages} pages are pinned or being written"
                 )
-            self._evict(index, victim)
+            for key in window:
+                if key in slot.tier:  # a neighbour may go with an earlier victim's purge
+                    self._evict(index, key)
+
+    def _cheapest_window(self, slot: TierSlot, size_bytes: int) -> list[bytes] | None:
+        """Under the lock: of the policy's next WINDOW_CANDIDATES victims (in its order: with
+        prefix-aware policies, all leaves), the eviction window (Tier.eviction_window) that
+        evicts the fewest bytes, the coldest on a tie; a window evicting no more than the new
+        block needs ends the search (with blocks of one size, the first victim's always
+        does). None when nothing can be evicted. Taking the cheapest of a few keeps the runs
+        left between blocks, too narrow for any, rare (kvstore bench micro, arena_mix)."""
+        best: list[bytes] | None = None
+        best_bytes = 0
+        tried: set[bytes] = set()
+        for _ in range(WINDOW_CANDIDATES):
+            victim = slot.policy.victim(lambda key: key not in tried and self._can_evict(key))
+            if victim is None:
+                break
+            tried.add(victim)
+            window = slot.tier.eviction_window(victim, size_bytes, self._can_evict)
+            freed = sum(slot.tier.stored_bytes(key) for key in window)
+            if best is None or freed < best_bytes:
+                best, best_bytes = window, freed
+            if best_bytes <= size_bytes:
+                break
+        return best
 
     def _evict(self, index: int, key: bytes) -> None:
         lower = index + 1
@@ -351,7 +396,7 @@ class StoreLedger:
         victim is only evicted: a miss later, and the save that needed its page goes on."""
         slot = self.slots[index]
         try:
-            self._make_room(index)
+            self._make_room(index, page.numel())
             slot.tier.write(key, page)
         except CapacityError:
             logger.debug("no room in %s tier for %r; not copied", slot.tier.kind, key)
@@ -378,12 +423,15 @@ class StoreLedger:
             index = self._slot_of(key)
             underway = self._promoting.get(key)
             below = index not in (0, None) and underway is None
-            return PromotionStart(index, underway, self._reserve_top(key) if below else None)
+            page = (
+                self._reserve_top(key, self.slots[index].tier.stored_bytes(key)) if below else None
+            )
+            return PromotionStart(index, underway, page)
 
-    def _reserve_top(self, key: bytes) -> torch.Tensor | None:
+    def _reserve_top(self, key: bytes, size_bytes: int) -> torch.Tensor | None:
         try:
-            self._make_room(0)
-            page = self.slots[0].tier.reserve(key)
+            self._make_room(0, size_bytes)
+            page = self.slots[0].tier.reserve(key, size_bytes)
         except CapacityError:
             logger.debug("no room in the top tier to promote %r; read where it is", key)
             return None
@@ -429,8 +477,8 @@ class StoreLedger:
                     header = self.checked_header(0, key, page)
                 if header is None:
                     continue  # corrupt: purged
-                self._make_room(1)
-                lower_page = self.slots[1].tier.reserve(key)
+                self._make_room(1, header.block_bytes)
+                lower_page = self.slots[1].tier.reserve(key, header.block_bytes)
                 self._pin(key)
                 return DemotionStart(key, header, lower_page)
         return None
@@ -449,13 +497,15 @@ class StoreLedger:
 
     # ---- blocks received from peers (kvstore/store_received.py verifies the bytes) -------
     def reserve_received(self, key: bytes) -> torch.Tensor | None:
-        """A whole top-tier page for `key` arriving from a peer, pending until
+        """Top-tier room for the largest block the tier takes, for `key` arriving from a peer
+        (its size is known once it lands: the commit frees the pages past it), pending until
         finish_received; None if `key` is already stored or being written."""
         with self._lock:
             if self._slot_of(key) is not None or self._being_written(key):
                 return None
-            self._make_room(0)
-            page = self.slots[0].tier.reserve(key)
+            top = self.slots[0].tier
+            self._make_room(0, top.max_block_bytes)
+            page = top.reserve(key, top.max_block_bytes)
             header = block.BlockHeader(key_of(key), None, 0, 0, tenant=tenant_of(key))
             self._pending[key] = PendingWrite(0, page, header, threading.Event())
             return page
@@ -578,13 +628,16 @@ class StoreLedger:
             ]
 
     def usage(self) -> dict[str, dict[str, int]]:
-        """Pages and bytes used and available per tier."""
+        """Pages used (by blocks, reserved or committed) and available per tier, with the page
+        size and the largest block each takes."""
         with self._lock:
             return {
                 slot.tier.kind: {
                     "used_pages": slot.tier.used_pages,
+                    "used_blocks": slot.tier.used_blocks,
                     "capacity_pages": slot.tier.capacity_pages,
                     "page_size_bytes": slot.tier.page_size_bytes,
+                    "max_block_bytes": slot.tier.max_block_bytes,
                 }
                 for slot in self.slots
             }

@@ -61,7 +61,7 @@ def test_the_agent_and_the_service_keep_their_flags_and_environment_names():
     """The chart (deploy/helm) and users pass these; their names must not drift."""
     node_flags = {s.flag for s in NODE.settings() if s.flag}
     assert {"--node-id", "--host-capacity-bytes", "--node-metrics-listen"} <= node_flags
-    assert len(node_flags) == 25
+    assert len(node_flags) == 26  # with --max-block-bytes
     metadata_flags = {s.flag for s in METADATA.settings() if s.flag}
     assert {"--listen", "--backend", "--redis-wait-timeout-ms"} <= metadata_flags
     assert len(metadata_flags) == 22  # with --redis-shards

@@ -1,5 +1,6 @@
 """Micro-benchmarks of one node's hot paths: chunk hashing, tier writes and reads, saves into a
-full arena (kvstore/bench/full_arena.py), fp8, xxh3.
+full arena (kvstore/bench/full_arena.py), the arena's utilisation under a mix of block sizes
+(kvstore/bench/arena_mix.py), fp8, xxh3.
 
 Runs in-process (`kvstore bench micro`). Every number is a median of `runs` timed runs after one
 untimed warm-up; tier numbers sit next to a numpy.copyto memcpy measured in the same runs.
@@ -17,6 +18,7 @@ import numpy as np
 import torch
 
 from kvstore import block
+from kvstore.bench.arena_mix import MixSizes, arena_mix_results
 from kvstore.bench.full_arena import full_arena_results
 from kvstore.bench.timing import (
     MemcpyBaseline,
@@ -51,10 +53,21 @@ class MicroSizes:
     blocks_per_run: int  # blocks written and read per tier, block size and run
     codec_layers: int  # layers in the fp8 block (32 for Llama-3-8B)
     full_arena: tuple[int, int, int]  # block bytes, arena pages, saves (kvstore.bench.full_arena)
+    arena_mix: MixSizes  # the arena, its page, refills, payloads' divisor (bench.arena_mix)
 
 
-FULL = MicroSizes(blocks_per_run=16, codec_layers=32, full_arena=(16 * MIB, 16, 48))
-QUICK = MicroSizes(blocks_per_run=2, codec_layers=2, full_arena=(MIB, 4, 6))
+FULL = MicroSizes(
+    blocks_per_run=16,
+    codec_layers=32,
+    full_arena=(16 * MIB, 16, 48),
+    arena_mix=MixSizes(arena_bytes=512 * MIB, page_bytes=128 << 10, refills=3, shrink=2),
+)
+QUICK = MicroSizes(
+    blocks_per_run=2,
+    codec_layers=2,
+    full_arena=(MIB, 4, 6),
+    arena_mix=MixSizes(arena_bytes=16 * MIB, page_bytes=4 << 10, refills=2, shrink=64),
+)
 
 
 def run_micro(runs: int = 5, quick: bool = False, disk_dir: str | Path | None = None) -> dict:
@@ -62,7 +75,8 @@ def run_micro(runs: int = 5, quick: bool = False, disk_dir: str | Path | None = 
 
     `disk_dir` is where the disk tier's temporary LMDB goes (default: the system temp dir).
     Full mode holds about 0.5 GiB of RAM at a time (16 blocks of 16 MiB in a tier and in the
-    memcpy baseline) and writes about 3 GiB through the disk tier.
+    memcpy baseline; then a 512 MiB arena in /dev/shm) and writes about 3 GiB through the disk
+    tier.
     """
     check_runs(runs)
     sizes = QUICK if quick else FULL
@@ -72,6 +86,7 @@ def run_micro(runs: int = 5, quick: bool = False, disk_dir: str | Path | None = 
         for size_mib in BLOCK_SIZES_MIB:
             result.update(tier_results(size_mib * MIB, sizes.blocks_per_run, runs, directory))
         result.update(full_arena_results(*sizes.full_arena, directory))
+    result.update(arena_mix_results(sizes.arena_mix))
     result["memcpy_GBps"] = result[f"memcpy_GBps_{BLOCK_SIZES_MIB[-1]}MiB"]
     result.update(codec_results(sizes.codec_layers, runs))
     return result

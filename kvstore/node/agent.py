@@ -33,6 +33,7 @@ from kvstore.node.view import ClusterView
 from kvstore.node.view_feed import ViewFeed
 from kvstore.settings import setting
 from kvstore.store import ArenaLimits, TieredStore, TierSlot
+from kvstore.tiers.base import check_max_block
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.host import HostTier, remove_stale_arenas
 from kvstore.tiers.throttled import ThrottledDiskTier
@@ -58,7 +59,20 @@ class NodeConfig:
     host_capacity_bytes: int = setting(
         4 << 30, help="shared-memory arena size, e.g. 8GiB", flag=True
     )
-    page_size_bytes: int = setting(DEFAULT_PAGE_BYTES, help="one block's page", flag=True)
+    page_size_bytes: int = setting(
+        DEFAULT_PAGE_BYTES,
+        help="the arenas' allocation unit: a block takes the fewest whole pages that hold it "
+        "(header included), contiguous; with the default --max-block-bytes, one page is the "
+        "largest block",
+        flag=True,
+    )
+    max_block_bytes: int = setting(
+        0,
+        help="largest block, header included (0: one page); above a page, blocks of every "
+        "model and TP size share the arena, each wasting less than a page, e.g. 64MiB with "
+        "--page-size-bytes 256KiB",
+        flag=True,
+    )
     disk_dir: Path | None = setting(None, help="LMDB disk tier directory (none: off)", flag=True)
     disk_capacity_bytes: int = setting(64 << 30, help="disk tier size, e.g. 200GiB", flag=True)
     host_policy: str = setting("prefix-lru", help="eviction policy of the host tier", flag=True)
@@ -146,6 +160,7 @@ class NodeConfig:
             raise ConfigError("reservation_ttl_s must be > 0 and promotion_reserve_pages >= -1")
         if self.page_size_bytes <= HEADER_BYTES:
             raise ConfigError(f"page_size_bytes must exceed the {HEADER_BYTES}-byte header")
+        check_max_block(self.max_block_bytes, self.page_size_bytes, self.host_capacity_bytes)
         self._require_transfer_secret()
         if self.transfer == "none" and self.metadata_address:
             logger.warning("no transfer engine: blocks of other nodes cannot be fetched")
@@ -178,6 +193,11 @@ class NodeConfig:
             orphan_pin_ttl_s=self.orphan_pin_ttl_s,
             frame_timeout_s=self.control_frame_timeout_s,
         )
+
+    @property
+    def largest_block_bytes(self) -> int:
+        """The largest block, header included: max_block_bytes, or one page."""
+        return self.max_block_bytes or self.page_size_bytes
 
     def arena_limits(self) -> ArenaLimits:
         """How tenants share the arena (see ArenaLimits); -1 promotion pages: 1/64 of it when
@@ -264,7 +284,8 @@ class NodeAgent:
 
     def _slots(self) -> list[TierSlot]:
         config = self.config
-        host = HostTier(config.host_capacity_bytes, config.page_size_bytes)
+        largest = config.max_block_bytes
+        host = HostTier(config.host_capacity_bytes, config.page_size_bytes, max_block_bytes=largest)
         slots = [TierSlot(host, make_policy(config.host_policy))]
         if config.disk_dir is not None:
             sizes = (config.disk_dir, config.disk_capacity_bytes, config.page_size_bytes)
@@ -272,7 +293,10 @@ class NodeAgent:
                 "read_bytes_per_s": config.disk_read_bytes_per_s,
                 "write_bytes_per_s": config.disk_write_bytes_per_s,
             }
-            disk = ThrottledDiskTier(*sizes, **rates) if any(rates.values()) else DiskTier(*sizes)
+            if any(rates.values()):
+                disk = ThrottledDiskTier(*sizes, max_block_bytes=largest, **rates)
+            else:
+                disk = DiskTier(*sizes, max_block_bytes=largest)
             slots.append(TierSlot(disk, make_policy(config.disk_policy)))
         return slots
 
@@ -346,7 +370,7 @@ class NodeAgent:
             private = PrivateBuffer(
                 f"kvstore-worker-{identity.peer.pid}",
                 self.config.private_buffer_bytes,
-                self.config.page_size_bytes - HEADER_BYTES,
+                self.config.largest_block_bytes - HEADER_BYTES,
             )
         return WorkerSession(
             self.store,

@@ -38,7 +38,7 @@ class AgentCollector(Collector):
             "kvstore_agent_capacity_bytes", "Tier capacity", labels=["tier"]
         )
         for tier, usage in tiers.items():
-            blocks.add_metric([tier], usage["used_pages"])
+            blocks.add_metric([tier], usage["used_blocks"])
             used.add_metric([tier], usage["used_pages"] * usage["page_size_bytes"])
             capacity.add_metric([tier], usage["capacity_pages"] * usage["page_size_bytes"])
         yield from (blocks, used, capacity)

@@ -134,6 +134,7 @@ class WorkerSession:
             )
 
     def _payload_offset(self, page: int) -> int:
+        """Where the payload of the block whose run starts at `page` starts in the arena."""
         return page * self.arena.page_size_bytes + block.HEADER_BYTES
 
     # ---- reads -----------------------------------------------------------------------------
@@ -213,7 +214,7 @@ class WorkerSession:
             for index, (page, header, slot) in enumerate(
                 zip(pages, headers, load.slots, strict=False)  # slots may be fewer
             ):
-                payload = self.arena.pages[page, block.HEADER_BYTES : header.block_bytes]
+                payload = self.arena.view(page, block.HEADER_BYTES, header.block_bytes)
                 target = self.private.view(slot, header.payload_bytes)
                 if copy_and_checksum(target, payload) != header.checksum:
                     logger.warning("block %r changed while copied out; the load stops", header.key)
@@ -239,11 +240,11 @@ class WorkerSession:
         block is purged, and it and the rest are unpinned: a miss, never an error)."""
         headers = []
         for index, key in enumerate(pinned):
-            page = self.arena.pages[self.arena.page_index(key), : block.HEADER_BYTES]
+            page = self.arena.view(self.arena.page_index(key), 0, block.HEADER_BYTES)
             try:
                 header = block.unpack_header(page)
                 stored_as = owned_key(header.tenant, header.key)
-                if stored_as != key or header.block_bytes > self.arena.page_size_bytes:
+                if stored_as != key or header.block_bytes > self.arena.room_bytes(key):
                     raise ChecksumError(
                         f"the arena page of {key!r} holds {header.key!r} "
                         f"of {header.block_bytes} bytes"
@@ -354,7 +355,7 @@ class WorkerSession:
         """Private worker: its slot into the reserved page, checksummed as copied."""
         slot = reservation.slots.pop(key)
         start = block.HEADER_BYTES
-        target = self.arena.pages[page, start : start + reservation.payload_bytes]
+        target = self.arena.view(page, start, start + reservation.payload_bytes)
         checksum = copy_and_checksum(target, self.private.view(slot, reservation.payload_bytes))
         self.private.give_back([slot])
         return checksum

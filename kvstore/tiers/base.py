@@ -1,4 +1,5 @@
-"""The tier interface: fixed-size pages holding blocks, written in two phases.
+"""The tier interface: pages of one size holding blocks (a block takes the fewest whole pages
+that hold it, up to the tier's largest block), written in two phases.
 
 A tier is owned by one process (device: the worker; host and disk: the node agent) and is not
 thread-safe on its own: the store serialises calls. Views it hands out are 1-D uint8 tensors.
@@ -7,7 +8,7 @@ thread-safe on its own: the store serialises calls. Views it hands out are 1-D u
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Container, Iterator
+from collections.abc import Callable, Container, Iterator
 from contextlib import AbstractContextManager
 
 import numpy as np
@@ -38,29 +39,45 @@ def pages_for(capacity_bytes: int, page_size_bytes: int, kind: str) -> int:
     return capacity_bytes // page_size_bytes
 
 
-class Tier(ABC):
-    """Pages of `page_size_bytes`, each holding at most one block.
+def check_max_block(max_block_bytes: int, page_size_bytes: int, capacity_bytes: int) -> int:
+    """The largest block a tier takes (0: one page), refused unless it is at least a page and
+    at most the tier; raises ConfigError naming the setting to change."""
+    largest = max_block_bytes or page_size_bytes
+    if not page_size_bytes <= largest <= capacity_bytes:
+        raise ConfigError(
+            f"max_block_bytes={max_block_bytes} must be 0 (one page) or between page_size_bytes "
+            f"({page_size_bytes}) and the tier's capacity ({capacity_bytes} bytes)"
+        )
+    return largest
 
-    Writes are two-phase: `reserve` gives a writable page; it is never readable until `commit`;
-    `release` frees a reserved or committed page. `open` yields a committed page or None.
+
+class Tier(ABC):
+    """Pages of `page_size_bytes`; a block takes the fewest whole pages that hold it (one page,
+    unless `max_block_bytes` allows more), and no page holds two blocks.
+
+    Writes are two-phase: `reserve` gives writable pages; they are never readable until
+    `commit`; `release` frees reserved or committed pages. `open` yields a committed block or
+    None.
     """
 
     kind: str = ""
     verify_reads: bool = False  # whether the store must checksum every block read from here
 
-    def __init__(self, capacity_pages: int, page_size_bytes: int) -> None:
+    def __init__(self, capacity_pages: int, page_size_bytes: int, max_block_bytes: int = 0) -> None:
         self.capacity_pages = capacity_pages
         self.page_size_bytes = page_size_bytes
+        self.max_block_bytes = max_block_bytes or page_size_bytes
 
     @abstractmethod
-    def reserve(self, key: BlockKey) -> torch.Tensor:
-        """A writable page for `key`. Raises CapacityError when full, ConfigError if `key` is
-        already reserved or committed here."""
+    def reserve(self, key: BlockKey, size_bytes: int = 0) -> torch.Tensor:
+        """Writable pages for a block of `size_bytes` (0: one page) of `key`, as one flat view
+        of whole pages. Raises CapacityError when no room is free, ConfigError if `key` is
+        already reserved or committed here or the block is larger than `max_block_bytes`."""
 
     @abstractmethod
     def commit(self, key: BlockKey, used_bytes: int) -> None:
-        """Make the first `used_bytes` of `key`'s reserved page readable. NotFoundError if not
-        reserved."""
+        """Make the first `used_bytes` of `key`'s reservation readable; pages past them are
+        freed. NotFoundError if not reserved."""
 
     @abstractmethod
     def release(self, key: BlockKey) -> None:
@@ -90,13 +107,45 @@ class Tier(ABC):
         return self._committed
 
     @property
-    def used_pages(self) -> int:
-        """Pages reserved or committed."""
+    def used_blocks(self) -> int:
+        """Blocks reserved or committed."""
         return len(self._committed) + len(self._reserved)
+
+    @property
+    def used_pages(self) -> int:
+        """Pages reserved or committed (a block of one page each, unless overridden)."""
+        return self.used_blocks
+
+    def pages_needed(self, size_bytes: int) -> int:
+        """Pages a block of `size_bytes` takes (0: one page); ConfigError past the largest
+        block this tier takes."""
+        if not 0 <= size_bytes <= self.max_block_bytes:
+            raise ConfigError(
+                f"a block of {size_bytes} bytes does not fit this {self.kind} tier: its largest "
+                f"block is {self.max_block_bytes} bytes (raise max_block_bytes, at most the tier, "
+                "or store smaller chunks)"
+            )
+        return max(1, -(-size_bytes // self.page_size_bytes))
+
+    def has_room(self, size_bytes: int) -> bool:
+        """Whether a block of `size_bytes` can be reserved now, without evicting."""
+        return self.free_pages >= self.pages_needed(size_bytes)
+
+    def eviction_window(
+        self, victim: BlockKey, size_bytes: int, can_evict: Callable[[BlockKey], bool]
+    ) -> list[BlockKey]:
+        """What to evict, `victim` first, to make room for a block of `size_bytes`: tiers
+        whose blocks need contiguous pages add the victim's neighbours that open a run wide
+        enough with it (those `can_evict` allows), where there are such. Changes nothing."""
+        return [victim]
+
+    def stored_bytes(self, key: BlockKey) -> int:
+        """The committed size of `key` (0: not committed here)."""
+        return 0
 
     def write(self, key: BlockKey, block: torch.Tensor) -> None:
         """Store a whole block in one step (reserve, copy, commit)."""
-        page = self.reserve(key)
+        page = self.reserve(key, block.numel())
         try:
             copy_bytes(page[: block.numel()], block)
         except BaseException:

@@ -29,7 +29,7 @@ import torch
 
 from kvstore.errors import CapacityError, ConfigError, NotFoundError
 from kvstore.keys import BlockKey
-from kvstore.tiers.base import Tier, pages_for
+from kvstore.tiers.base import Tier, check_max_block, pages_for
 
 # LMDB's read buffers are read-only; torch warns once when wrapping one. The tier's contract
 # already says views are read-only.
@@ -56,15 +56,24 @@ _MAX_SPARE_PAGES = 4
 
 
 class DiskTier(Tier):
-    """Pages are LMDB values keyed by block key; `reserve` hands out a staging page in DRAM."""
+    """Blocks are LMDB values keyed by block key, counted in the pages they would take (a
+    block of up to `max_block_bytes` takes whole pages); `reserve` hands out a staging buffer
+    in DRAM."""
 
     kind = "disk"
     verify_reads = True
 
     def __init__(
-        self, path: str | Path, capacity_bytes: int, page_size_bytes: int, fsync: bool = False
+        self,
+        path: str | Path,
+        capacity_bytes: int,
+        page_size_bytes: int,
+        fsync: bool = False,
+        max_block_bytes: int = 0,
     ) -> None:
-        super().__init__(pages_for(capacity_bytes, page_size_bytes, self.kind), page_size_bytes)
+        pages = pages_for(capacity_bytes, page_size_bytes, self.kind)
+        check_max_block(max_block_bytes, page_size_bytes, pages * page_size_bytes)
+        super().__init__(pages, page_size_bytes, max_block_bytes)
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self._lock_fd = _lock_directory(self.path)
@@ -85,15 +94,16 @@ class DiskTier(Tier):
             raise
         self._reserved: dict[BlockKey, torch.Tensor] = {}
         self._spare_pages: list[torch.Tensor] = []  # reused staging pages: no page faults
+        self._used_pages = sum(map(self._pages_of, self._committed.values()))
 
-    def _open(self, options: dict) -> tuple[lmdb.Environment, set[BlockKey]]:
-        """The environment and its keys; one LMDB reads as corrupt is set aside first."""
+    def _open(self, options: dict) -> tuple[lmdb.Environment, dict[BlockKey, int]]:
+        """The environment and its keys' sizes; one LMDB reads as corrupt is set aside first."""
         for attempt in range(2):
             env = None
             try:
                 env = lmdb.open(str(self.path), **options)
-                with env.begin() as txn:
-                    keys = {bytes(k) for k in txn.cursor().iternext(values=False)}
+                with env.begin(buffers=True) as txn:
+                    keys = {bytes(k): len(v) for k, v in txn.cursor().iternext()}
                 return env, keys
             except _CORRUPT as exc:
                 if env is not None:
@@ -107,35 +117,41 @@ class DiskTier(Tier):
                 raise ConfigError(f"disk tier: cannot open LMDB at {self.path}: {exc}") from exc
         raise AssertionError("unreachable")
 
-    def reserve(self, key: BlockKey) -> torch.Tensor:
+    def reserve(self, key: BlockKey, size_bytes: int = 0) -> torch.Tensor:
+        self._check_room(key, size_bytes)
+        pages = self.pages_needed(size_bytes)
+        spare = next(
+            (p for p in self._spare_pages if p.numel() == pages * self.page_size_bytes), None
+        )
+        if spare is not None:
+            self._spare_pages.remove(spare)
+        page = (
+            spare
+            if spare is not None
+            else torch.empty(pages * self.page_size_bytes, dtype=torch.uint8)
+        )
+        self._reserved[key] = page
+        self._used_pages += pages
+        return page
+
+    def _check_room(self, key: BlockKey, size_bytes: int) -> None:
         if key in self._committed or key in self._reserved:
             raise ConfigError(f"disk tier already holds {key!r}")
-        if self.free_pages <= 0:
+        if self.free_pages < self.pages_needed(size_bytes):
             raise CapacityError(f"disk tier is full ({self.capacity_pages} pages)")
-        if self._spare_pages:
-            page = self._spare_pages.pop()
-        else:
-            page = torch.empty(self.page_size_bytes, dtype=torch.uint8)
-        self._reserved[key] = page
-        return page
 
     def commit(self, key: BlockKey, used_bytes: int) -> None:
         page = self._reserved.get(key)
         if page is None:
             raise NotFoundError(f"disk tier: {key!r} is not reserved")
-        if not 0 < used_bytes <= self.page_size_bytes:
-            raise ConfigError(f"used_bytes {used_bytes} outside (0, {self.page_size_bytes}]")
+        if not 0 < used_bytes <= page.numel():
+            raise ConfigError(f"used_bytes {used_bytes} outside (0, {page.numel()}]")
         self._put(key, page[:used_bytes])
-        self._recycle(self._reserved.pop(key))
+        self._recycle(self._unreserve(key))
 
     def write(self, key: BlockKey, block: torch.Tensor) -> None:
         """One copy: straight from `block` into LMDB, no staging page."""
-        if key in self._committed or key in self._reserved:
-            raise ConfigError(f"disk tier already holds {key!r}")
-        if self.free_pages <= 0:
-            raise CapacityError(f"disk tier is full ({self.capacity_pages} pages)")
-        if block.numel() > self.page_size_bytes:
-            raise ConfigError(f"block of {block.numel()} bytes exceeds the page size")
+        self._check_room(key, block.numel())
         self._put(key, block)
 
     def write_reserved(self, key: BlockKey, page: torch.Tensor, block: torch.Tensor) -> None:
@@ -143,9 +159,9 @@ class DiskTier(Tier):
         Safe beside the store's calls for other keys: LMDB serialises write transactions."""
         if key not in self._reserved:
             raise NotFoundError(f"disk tier: {key!r} is not reserved")
-        if block.numel() > self.page_size_bytes:
-            raise ConfigError(f"block of {block.numel()} bytes exceeds the page size")
-        staging = self._reserved.pop(key)  # before the put: never counted twice in used_pages
+        if block.numel() > self._reserved[key].numel():
+            raise ConfigError(f"block of {block.numel()} bytes exceeds its reservation")
+        staging = self._unreserve(key)  # before the put: never counted twice in used_pages
         try:
             self._put(key, block)
         finally:
@@ -159,21 +175,36 @@ class DiskTier(Tier):
             raise OSError(errno.ENOSPC, f"disk tier: LMDB map full at {self.path}") from exc
         except lmdb.Error as exc:  # e.g. the disk is full (ENOSPC), an I/O error
             raise OSError(f"disk tier: LMDB write failed at {self.path}: {exc}") from exc
-        self._committed.add(key)
+        self._committed[key] = block.numel()
+        self._used_pages += self._pages_of(block.numel())
+
+    def _unreserve(self, key: BlockKey) -> torch.Tensor:
+        staging = self._reserved.pop(key)
+        self._used_pages -= self._pages_of(staging.numel())
+        return staging
+
+    def _pages_of(self, size_bytes: int) -> int:
+        return max(1, -(-size_bytes // self.page_size_bytes))
+
+    @property
+    def used_pages(self) -> int:
+        return self._used_pages
+
+    def stored_bytes(self, key: BlockKey) -> int:
+        return self._committed.get(key, 0)
 
     def _recycle(self, page: torch.Tensor) -> None:
         if len(self._spare_pages) < _MAX_SPARE_PAGES:
             self._spare_pages.append(page)
 
     def release(self, key: BlockKey) -> None:
-        page = self._reserved.pop(key, None)
-        if page is not None:
-            self._recycle(page)
+        if key in self._reserved:
+            self._recycle(self._unreserve(key))
             return
         if key in self._committed:
             with self._env.begin(write=True) as txn:
                 txn.delete(key)
-            self._committed.discard(key)
+            self._used_pages -= self._pages_of(self._committed.pop(key))
 
     @contextmanager
     def open(self, key: BlockKey) -> Iterator[torch.Tensor | None]:

@@ -1,4 +1,5 @@
-"""Host tier: a shared-memory arena of fixed-size pages in a file under /dev/shm.
+"""Host tier: a shared-memory arena of pages in a file under /dev/shm (a block takes a run of
+them: kvstore/tiers/arena.py).
 
 The node agent creates and owns the arena (mode 0600: no other user can open it by name);
 workers on the same host get a file descriptor of it over the control socket (SCM_RIGHTS) when
@@ -23,7 +24,7 @@ import torch
 
 from kvstore.errors import ConfigError, NotFoundError, UnavailableError
 from kvstore.tiers.arena import ArenaTier
-from kvstore.tiers.base import pages_for
+from kvstore.tiers.base import check_max_block, pages_for
 
 logger = logging.getLogger(__name__)
 
@@ -167,18 +168,25 @@ class HostTier(ArenaTier):
 
     kind = "host"
 
-    def __init__(self, capacity_bytes: int, page_size_bytes: int, name: str | None = None) -> None:
+    def __init__(
+        self,
+        capacity_bytes: int,
+        page_size_bytes: int,
+        name: str | None = None,
+        max_block_bytes: int = 0,
+    ) -> None:
         num_pages = pages_for(capacity_bytes, page_size_bytes, self.kind)
+        check_max_block(max_block_bytes, page_size_bytes, num_pages * page_size_bytes)
         name = name or f"{ARENA_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self.arena = SharedArena(name, num_pages, page_size_bytes)
-        super().__init__(self.arena.pages)
+        super().__init__(self.arena.pages, max_block_bytes)
 
     @property
     def arena_name(self) -> str:
         return self.arena.name
 
     def close(self) -> None:
-        self.pages = None
+        self.pages = self.flat = None
         self.arena.close()
 
 

@@ -42,6 +42,13 @@ FIELDS = [
     "full_arena_copy_ms",
     "full_arena_save_ahead_vs_sync",
     "disk_write_ms_per_block_sync_run",
+    "arena_utilisation_shared",
+    "arena_utilisation_min_shared",
+    "arena_mix_save_GBps_shared",
+    "arena_utilisation_one_page_per_block",
+    "arena_utilisation_min_one_page_per_block",
+    "arena_mix_save_GBps_one_page_per_block",
+    "arena_utilisation_shared_vs_one_page",
     *TIER_FIELDS,
 ]
 
@@ -71,6 +78,12 @@ def test_the_report_names_the_machine_and_is_json(report):
 
 def test_the_disk_tier_leaves_nothing_behind(report, disk_dir):
     assert list(disk_dir.iterdir()) == []
+
+
+def test_blocks_of_five_sizes_fill_at_least_nine_tenths_of_a_shared_arena(report):
+    assert report["arena_mix_block_sizes"] == 5
+    assert report["arena_utilisation_shared"] >= 0.9
+    assert report["arena_utilisation_shared_vs_one_page"] > 1
 
 
 def test_zero_runs_is_a_config_error():
