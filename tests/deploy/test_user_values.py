@@ -180,3 +180,35 @@ def test_a_users_node_selector_is_the_one_the_agents_get():
     only_mine = ("--set", "node.gpuNodesOnly=false", "--set", "node.nodeSelector.pool=cpu")
     assert node_selectors(*only_mine) == [{"pool": "cpu"}] * 2
     assert node_selectors("--set", "node.gpuNodesOnly=false") == [None, None]
+
+
+def agent_args(rendered: list[dict]) -> list[str]:
+    [agents] = [o for o in rendered if o["kind"] == "DaemonSet"]
+    [container] = [c for c in pod_spec(agents)["containers"] if c["name"] == "kvstore-agent"]
+    return container["args"]
+
+
+def test_the_largest_block_reaches_the_agents_only_when_set():
+    """node.maxBlockBytes lets blocks of several sizes share the arena (issue 32 part 2); its
+    default 0 (one page) passes no flag, so the default render is unchanged."""
+    assert "--max-block-bytes" not in agent_args(render())
+    values = ("--set", "node.pageSizeBytes=262144", "--set", "node.maxBlockBytes=67108864")
+    args = agent_args(render(None, *values))
+    assert flag(args, "--max-block-bytes") == "67108864"
+    assert flag(args, "--page-size-bytes") == "262144"
+
+
+@pytest.mark.parametrize(
+    ("largest", "why"),
+    [
+        ("1024", "at least node.pageSizeBytes"),
+        ("300000000", "at most node.privateBufferBytes"),
+        ("-1", "minimum"),
+    ],
+)
+def test_a_largest_block_the_agent_would_refuse_is_refused(largest, why):
+    """Below a page, beyond a private worker's buffer (256Mi) or negative, the agent refuses
+    to start: the chart refuses to render, saying what to change."""
+    result = helm_template(None, "--set", f"node.maxBlockBytes={largest}", check=False)
+    assert result.returncode != 0
+    assert "maxBlockBytes" in result.stderr and why in result.stderr, result.stderr

@@ -94,6 +94,22 @@ memory cgroup as it fills. (dict "conf" node-or-sidecar "section" "node|sidecar"
 {{- end }}
 {{- end }}
 
+{{/*
+node.maxBlockBytes (0: one page) fits between a page and the arena, and in a private worker's
+buffer: the agent refuses any other at start. (dict "conf" node-or-sidecar "root" .)
+*/}}
+{{- define "kvstore.checkMaxBlock" -}}
+{{- $node := .root.Values.node }}
+{{- $largest := $node.maxBlockBytes | int64 }}
+{{- if $largest }}
+{{- $arena := include "kvstore.bytes" .conf.hostCapacity | int64 }}
+{{- $private := include "kvstore.bytes" $node.privateBufferBytes | int64 }}
+{{- if or (lt $largest ($node.pageSizeBytes | int64)) (gt $largest $arena) (gt $largest $private) }}
+{{- fail (printf "node.maxBlockBytes %d must be 0 (one page) or at least node.pageSizeBytes (%d), at most the arena (%s) and at most node.privateBufferBytes (%s), which a private worker's block passes through" $largest ($node.pageSizeBytes | int64) .conf.hostCapacity $node.privateBufferBytes) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{/* Where agents run: node.nodeSelector, plus the GPU operator's label with gpuNodesOnly. */}}
 {{- define "kvstore.nodeSelector" -}}
 {{- $selector := deepCopy (.Values.node.nodeSelector | default dict) }}
@@ -158,6 +174,7 @@ Secrets are mounted files; the node id and the advertised address come from the 
 {{- $rdma := and (not $sidecar) $v.node.rdma.enabled }}
 {{- $memory := add (include "kvstore.mebibytes" $conf.hostCapacity) (include "kvstore.mebibytes" $conf.memoryOverhead) }}
 {{- include "kvstore.checkAgentMemoryLimit" (dict "conf" $conf "section" .mode) }}
+{{- include "kvstore.checkMaxBlock" (dict "conf" $conf "root" $root) }}
 - name: kvstore-agent
   image: {{ include "kvstore.image" $root }}
   imagePullPolicy: {{ $v.image.pullPolicy }}
@@ -174,6 +191,10 @@ Secrets are mounted files; the node id and the advertised address come from the 
     - {{ $conf.hostCapacity | quote }}
     - --page-size-bytes
     - {{ $v.node.pageSizeBytes | int64 | quote }}
+    {{- if $v.node.maxBlockBytes }}
+    - --max-block-bytes
+    - {{ $v.node.maxBlockBytes | int64 | quote }}
+    {{- end }}
     - --host-policy
     - {{ $v.node.hostPolicy }}
     {{- if and (not $sidecar) $v.node.disk.enabled }}
