@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 from kvstore.errors import ConfigError
 from kvstore.plan import options as opts
+from kvstore.plan.progress import MODES, progress_bar
 
 DEFAULT_TIERS = "dram=0,128GiB,512GiB,2TiB;nvme=0,4TiB,16TiB;nodes=1"
 
@@ -64,6 +64,12 @@ def add_plan_flags(parser: argparse.ArgumentParser) -> None:
         "--validate", action="store_true", help="predicted vs measured on real vLLM engines + agent"
     )
     parser.add_argument("--requests", type=int, default=240, help="--validate: trace requests")
+    parser.add_argument(
+        "--progress",
+        choices=MODES,
+        default="auto",
+        help="progress bar on stderr: auto (when stderr is a terminal), always, never",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--json-out", type=Path, help="also write that JSON object to a file")
 
@@ -112,7 +118,8 @@ def run_plan_command(args: argparse.Namespace) -> dict | int:
     if args.validate:
         from kvstore.plan.validate import run_validate
 
-        return run_validate(requests=args.requests, trace=args.trace)
+        progress = progress_bar(args.progress, 0, "prompt")
+        return run_validate(requests=args.requests, trace=args.trace, progress=progress)
     if not args.trace:
         raise ConfigError("a TRACE path is required (or --validate)")
     from kvstore.plan.model import load_model
@@ -127,7 +134,8 @@ def run_plan_command(args: argparse.Namespace) -> dict | int:
     if args.limit is not None and args.limit < 1:
         raise ConfigError(f"--limit must be at least 1, got {args.limit}")
     trace = read_trace(args.trace, args.limit)
-    result = Planner(trace, model, options, progress=sys.stderr.isatty()).run()
+    progress = progress_bar(args.progress, 0, "req")
+    result = Planner(trace, model, options, progress).run()
     if args.plot:
         from kvstore.plan.plots import write_plots
 

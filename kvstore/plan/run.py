@@ -13,9 +13,10 @@ import numpy as np
 from kvstore.plan import cost
 from kvstore.plan.model import ModelSpec
 from kvstore.plan.options import PlanOptions
+from kvstore.plan.progress import Progress, silent
 from kvstore.plan.tiers import KeyedRequest, TierHits, keyed_trace, replay_tiers
 from kvstore.plan.traces import PlanTrace
-from kvstore.replay import TRACE_BLOCK_TOKENS, _progress
+from kvstore.replay import TRACE_BLOCK_TOKENS
 
 
 @dataclass(frozen=True)
@@ -32,18 +33,29 @@ def candidates(options: PlanOptions) -> list[Candidate]:
 
 
 class Planner:
-    """Replays each distinct (host blocks, disk blocks) once; costs every candidate."""
+    """Replays each distinct (host blocks, disk blocks) once; costs every candidate.
 
-    def __init__(self, trace: PlanTrace, model: ModelSpec, options: PlanOptions, progress: bool):
+    `progress` counts requests through every pass over the trace: keying it, one replay per
+    distinct store size, one costing per candidate; `run` closes it."""
+
+    def __init__(
+        self,
+        trace: PlanTrace,
+        model: ModelSpec,
+        options: PlanOptions,
+        progress: Progress | None = None,
+    ):
         self.trace = trace
         self.model = model
         self.options = options
-        self.progress = progress
+        self.progress = progress or silent()
+        self.candidates = candidates(options)
         self.tokens = np.array([r.input_tokens for r in trace.requests], dtype=np.int64)
         stamps = np.array([r.timestamp_ms for r in trace.requests]) / 1000.0
         self.arrivals_s = cost.spread_ties(stamps - stamps[0])
+        self.progress.start(len(self.tokens) * self.passes(), "keys")
         self.keyed = (
-            keyed_trace(trace.requests, progress)
+            keyed_trace(trace.requests, self.progress)
             if trace.has_prefix_info
             else [KeyedRequest((), (int(tokens),), 0) for tokens in self.tokens]
         )
@@ -51,10 +63,32 @@ class Planner:
 
     def run(self) -> dict:
         rows = []
-        for candidate in _progress(candidates(self.options), None, self.progress, "config"):
-            rows.append(self.evaluate(candidate))
+        try:
+            for number, candidate in enumerate(self.candidates, 1):
+                self.progress.describe(f"config {number}/{len(self.candidates)}")
+                rows.append(self.evaluate(candidate))
+                self.progress.advance(len(self.tokens))
+        finally:
+            self.progress.close()  # an error message then starts on a line of its own
         mark_cheapest(rows)
         return self.summary(rows)
+
+    def passes(self) -> int:
+        """Passes over the trace `run` makes: keys and replays (with prefix info), costings."""
+        if not self.trace.has_prefix_info:
+            return len(self.candidates)
+        sizes = {self.store_blocks(c) for c in self.candidates} - {(0, 0)}
+        return 1 + len(sizes) + len(self.candidates)
+
+    def store_blocks(self, candidate: Candidate) -> tuple[int, int]:
+        """(host blocks, disk blocks) of a candidate's store, over all its nodes."""
+        chunk_bytes = self.model.block_bytes(
+            candidate.codec, self.options.tp_size, TRACE_BLOCK_TOKENS
+        )
+        return (
+            candidate.nodes * candidate.dram_bytes // chunk_bytes,
+            candidate.nodes * candidate.nvme_bytes // chunk_bytes,
+        )
 
     def hits(self, host_blocks: int, disk_blocks: int) -> TierHits:
         """Tier hits of a store this size: replayed once per size (none without prefix info)."""
@@ -72,8 +106,7 @@ class Planner:
     def evaluate(self, candidate: Candidate) -> dict:
         options, tp = self.options, self.options.tp_size
         chunk_bytes = self.model.block_bytes(candidate.codec, tp, TRACE_BLOCK_TOKENS)
-        host_blocks = candidate.nodes * candidate.dram_bytes // chunk_bytes
-        disk_blocks = candidate.nodes * candidate.nvme_bytes // chunk_bytes
+        host_blocks, disk_blocks = self.store_blocks(candidate)
         hits = self.hits(host_blocks, disk_blocks)
         times = cost.service_times(
             self.tokens,

@@ -14,7 +14,8 @@ import torch
 from kvstore.events import EventFeed
 from kvstore.eviction import make_policy
 from kvstore.keys import BlockKey
-from kvstore.replay import PAGE_SIZE_BYTES, PLACEHOLDER, TraceKeyer, TraceRequest, _progress
+from kvstore.plan.progress import Progress, silent
+from kvstore.replay import PAGE_SIZE_BYTES, PLACEHOLDER, TraceKeyer, TraceRequest
 from kvstore.store import TieredStore, TierSlot
 from kvstore.tiers.arena import ArenaTier
 from kvstore.tiers.host import HostTier
@@ -68,11 +69,14 @@ class _DiskStandIn(ArenaTier):
         super().__init__(torch.empty((capacity_pages, PAGE_SIZE_BYTES), dtype=torch.uint8))
 
 
-def keyed_trace(requests: Sequence[TraceRequest], progress: bool) -> list[KeyedRequest]:
-    """The project's chained keys of every trace block (as `kvstore replay` computes them)."""
+def keyed_trace(
+    requests: Sequence[TraceRequest], progress: Progress | None = None
+) -> list[KeyedRequest]:
+    """The project's chained keys of every trace block (as `kvstore replay` computes them);
+    `progress` advances by one per request."""
     keyer = TraceKeyer()
     keyed = []
-    for request in _progress(requests, len(requests), progress, "req"):
+    for request in (progress or silent()).track(requests):
         keys = tuple(keyer.keys(request))
         keyed.append(KeyedRequest(keys, tuple(request.block_tokens()), len(keys)))
     return keyed
@@ -94,12 +98,13 @@ def replay_tiers(
     disk_blocks: int,
     host_policy: str = "lru",
     disk_policy: str = "lru",
-    progress: bool = False,
+    progress: Progress | None = None,
 ) -> TierHits:
     """Replay `keyed` through a store of `host_blocks` host pages over `disk_blocks` disk pages.
 
     Per request, as a connector does: look up the longest resident prefix (up to its lookup
-    limit), read it (pin = access, promotion), then store every chunk after it.
+    limit), read it (pin = access, promotion), then store every chunk after it. `progress`
+    advances by one per request replayed.
     """
     count = len(keyed)
     tokens = np.array([request.tokens for request in keyed], dtype=np.int64)
@@ -110,7 +115,7 @@ def replay_tiers(
         return TierHits(tokens, hit_tokens, hit_chunks, total_chunks)
     store = _store(host_blocks, disk_blocks, host_policy, disk_policy)
     try:
-        for number, request in _progress(enumerate(keyed), count, progress, "req"):
+        for number, request in (progress or silent()).track(enumerate(keyed)):
             _replay_one(store, request, number, hit_tokens, hit_chunks)
     finally:
         store.close()

@@ -9,7 +9,6 @@ Runs in the `kvstore plan` process (the engine in-process, as `kvstore bench vll
 from __future__ import annotations
 
 import logging
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -23,10 +22,10 @@ from kvstore.bench.vllm import cpu_engine
 from kvstore.costmodel import LOAD_MARGIN, TierLink, best_load_prefix
 from kvstore.plan import calibrate as cal
 from kvstore.plan import scaled
+from kvstore.plan.progress import Progress, silent
 from kvstore.plan.scaled import ScaledSlice, scaled_slice
 from kvstore.plan.tiers import KeyedRequest, replay_tiers
 from kvstore.plan.traces import read_trace
-from kvstore.replay import _progress
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +47,10 @@ def run_validate(
     arena_pages: int = 512,
     model: dict | None = None,
     conversation_stride: int = CONVERSATION_STRIDE,
+    progress: Progress | None = None,
 ) -> dict:
     """Predicted vs measured token hit ratio and TTFT p50/p90 on the first `requests` requests
-    of every `conversation_stride`-th conversation."""
+    of every `conversation_stride`-th conversation; `progress` counts the prompts run."""
     from kvstore.bench.tiny_llama import build_tiny_llama
     from kvstore.node.agent import NodeAgent, NodeConfig
 
@@ -78,7 +78,8 @@ def run_validate(
         )
         agent.start()
         try:
-            measured = _measure(_engine(model_dir, agent.config.socket_path), runs)
+            llm = _engine(model_dir, agent.config.socket_path)
+            measured = _measure(llm, runs, progress or silent())
         finally:
             agent.stop()
     calibration = _calibration(runs, measured, chunk_bytes)
@@ -158,16 +159,20 @@ def _engine(model_dir: Path, socket_path: Path):
     )
 
 
-def _measure(llm, runs: list[Run]) -> dict:
+def _measure(llm, runs: list[Run], progress: Progress) -> dict:
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=1)
     ttft, cached = [], []
-    for run in _progress(runs, len(runs), sys.stderr.isatty(), "req"):
-        begun = time.perf_counter()
-        output = llm.generate({"prompt_token_ids": run.prompt}, params, use_tqdm=False)[0]
-        ttft.append(time.perf_counter() - begun)
-        cached.append(output.num_cached_tokens or 0)
+    progress.start(len(runs), "validate")
+    try:
+        for run in progress.track(runs):
+            begun = time.perf_counter()
+            output = llm.generate({"prompt_token_ids": run.prompt}, params, use_tqdm=False)[0]
+            ttft.append(time.perf_counter() - begun)
+            cached.append(output.num_cached_tokens or 0)
+    finally:
+        progress.close()
     return {"ttft_s": np.array(ttft), "cached_tokens": np.array(cached)}
 
 

@@ -69,6 +69,8 @@ def test_the_table_marks_the_cheapest_config_meeting_the_sla(tmp_path, capsys):
 
 
 def test_plot_writes_three_pngs(tmp_path, capsys):
+    from PIL import Image  # matplotlib's own dependency: there whenever --plot works
+
     trace = write_mooncake(tmp_path / "trace.jsonl", requests=150)
     result = plan_json(
         capsys, trace, "--tiers", "dram=0,8GiB;nvme=0,32GiB", "--plot", str(tmp_path / "plots")
@@ -78,6 +80,8 @@ def test_plot_writes_three_pngs(tmp_path, capsys):
         with open(path, "rb") as png:
             header = png.read(8)
         assert header == b"\x89PNG\r\n\x1a\n"
+        with Image.open(path) as image:  # a palette keeps committed figures small
+            assert image.mode == "P" and image.width > 500
 
 
 def test_azure_trace_shares_nothing_and_says_so(tmp_path, capsys):
