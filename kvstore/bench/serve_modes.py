@@ -90,7 +90,8 @@ def _kvstore(root: Path, spec: StoreSpec) -> Backing:
 
 def _lmcache_mp(root: Path, spec: StoreSpec) -> Backing:
     """`lmcache server` (LMCache's multiprocess mode), engine-driven: the engine's workers copy
-    through shared memory with the server, which keeps the chunks in its L1 (DRAM)."""
+    through shared memory with the server (its L1, DRAM, allocated whole in a named segment:
+    without `--shm-name` LMCache 0.5.6 pickles every chunk through its message queue)."""
     port, http_port = free_port(), free_port()
     command = [
         sys.executable,
@@ -111,6 +112,9 @@ def _lmcache_mp(root: Path, spec: StoreSpec) -> Backing:
         "LRU",
         "--supported-transfer-mode",
         "engine_driven",
+        "--shm-name",
+        f"kvstore-bench-{port}",
+        "--no-l1-use-lazy",  # a named segment is allocated whole
         "--disable-observability",  # its Prometheus exporter is not installed (pyproject.toml)
     ]
     child = Child.spawn("lmcache server", command, root / "lmcache-server.log", {})
