@@ -25,6 +25,7 @@ import torch
 from kvstore.errors import ConfigError, NotFoundError, UnavailableError
 from kvstore.tiers.arena import ArenaTier
 from kvstore.tiers.base import check_max_block, pages_for
+from kvstore.tiers.prefault import Prefault
 
 logger = logging.getLogger(__name__)
 
@@ -33,20 +34,27 @@ ARENA_PREFIX = "kvstore-arena-"
 
 
 class MappedBuffer:
-    """A shared mapping of a file descriptor, viewed as a flat uint8 tensor; with `pin`, and
-    when CUDA is present, registered as pinned memory so device copies from and to it are DMA
-    (a worker does it once per process, for its mapping of the arena or its private buffer)."""
+    """A shared mapping of a file descriptor, viewed as a flat uint8 tensor. With `pin` (a
+    worker's mapping of the arena or its private buffer, which it copies payloads through):
+    when CUDA is present, registered as pinned memory so device copies from and to it are DMA;
+    else its pages the file holds are mapped in the background (prefault.py), so that a load
+    pays no page fault."""
 
     def __init__(self, fd: int, size_bytes: int, pin: bool = False) -> None:
         self.size_bytes = size_bytes
         self._mmap = mmap.mmap(fd, size_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self.flat = torch.frombuffer(self._mmap, dtype=torch.uint8)
         self._cuda_registered = pin and _register_with_cuda(self.flat)
+        self.prefault = None
+        if pin and not self._cuda_registered:
+            self.prefault = Prefault(self.flat.data_ptr(), size_bytes)
 
     def close(self) -> None:
         """Unmap. Idempotent; views must not be used afterwards."""
         if self._mmap is None:
             return
+        if self.prefault is not None:
+            self.prefault.stop()  # before the unmap: its calls name these addresses
         if self._cuda_registered:
             torch.cuda.cudart().cudaHostUnregister(self.flat.data_ptr())
         self.flat = None
