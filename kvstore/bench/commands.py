@@ -202,6 +202,7 @@ class Scale:
     agent_processes: int = _flag(3, "simulated agents' processes")
     max_rss_mib: int = _flag(6144, "stop preloading here")
     lease_ttl_ms: int = _flag(10_000, "of every node")
+    max_events: int = _flag(1_000_000, "the service's event ring (its default: 100,000)")
     trace: str = _flag("", "Mooncake JSONL (default: ../shared/traces)")
 
     def run(self) -> dict:
@@ -218,6 +219,7 @@ class Scale:
                 agent_processes=self.agent_processes,
                 max_rss_mib=self.max_rss_mib,
                 lease_ttl_ms=self.lease_ttl_ms,
+                max_events=self.max_events,
                 **options,
             )
         )

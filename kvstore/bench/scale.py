@@ -48,6 +48,7 @@ class ScaleSpec:
     watchers: int = 2  # WatchEvents streams, in the observer process (its CPU bounds them)
     probers: int = 2
     lease_ttl_ms: int = 10_000
+    max_events: int = 1_000_000  # the service's event ring: ~10 s of 1,000 nodes' events
     max_rss_mib: int = 6 * 1024  # preloading stops here (the machine is shared)
     max_preload_s: float = 900.0
     trace: Path = DEFAULT_TRACE
@@ -100,7 +101,12 @@ def start_service(spec: ScaleSpec, data_dir: Path) -> tuple[subprocess.Popen, st
         str(max(4 << 30, spec.keys * 1024)),
     ]
     process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=sys.stderr, text=True, preexec_fn=_die_with_parent
+        command,
+        stdout=subprocess.PIPE,
+        stderr=sys.stderr,
+        text=True,
+        preexec_fn=_die_with_parent,
+        env={**os.environ, "KVSTORE_METADATA_MAX_EVENTS": str(spec.max_events)},
     )
     line = process.stdout.readline()
     if "listening on" not in line:
@@ -259,7 +265,8 @@ def _summarize(spec, rates, preload, reports) -> dict:
     )
     counts = {name: sum(r[1][name] for r in agents) for name in agents[0][1]}
     seconds = max(r[1]["steady_s"] for r in agents)  # the agents' own trace-rate phase
-    request_us = [v for r in agents for v in r[2]]
+    request_us = [v for r in agents for v in r[2]["lookup_us"]]
+    outbox_wait_ms = [v for r in agents for v in r[2]["outbox_wait_ms"]]
     target_keys_s = rates["new_keys_per_s"] * spec.nodes
     misses = [r[3] for r in agents if r[3] is not None]
     return {
@@ -283,10 +290,14 @@ def _summarize(spec, rates, preload, reports) -> dict:
         "lookup_64_p50_us": round(_percentile(probe_us, 50)),
         "lookup_64_p99_us": round(_percentile(probe_us, 99)),
         "watchers": spec.watchers,
+        "event_ring": spec.max_events,
         "events_received": tally["events"],
         "event_gaps": tally["gaps"],
         "event_lag_p50_ms": round(_percentile(lags_ms, 50), 1),
         "event_lag_p99_ms": round(_percentile(lags_ms, 99), 1),
+        # of the lag above, how long the oldest block of a publish waited in its outbox
+        "outbox_wait_p50_ms": round(_percentile(outbox_wait_ms, 50), 1),
+        "outbox_wait_p99_ms": round(_percentile(outbox_wait_ms, 99), 1),
         "heartbeats": counts["heartbeats"],
         "heartbeat_misses": counts["heartbeat_misses"],
         "heartbeat_misses_preloading": preload["misses"],

@@ -1,9 +1,10 @@
 """The simulated side of `kvstore bench scale`: agent processes that each play many nodes
-(register, heartbeat, preload, then publish and evict at trace rates, with request lookups), and
+(register, heartbeat, preload, then store and evict at trace rates into each node's outbox,
+flushed as a node agent's link flushes it, with request lookups on threads of their own), and
 one observer process (closed-loop 64-key lookups, event watchers measuring fan-out lag).
 
 Runs in child processes (spawn) of the benchmark process; each reports one dict on a queue.
-A key is node index (4 bytes) | counter (8) | send time in ms mod 2**32 (4; 0 while preloading).
+A key is node index (4 bytes) | counter (8) | store time in ms mod 2**32 (4; 0 while preloading).
 """
 
 from __future__ import annotations
@@ -19,8 +20,11 @@ from dataclasses import dataclass, field
 
 from kvstore.bench.cluster import _die_with_parent
 from kvstore.errors import KVStoreError, LeaseError, NotFoundError
+from kvstore.events import BlockEvent, EventKind
 from kvstore.metadata.client import MetadataClient
 from kvstore.metadata.records import BlockEntry, NodeRecord
+from kvstore.node.flush_pacing import FlushPacing
+from kvstore.node.outbox import Batch, Outbox
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +35,8 @@ REQUEST_KEYS = 24  # the trace's mean blocks per request
 PROBE_KEYS = 64
 HEARTBEAT_THREADS = 16
 SAMPLES = 20_000  # latency samples kept per process (reservoir)
+OUTBOX_EVENTS = 1 << 16  # per simulated node (a node agent's default is 1 << 18)
+PACING = FlushPacing(interval_s=TICK_S)  # a node agent's link's, at the simulation's tick
 
 
 def make_key(node: int, counter: int, send_ms: int) -> bytes:
@@ -77,6 +83,8 @@ class SimNode:
     last_ok_s: float = 0.0
     publish_credit: float = 0.0
     request_credit: float = 0.0
+    outbox: Outbox = field(default_factory=lambda: Outbox(OUTBOX_EVENTS))
+    next_flush_s: float = 0.0
 
     @property
     def node_id(self) -> str:
@@ -113,6 +121,10 @@ def _entries(keys: list[bytes]) -> list[BlockEntry]:
     return [BlockEntry(key, "host", 1 << 20, 0) for key in keys]
 
 
+def _events(kind: EventKind, keys: list[bytes]) -> list[BlockEvent]:
+    return [BlockEvent(0, kind, key, "host", 1 << 20, TENANT) for key in keys]
+
+
 class Agent:
     """The nodes of one process. `halt` stops preloading, `steady` starts the trace-rate phase,
     `stop` ends it."""
@@ -125,6 +137,7 @@ class Agent:
         self.counts = {name: 0 for name in COUNTERS}
         self.errors: Counter[str] = Counter()  # by exception class
         self.lookup_us = Reservoir(seed=plan.nodes[0] if plan.nodes else 0)
+        self.outbox_wait_ms = Reservoir(seed=1 + (plan.nodes[0] if plan.nodes else 0))
         self.first_miss_s: float | None = None
         self._lock = threading.Lock()
 
@@ -191,27 +204,66 @@ class Agent:
 
     # ---- the trace-rate phase --------------------------------------------------------------
     def steady_loop(self, nodes: list[SimNode]) -> None:
-        rng, last = random.Random(nodes[0].index if nodes else 0), time.monotonic()
+        """Each node stores and evicts its trace rate into its outbox every tick, and flushes
+        the outbox when its pacing says (as a node agent's link does)."""
+        self._ticks(nodes, self._store_and_flush)
+
+    def lookup_loop(self, nodes: list[SimNode]) -> None:
+        """Each node's request lookups at its trace rate (workers ask apart from the link)."""
+        rng = random.Random(nodes[0].index if nodes else 0)
+        self._ticks(nodes, lambda node, elapsed_s: self._lookups(node, elapsed_s, rng))
+
+    def _ticks(self, nodes: list[SimNode], step) -> None:
+        last = time.monotonic()
         while not self.stop.is_set():
             started = time.monotonic()
             elapsed, last = started - last, started
             for node in nodes:
                 if self.stop.is_set():  # a tick may outlast the run when the service lags
                     break
-                self._step(node, elapsed, rng)
+                step(node, elapsed)
             self.stop.wait(max(0.0, TICK_S - (time.monotonic() - started)))
 
-    def _step(self, node: SimNode, elapsed_s: float, rng: random.Random) -> None:
-        node.request_credit += self.plan.requests_per_s * elapsed_s
+    def _store_and_flush(self, node: SimNode, elapsed_s: float) -> None:
         node.publish_credit += self.plan.new_keys_per_s * elapsed_s
+        count = int(node.publish_credit)
+        if count:
+            node.publish_credit -= count
+            node.outbox.add(_events(EventKind.STORED, node.take_new(count, now_ms())))
+            node.outbox.add(_events(EventKind.REMOVED, node.take_oldest(count)))
+        if time.monotonic() >= node.next_flush_s:
+            self._flush(node)
+
+    def _flush(self, node: SimNode) -> None:
+        started, failed = time.monotonic(), False
+        while (batch := node.outbox.take(MAX_BATCH)) is not None:
+            if not self._send(node, batch):
+                node.outbox.restore(batch)
+                failed = True
+                break
+        spent_s = time.monotonic() - started
+        node.next_flush_s = time.monotonic() + PACING.wait_s(spent_s, failed)
+
+    def _send(self, node: SimNode, batch: Batch) -> bool:
+        keys = [event.key for event in batch.events]
+        stored = batch.kind is EventKind.STORED
+        if stored:  # how long its oldest block waited in the outbox
+            stamp = struct.unpack(">I", keys[0][12:])[0]
+            self.outbox_wait_ms.add((now_ms() - stamp) & 0xFFFFFFFF)
+        call = self.client.publish if stored else self.client.unpublish
+        try:
+            call(node.node_id, node.lease, TENANT, _entries(keys))
+        except KVStoreError as exc:
+            self.failed(exc)
+            return False
+        self.count("published" if stored else "evicted", len(keys))
+        return True
+
+    def _lookups(self, node: SimNode, elapsed_s: float, rng: random.Random) -> None:
+        node.request_credit += self.plan.requests_per_s * elapsed_s
         while node.request_credit >= 1:
             node.request_credit -= 1
             self._request_lookup(rng.choice(self.nodes))
-        publish = min(int(node.publish_credit), MAX_BATCH)
-        if publish:
-            node.publish_credit -= publish
-            self._publish(node, node.take_new(publish, now_ms()), "published")
-            self._evict(node, node.take_oldest(publish))
 
     def _request_lookup(self, node: SimNode) -> None:
         keys = node.newest(REQUEST_KEYS)
@@ -225,13 +277,6 @@ class Agent:
             return
         self.lookup_us.add((time.perf_counter() - started) * 1e6)
         self.count("request_lookups")
-
-    def _evict(self, node: SimNode, keys: list[bytes]) -> None:
-        try:
-            self.client.unpublish(node.node_id, node.lease, TENANT, _entries(keys))
-            self.count("evicted", len(keys))
-        except KVStoreError as exc:
-            self.failed(exc)
 
 
 COUNTERS = (
@@ -267,11 +312,13 @@ def run_agent(plan: AgentPlan, halt, steady, stop, results) -> None:
     groups = [agent.nodes[i :: plan.threads] for i in range(plan.threads)]
     steady.wait()
     started = time.monotonic()
-    for thread in _threads(agent.steady_loop, groups):
+    threads = _threads(agent.steady_loop, groups) + _threads(agent.lookup_loop, groups)
+    for thread in threads:
         thread.join()
     agent.counts["steady_s"] = time.monotonic() - started
     agent.counts["errors_by_kind"] = dict(agent.errors)
-    results.put(("agent", dict(agent.counts), agent.lookup_us.values, agent.first_miss_s))
+    samples = {"lookup_us": agent.lookup_us.values, "outbox_wait_ms": agent.outbox_wait_ms.values}
+    results.put(("agent", dict(agent.counts), samples, agent.first_miss_s))
     heartbeats.join()  # its round ends, then the stop ends it: no call on a closed channel
     agent.client.close()
 
@@ -302,6 +349,9 @@ def run_observer(address: str, probers: int, watchers: int, stop, results) -> No
         thread.join()
     elapsed_s = time.monotonic() - started
     results.put(("observer", lookups_us.values, lookups_us.seen / elapsed_s, lags_ms.values, tally))
+    # a thread left waiting on `stop` when the process exits may hold its lock for good, and
+    # the benchmark's own stop.set() would then wait for ever
+    alive.join()
 
 
 def _keep_alive(client: MetadataClient, node_id: str, lease: int, stop) -> None:

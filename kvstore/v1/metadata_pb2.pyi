@@ -253,6 +253,12 @@ class Event(_message.Message):
     tenant: str
     def __init__(self, seq: _Optional[int] = ..., kind: _Optional[_Union[Event.Kind, str]] = ..., key: _Optional[bytes] = ..., tier: _Optional[_Union[Tier, str]] = ..., node_id: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
 
+class EventBatch(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[Event]
+    def __init__(self, events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ...) -> None: ...
+
 class SnapshotRequest(_message.Message):
     __slots__ = ("tenant", "max_keys", "page_keys")
     TENANT_FIELD_NUMBER: _ClassVar[int]

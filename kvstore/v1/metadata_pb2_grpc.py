@@ -84,6 +84,11 @@ class MetadataStub:
                 request_serializer=kvstore_dot_v1_dot_metadata__pb2.WatchEventsRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_metadata__pb2.Event.FromString,
                 _registered_method=True)
+        self.WatchEventBatches = channel.unary_stream(
+                '/kvstore.v1.Metadata/WatchEventBatches',
+                request_serializer=kvstore_dot_v1_dot_metadata__pb2.WatchEventsRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_metadata__pb2.EventBatch.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/kvstore.v1.Metadata/Stats',
                 request_serializer=kvstore_dot_v1_dot_metadata__pb2.StatsRequest.SerializeToString,
@@ -162,6 +167,14 @@ class MetadataServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchEventBatches(self, request, context):
+        """The same events as WatchEvents, many per message: a message costs the service and the
+        watcher far more than an event in it (what keeps a watcher up at 100,000 events/s).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Stats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -226,6 +239,11 @@ def add_MetadataServicer_to_server(servicer, server):
                     servicer.WatchEvents,
                     request_deserializer=kvstore_dot_v1_dot_metadata__pb2.WatchEventsRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_metadata__pb2.Event.SerializeToString,
+            ),
+            'WatchEventBatches': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchEventBatches,
+                    request_deserializer=kvstore_dot_v1_dot_metadata__pb2.WatchEventsRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_metadata__pb2.EventBatch.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -508,6 +526,33 @@ class Metadata:
             '/kvstore.v1.Metadata/WatchEvents',
             kvstore_dot_v1_dot_metadata__pb2.WatchEventsRequest.SerializeToString,
             kvstore_dot_v1_dot_metadata__pb2.Event.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchEventBatches(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvstore.v1.Metadata/WatchEventBatches',
+            kvstore_dot_v1_dot_metadata__pb2.WatchEventsRequest.SerializeToString,
+            kvstore_dot_v1_dot_metadata__pb2.EventBatch.FromString,
             options,
             channel_credentials,
             insecure,

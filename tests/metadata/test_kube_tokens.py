@@ -307,7 +307,7 @@ def test_the_agent_presents_its_token_as_the_kubelet_rotates_it(tmp_path):
 
 def test_an_agent_started_with_its_pods_token_registers_and_follows_as_its_node(tmp_path):
     """The whole agent: its link registers and heartbeats, its view opens Snapshot and
-    WatchEvents streams, all with the pod's token, reviewed once."""
+    WatchEventBatches streams, all with the pod's token, reviewed once."""
     with agent_service(tmp_path) as (apiserver, server):
         mounted = tmp_path / "agent-token"
         mounted.mkdir()
@@ -323,7 +323,7 @@ def test_an_agent_started_with_its_pods_token_registers_and_follows_as_its_node(
         ):
             with client_for(server, token=ADMIN) as admin:
                 assert wait_until(lambda: live_nodes(admin) == {"node-a"})
-                assert wait_until(lambda: calls(server, "WatchEvents") >= 1)
+                assert wait_until(lambda: calls(server, "WatchEventBatches") >= 1)
         assert len(apiserver.api.reviews()) == 1
 
 

@@ -46,17 +46,33 @@ class SnapshotPage:
 
 
 class EventStream:
-    """An open WatchEvents call: iterate its events; `cancel` (any thread) ends the iteration."""
+    """An open WatchEventBatches call: iterate its events; `cancel` (any thread) ends the
+    iteration. A service that predates that call is read through WatchEvents instead."""
 
-    def __init__(self, call) -> None:
-        self._call = call
+    def __init__(self, open_batches: Callable, open_events: Callable) -> None:
+        self._open_events = open_events
+        self._call = open_batches()
+        self._batched = True
 
     def __iter__(self) -> Iterator[pb.Event]:
         try:
-            yield from self._call
+            if self._batched:
+                yield from self._batch_events()
+            if not self._batched:
+                yield from self._call
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.CANCELLED:
                 raise error_from_rpc(exc) from None
+
+    def _batch_events(self) -> Iterator[pb.Event]:
+        try:
+            for batch in self._call:
+                yield from batch.events
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            self._batched = False
+            self._call = self._open_events()
 
     def cancel(self) -> None:
         self._call.cancel()
@@ -170,8 +186,9 @@ class MetadataClient:
         response = self._call("RegisterNode", request)
         return response.lease_id, response.lease_ttl_ms
 
-    def heartbeat(self, node_id: str, lease_id: int) -> int:
-        return self._call("Heartbeat", pb.HeartbeatRequest(node_id=node_id, lease_id=lease_id))
+    def heartbeat(self, node_id: str, lease_id: int, timeout_s: float | None = None) -> int:
+        request = pb.HeartbeatRequest(node_id=node_id, lease_id=lease_id)
+        return self._call("Heartbeat", request, timeout_s)
 
     def deregister_node(self, node_id: str, lease_id: int) -> int:
         request = pb.DeregisterNodeRequest(node_id=node_id, lease_id=lease_id)
@@ -239,7 +256,10 @@ class MetadataClient:
     def open_events(self, from_seq: int = 0, tenant: str = "") -> EventStream:
         """As watch_events, as an object another thread can `cancel`."""
         request = pb.WatchEventsRequest(from_seq=from_seq, tenant=tenant)
-        return EventStream(self._stub.WatchEvents(request, metadata=self._metadata()))
+        return EventStream(
+            lambda: self._stub.WatchEventBatches(request, metadata=self._metadata()),
+            lambda: self._stub.WatchEvents(request, metadata=self._metadata()),
+        )
 
     def snapshot(self, tenant: str = "", max_keys: int = 0) -> Iterator[SnapshotPage]:
         """The index's keys of `tenant` ("" every tenant) with their live holders, in pages;

@@ -61,6 +61,11 @@ class MetadataIndex(ABC):
     def live_nodes(self) -> dict[str, NodeRecord]:
         """Nodes whose lease has not expired."""
 
+    def live_addresses(self) -> dict[str, NodeRecord]:
+        """The live nodes, for their addresses (a lookup's answer names its holders'): an
+        index may answer from a cache whose records' `expires_at` lags their heartbeats."""
+        return self.live_nodes()
+
     @abstractmethod
     def expire_leases(self) -> list[str]:
         """Remove nodes whose lease expired, with their holdings and removed events."""

@@ -1,6 +1,7 @@
 """The embedded metadata index: dictionaries in memory, written through to LMDB when given a
 data directory. Runs inside the metadata service process (`kvstore serve` / `kvstore metadata`).
-One lock serialises writers; a condition wakes event watchers. Reads (lookup, live nodes) take
+One lock serialises writers; a condition wakes event watchers; without a journal, heartbeats
+take only a lease lock of their own (never behind a publish). Reads (lookup, live nodes) take
 no lock: they read dictionaries in single C-level steps (atomic under the GIL), so a writer
 committing to LMDB never delays a lookup. Every mutation is committed to the journal first and
 applied to memory only once that succeeded; stats are kept as counters.
@@ -55,9 +56,12 @@ class MemoryIndex(MetadataIndex):
         self._quota = key_quota_per_tenant
         self._clock = clock
         self._cond = threading.Condition(threading.RLock())
+        # guards lease changes of _nodes; taken after _cond where both are (never before)
+        self._lease_lock = threading.RLock()
         self._nodes: dict[str, NodeRecord] = {}
         self._holders: dict[str, Holders] = {}  # tenant -> key -> holders
-        self._alive: tuple[int, float, frozenset[str]] = (-1, 0.0, frozenset())
+        # (membership version, valid until, live ids, their records): see _alive_ids
+        self._alive: tuple[int, float, frozenset[str], dict] = (-1, 0.0, frozenset(), {})
         self._nodes_version = 0  # bumped by every change of membership (not by heartbeats)
         self._by_node: dict[str, set[Held]] = {}
         self._tenant_keys: Counter[str] = Counter()
@@ -109,12 +113,22 @@ class MemoryIndex(MetadataIndex):
                 txn.put_node(record)
 
             self._commit(write)
-            self._nodes[node.node_id] = record
+            with self._lease_lock:
+                self._nodes[node.node_id] = record
             self._nodes_version += 1
             self._by_node.setdefault(node.node_id, set())
             return record
 
     def heartbeat(self, node_id: str, lease_id: int) -> NodeRecord:
+        """Without a journal, under the lease lock only: a live lease is extended however long
+        a publish holds the writers' lock. Else, and for every refusal, under that lock."""
+        if self._journal is None:
+            with self._lease_lock:
+                node = self._nodes.get(node_id)
+                if node and node.lease_id == lease_id and node.expires_at > self._clock():
+                    record = replace(node, expires_at=self._clock() + node.lease_ttl_ms / 1000)
+                    self._nodes[node_id] = record
+                    return record
         with self._cond:
             node = self._live_node(node_id, lease_id)
             record = replace(node, expires_at=self._clock() + node.lease_ttl_ms / 1000)
@@ -148,7 +162,7 @@ class MemoryIndex(MetadataIndex):
         return {r.node_id: r for r in list(self._nodes.values()) if r.expires_at > now}
 
     def expire_leases(self) -> list[str]:
-        with self._cond:
+        with self._cond, self._lease_lock:  # no heartbeat extends a lease found expired here
             now = self._clock()
             expired = [n for n, r in self._nodes.items() if r.expires_at <= now]
             for node_id in expired:
@@ -156,6 +170,10 @@ class MemoryIndex(MetadataIndex):
             return expired
 
     def _drop_node(self, node_id: str) -> int:
+        with self._lease_lock:  # a heartbeat extends the lease before this, or finds none
+            return self._drop_node_locked(node_id)
+
+    def _drop_node_locked(self, node_id: str) -> int:
         held = list(self._by_node.get(node_id, ()))
 
         def write(txn: JournalWriter) -> None:
@@ -277,16 +295,23 @@ class MemoryIndex(MetadataIndex):
         """Ids of live nodes, recomputed only when membership changed or the earliest lease
         of the cached set ran out: O(1) per lookup, not O(nodes). Heartbeats only extend
         leases, so they cannot make the cached set wrong before its earliest expiry."""
-        version, valid_until, alive = self._alive
+        return self._live()[2]
+
+    def live_addresses(self) -> dict[str, NodeRecord]:
+        """The live nodes cached with `_alive_ids` (their expiry as of the cache's making):
+        a lookup's answer needs their addresses, which heartbeats leave as they are."""
+        return self._live()[3]
+
+    def _live(self) -> tuple[int, float, frozenset[str], dict[str, NodeRecord]]:
+        cached = self._alive
         now = self._clock()
-        if version == self._nodes_version and now < valid_until:
-            return alive
+        if cached[0] == self._nodes_version and now < cached[1]:
+            return cached
         version = self._nodes_version
-        records = [r for r in list(self._nodes.values()) if r.expires_at > now]
-        valid_until = min((r.expires_at for r in records), default=float("inf"))
-        alive = frozenset(r.node_id for r in records)
-        self._alive = (version, valid_until, alive)
-        return alive
+        records = {r.node_id: r for r in list(self._nodes.values()) if r.expires_at > now}
+        valid_until = min((r.expires_at for r in records.values()), default=float("inf"))
+        self._alive = (version, valid_until, frozenset(records), records)
+        return self._alive
 
     def snapshot(self, tenant: str) -> SnapshotCopy:
         """(last seq, live nodes, [(tenant, [(key, holders)])]) copied under the lock in

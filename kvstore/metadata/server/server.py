@@ -49,6 +49,7 @@ logger = logging.getLogger(__name__)
 
 BACKENDS = ("lmdb", "memory", "redis", "redis-cluster")
 START_TIMEOUT_S = 30.0
+LEASE_THREADS = 4  # heartbeats' own pool (service.py): 3,000/s at 10,000 nodes, each short
 MIN_MESSAGE_BYTES = 1 << 20  # a full Publish batch (4096 entries) is ~150 KiB
 
 
@@ -317,6 +318,7 @@ class MetadataServer:
             config.max_watch_streams_all_tenants,
         )
         self._pool = futures.ThreadPoolExecutor(config.max_workers, thread_name_prefix="rpc")
+        self._lease_pool = futures.ThreadPoolExecutor(LEASE_THREADS, thread_name_prefix="lease")
         lookup_slots = StreamSlots(
             "lookup", config.max_lookup_streams_per_tenant, config.max_lookup_streams_all_tenants
         )
@@ -328,6 +330,7 @@ class MetadataServer:
             self._pool,
             limits,
             lookup_slots,
+            self._lease_pool,
         )
         self.lookup_port = LookupPort(
             self.servicer.lookup_access,
@@ -469,6 +472,7 @@ class MetadataServer:
         self.streams.stop()
         self.servicer.stop()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._lease_pool.shutdown(wait=False, cancel_futures=True)
         self.servicer.auth.close()
         self._close_loop()
         if self._metrics_http is not None:

@@ -6,7 +6,8 @@ streams on the loop itself, in the collaborators the servicer holds (WatchEvents
 StreamRpcs, streams.py; LookupStream: LookupStreams, lookup_stream.py), so streams never take
 the threads heartbeats need. Every unary RPC is wrapped by `_unary`, which authenticates,
 times it, and maps kvstore errors to status codes through STATUS_FOR (status.py), the one
-table of that mapping.
+table of that mapping. Heartbeats run in a pool of their own (`lease_pool`): however many
+publishes queue for the unary pool, no lease waits behind them.
 """
 
 from __future__ import annotations
@@ -51,13 +52,16 @@ class ServiceLimits:
     lookup_stream_idle_s: float = 60.0  # a LookupStream with no request for this long is ended
 
 
-def _unary(request_cls: type[Message], read: bool = False) -> Callable[[Callable], Callable]:
+def _unary(
+    request_cls: type[Message], read: bool = False, lease: bool = False
+) -> Callable[[Callable], Callable]:
     """`read`: the method only reads the index; it runs inline on the loop when the index says
-    its reads never block (in memory: no I/O, a short lock), else in the unary pool."""
-    return functools.partial(_wrap_unary, request_cls, read)
+    its reads never block (in memory: no I/O, a short lock), else in the unary pool. `lease`:
+    it keeps a lease alive, in the lease pool."""
+    return functools.partial(_wrap_unary, request_cls, read, lease)
 
 
-def _wrap_unary(request_cls: type[Message], read: bool, method: Callable) -> Callable:
+def _wrap_unary(request_cls: type[Message], read: bool, lease: bool, method: Callable) -> Callable:
     name = method.__name__
 
     @functools.wraps(method)
@@ -70,7 +74,8 @@ def _wrap_unary(request_cls: type[Message], read: bool, method: Callable) -> Cal
             if read and self.index.nonblocking_reads:
                 return method(self, request, scope)
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self.pool, method, self, request, scope)
+            pool = self.lease_pool if lease else self.pool
+            return await loop.run_in_executor(pool, method, self, request, scope)
         except errors.KVStoreError as exc:
             code = status_for(exc)
             await context.abort(code, str(exc))
@@ -99,11 +104,13 @@ class MetadataServicer:
         pool: Executor,
         limits: ServiceLimits,
         lookup_slots: StreamSlots,
+        lease_pool: Executor,
     ) -> None:
         self.index = index
         self.auth = auth
         self.metrics = metrics
         self.pool = pool
+        self.lease_pool = lease_pool  # heartbeats only: never behind the writes in `pool`
         self.limits = limits
         self._metric_children: dict[tuple[str, grpc.StatusCode], tuple] = {}
         self.lookup_port = 0  # where the server's lookup port listens (lookup_port.py); 0: none
@@ -159,7 +166,7 @@ class MetadataServicer:
             raise errors.ConfigError(f"lease_ttl_ms {requested_ms} outside [{low}, {high}]")
         return requested_ms
 
-    @_unary(pb.HeartbeatRequest)
+    @_unary(pb.HeartbeatRequest, lease=True)
     def Heartbeat(self, request: pb.HeartbeatRequest, scope: TenantScope):
         scope.require_all_tenants("heartbeat")
         record = self.index.heartbeat(
@@ -246,7 +253,7 @@ class MetadataServicer:
             else None
         )
         found = self.index.lookup(tenant, keys, anchor)
-        nodes = self.index.live_nodes() if found else {}
+        nodes = self.index.live_addresses() if found else {}
         response = wire.lookup_response(found, nodes, request.caller_node_id)
         self.metrics.observe_lookup(len(keys), len(found), request.chunk_tokens)
         return response
@@ -337,6 +344,10 @@ def rpc_handlers(servicer: MetadataServicer) -> grpc.GenericRpcHandler:
         methods[name] = grpc.unary_stream_rpc_method_handler(
             getattr(servicer.stream_rpcs, name), response_serializer=serialize
         )
+    # already encoded (event_frames.py): gRPC sends the bytes as they are
+    methods["WatchEventBatches"] = grpc.unary_stream_rpc_method_handler(
+        servicer.stream_rpcs.WatchEventBatches
+    )
     methods["LookupStream"] = grpc.stream_stream_rpc_method_handler(
         servicer.lookup_streams.serve, response_serializer=serialize
     )

@@ -1,4 +1,4 @@
-"""The metadata service's server-streaming RPCs: WatchEvents and Snapshot.
+"""The metadata service's server-streaming RPCs: WatchEvents, WatchEventBatches and Snapshot.
 
 Runs in the metadata service process, on the gRPC asyncio loop (WatchEvents' pages are read in
 watch.py's readers, Snapshot's copies in a pool of its own). The servicer (service.py) holds
@@ -66,15 +66,27 @@ class StreamRpcs:
 
     async def WatchEvents(self, payload: bytes, context: grpc.aio.ServicerContext):
         """Runs on the loop: the slot check is cheap, authorisation never blocks it (an agent
-        token's review, where one is needed, is awaited)."""
-        count = self.metrics.count_calls("WatchEvents")
+        token's review, where one is needed, is awaited). One event a message."""
+        async for event in self._watch("WatchEvents", payload, context, self.events.stream):
+            yield event
+
+    async def WatchEventBatches(self, payload: bytes, context: grpc.aio.ServicerContext):
+        """As WatchEvents, many events a message, each encoded once for every stream: yields
+        encoded EventBatch messages (its handler has no serializer)."""
+        batches = self.events.stream_batches
+        async for batch in self._watch("WatchEventBatches", payload, context, batches):
+            yield batch
+
+    async def _watch(self, name: str, payload: bytes, context, stream):
+        """What `stream` (an EventStreams method) yields, once the call holds a watch slot."""
+        count = self.metrics.count_calls(name)
         scope, request = await self._admit(
             pb.WatchEventsRequest, payload, context, "watch every tenant's events", count
         )
         count(grpc.StatusCode.OK)
         try:
-            async for event in self.events.stream(request):
-                yield event
+            async for item in stream(request):
+                yield item
         finally:
             self.events.slots.release(scope.tenant)
 

@@ -1,4 +1,5 @@
-"""WatchEvents streams, served on the gRPC asyncio loop so that an open stream holds no thread.
+"""WatchEvents and WatchEventBatches streams, served on the gRPC asyncio loop so that an open
+stream holds no thread.
 
 Runs in the metadata service process. One notifier thread waits on the index for new events
 and wakes every stream through the loop; pages are read in a small executor of their own. So
@@ -15,15 +16,15 @@ import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
-from kvstore.metadata import wire
 from kvstore.metadata.index.base import MetadataIndex
-from kvstore.metadata.records import IndexEvent
+from kvstore.metadata.server.event_frames import EventFrames, event_to_proto, gap_event
 from kvstore.metadata.server.slots import StreamSlots
 from kvstore.v1 import metadata_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
 READ_THREADS = 4  # page reads are short (O(log n) in the ring, one round trip to Redis)
+FRAME_PAGES = 64  # encoded events kept for streams behind the newest: 64 pages
 
 
 class EventNotifier:
@@ -100,6 +101,7 @@ class EventStreams:
         self.batch = batch
         self.poll_s = poll_s
         self.notifier = EventNotifier(index, poll_s)
+        self.frames = EventFrames(FRAME_PAGES * batch)
         self._readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="watch-read")
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -111,6 +113,28 @@ class EventStreams:
 
     async def stream(self, request: pb.WatchEventsRequest) -> AsyncIterator[pb.Event]:
         """Events with seq >= from_seq (0: only new), a KIND_GAP first where some were dropped."""
+        async for _, gap_seq, events in self._pages(request):
+            if gap_seq is not None:
+                yield gap_event(gap_seq)
+            for event in events:
+                if not request.tenant or event.tenant == request.tenant:
+                    yield event_to_proto(event)
+
+    async def stream_batches(self, request: pb.WatchEventsRequest) -> AsyncIterator[bytes]:
+        """The same events as `stream`, as encoded EventBatch messages (one per page read,
+        none where a page held none of the tenant's), each event encoded once for every
+        stream (event_frames.py), in the readers' threads."""
+        loop = asyncio.get_running_loop()
+        async for incarnation, gap_seq, events in self._pages(request):
+            batch = await loop.run_in_executor(
+                self._readers, self.frames.batch, incarnation, events, request.tenant, gap_seq
+            )
+            if batch:
+                yield batch
+
+    async def _pages(self, request: pb.WatchEventsRequest):
+        """(incarnation, seq of a KIND_GAP to send first or None, the next events) from
+        from_seq on (0: only new), for ever: waits on the notifier at the head."""
         loop = asyncio.get_running_loop()
 
         def read(from_seq: int, count: int):
@@ -123,15 +147,14 @@ class EventStreams:
             now, page = await read(next_seq, self.batch)
             if now != incarnation:  # seqs from here on may name other events: resync
                 incarnation = now
-                yield pb.Event(seq=page.last_seq, kind=pb.Event.KIND_GAP)
+                yield now, page.last_seq, []
                 next_seq = page.last_seq + 1
                 continue
+            gap_seq = None
             if page.gap:
-                resume_at = page.events[0].seq if page.events else page.last_seq + 1
-                yield pb.Event(seq=resume_at - 1, kind=pb.Event.KIND_GAP)
-            for event in page.events:
-                if not request.tenant or event.tenant == request.tenant:
-                    yield event_to_proto(event)
+                gap_seq = (page.events[0].seq if page.events else page.last_seq + 1) - 1
+            if page.events or gap_seq is not None:
+                yield now, gap_seq, page.events
             if page.events:
                 next_seq = page.events[-1].seq + 1
             elif page.gap:
@@ -143,15 +166,3 @@ class EventStreams:
         """(the index's incarnation, a page of events): a Redis failover may issue seqs that
         a stream already passed for other events, which only the incarnation tells."""
         return self.index.incarnation, self.index.events_since(from_seq, count)
-
-
-def event_to_proto(event: IndexEvent) -> pb.Event:
-    kind = pb.Event.KIND_STORED if event.kind == "stored" else pb.Event.KIND_REMOVED
-    return pb.Event(
-        seq=event.seq,
-        kind=kind,
-        key=event.key,
-        tier=wire.TIER_TO_PROTO[event.tier],
-        node_id=event.node_id,
-        tenant=event.tenant,
-    )
