@@ -4,6 +4,7 @@ benchmark against each, one JSON object on stdout. Server B, a fresh process, lo
 every prompt token that server A stored, and computes at most one engine block of each."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -42,8 +43,9 @@ def bench_serve(*args: str) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_a_fresh_server_loads_what_another_stored(record_property):
-    result = bench_serve("--modes", "none,kvstore", "--concurrencies", "2", *SMALL)
+def test_a_fresh_server_loads_what_another_stored(record_property, tmp_path):
+    logs = ("--log-dir", str(tmp_path))
+    result = bench_serve("--modes", "none,kvstore", "--concurrencies", "2", *SMALL, *logs)
     modes = result["modes"]
     assert set(modes) == {"none", "kvstore"} and modes["kvstore"]["store_start_s"] > 0
     for mode in modes.values():
@@ -66,6 +68,17 @@ def test_a_fresh_server_loads_what_another_stored(record_property):
     assert result["goals"]["c2"]["b_computed_tokens_per_hit_met"]
     assert result["setup"]["client"] == "vllm.benchmarks.serve"
     record_property("kvstore_b_vs_none", result["ratios"]["kvstore"]["c2"]["b"])
+    assert len(worker_cores(tmp_path)) == 1, "every server's forward runs on the same cores"
+
+
+def worker_cores(log_dir: Path) -> set[str]:
+    """The cores each server's vLLM worker was bound to (its log: `core ids=[...]`): a
+    connector server that computed on more cores than the baseline would flatter it."""
+    cores = set()
+    for log in log_dir.rglob("*.log"):
+        cores.update(re.findall(r"core ids=(\[[0-9, ]*\])", log.read_text(errors="replace")))
+    assert cores, f"no worker binding logged under {log_dir}"
+    return cores
 
 
 def test_every_run_has_a_no_connector_baseline():
