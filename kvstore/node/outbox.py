@@ -3,9 +3,9 @@ takes them in batches.
 
 Runs in the node agent's process, in its metadata link's thread (kvstore/node/link.py; the
 `kvstore bench scale` agents hold one per simulated node); one thread owns an outbox, so it
-has no lock. Each (tenant, key, tier) keeps only its newest event: a block stored and evicted
-again before a flush costs nothing to send, and a flush that waited 1 s sends one batch, not
-four. Never wrong KV at the bound: see `add`.
+has no lock. A block's events go out in their order, a repeat replacing the last pending one;
+a flush that waited 1 s sends one batch per kind and tenant, not one per event. Never wrong
+KV at the bound: see `Outbox`.
 """
 
 from __future__ import annotations
@@ -28,14 +28,20 @@ class Batch:
 
 
 class Outbox:
-    """Pending events by (tenant, key, tier), newest first-come order kept per kind.
+    """Pending events by (tenant, key, tier), in the order each block's events happened.
 
-    At most `max_pending` events wait. At the bound, `add` keeps what a stale index would get
-    wrong and drops what it would only miss: a new store is dropped (the service never learns
-    the block: other nodes recompute it); a new eviction pushes out the oldest pending store
-    instead, and where only evictions wait, the outbox is `overflowed`: its owner must
+    A block's events are sent in their order (a block stored then evicted before a flush is
+    published, then unpublished: the service's event stream, and routers reading it, see
+    both); a repeat of a block's last pending event replaces it. Blocks are independent of
+    each other, so a batch takes the pending events of one kind and tenant that come first
+    for their blocks, whatever the order between blocks. At most `max_pending` events wait.
+    At the bound, `add` keeps what a stale index would get wrong and drops what it would only
+    miss: a block's event that undoes its last pending one cancels it (the service never hears
+    of either); a new store is dropped (the service never learns the block: other nodes
+    recompute it); a new eviction pushes out the oldest pending store of a block with nothing
+    else pending instead, and where there is none the outbox is `overflowed`: its owner must
     re-register, which drops every holding of the node on the service, and publish its whole
-    inventory. Both are counted in `dropped`."""
+    inventory. Dropped stores are counted in `dropped`."""
 
     def __init__(self, max_pending: int) -> None:
         if max_pending < 1:
@@ -43,72 +49,85 @@ class Outbox:
         self.max_pending = max_pending
         self.dropped = 0  # stores dropped at the bound (never sent)
         self.overflowed = False  # an eviction found no room: resync before sending again
-        self._pending: dict[EventKind, dict[Slot, BlockEvent]] = {
-            EventKind.REMOVED: {},
-            EventKind.STORED: {},
-        }
+        self._slots: dict[Slot, list[BlockEvent]] = {}  # a block's pending events, in order
+        self._count = 0
 
     def __len__(self) -> int:
-        return sum(map(len, self._pending.values()))
+        return self._count
 
     def add(self, events: Iterable[BlockEvent]) -> None:
-        """Queue `events` in order; a newer event of a slot replaces the older one."""
+        """Queue `events` in order."""
         for event in events:
             slot = (event.tenant, event.key, event.tier)
-            mine = self._pending[event.kind]
-            replaced = self._pending[_other(event.kind)].pop(slot, None) or mine.pop(slot, None)
-            if replaced is None and len(self) >= self.max_pending and not self._make_room(event):
-                continue
-            mine[slot] = event  # (re-)inserted last: the newest goes out last
+            pending = self._slots.get(slot)
+            if pending and pending[-1].kind is event.kind:
+                pending[-1] = event  # a repeat: the newest stands for both
+            elif self._count < self.max_pending:
+                self._append(slot, event)
+            elif pending:
+                self._pop_last(slot)  # it undoes the last pending one: neither is sent
+            elif self._make_room(event):
+                self._append(slot, event)
+
+    def _append(self, slot: Slot, event: BlockEvent) -> None:
+        self._slots.setdefault(slot, []).append(event)
+        self._count += 1
+
+    def _pop_last(self, slot: Slot) -> None:
+        pending = self._slots[slot]
+        pending.pop()
+        self._count -= 1
+        if not pending:
+            del self._slots[slot]
 
     def _make_room(self, event: BlockEvent) -> bool:
-        """Room for one more `event` at the bound; False where it is dropped."""
+        """Room for one more `event` (of a block with nothing pending) at the bound; False
+        where it is dropped."""
         if event.kind is EventKind.STORED:
             self.dropped += 1
             return False
-        stores = self._pending[EventKind.STORED]
-        if stores:
-            del stores[next(iter(stores))]
-            self.dropped += 1
-            return True
+        for slot, pending in self._slots.items():
+            if len(pending) == 1 and pending[0].kind is EventKind.STORED:
+                self._pop_last(slot)
+                self.dropped += 1
+                return True
         self.overflowed = True
         return False
 
     def take(self, max_entries: int) -> Batch | None:
-        """The oldest pending events of one kind and tenant (evictions first: a stale holder
-        costs a failed fetch, a missing one only a recompute), at most `max_entries`; None
-        when nothing waits. The caller sends it, then `restore`s it if that failed."""
-        for kind, pending in self._pending.items():
-            if not pending:
-                continue
-            tenant = next(iter(pending.values())).tenant
-            slots = []
-            for slot in pending:
-                if slot[0] == tenant:
-                    slots.append(slot)
-                    if len(slots) == max_entries:
-                        break
-            return Batch(kind, tenant, tuple(pending.pop(slot) for slot in slots))
-        return None
+        """At most `max_entries` events that come first for their blocks, of the kind and
+        tenant of the oldest pending one; None when nothing waits. The caller sends it, then
+        `restore`s it if that failed."""
+        if not self._slots:
+            return None
+        first = next(iter(self._slots.values()))[0]
+        taken = []
+        for slot, pending in list(self._slots.items()):
+            if len(taken) == max_entries:
+                break
+            if pending[0].kind is first.kind and pending[0].tenant == first.tenant:
+                taken.append(pending.pop(0))
+                self._count -= 1
+                if not pending:
+                    del self._slots[slot]
+        return Batch(first.kind, first.tenant, tuple(taken))
 
     def restore(self, batch: Batch) -> None:
-        """Put back a batch that was not sent, ahead of newer events; a slot that got a newer
-        event meanwhile keeps the newer one."""
-        pending = self._pending[batch.kind]
-        others = self._pending[_other(batch.kind)]
-        kept = {
-            (e.tenant, e.key, e.tier): e
-            for e in batch.events
-            if (e.tenant, e.key, e.tier) not in pending and (e.tenant, e.key, e.tier) not in others
-        }
-        self._pending[batch.kind] = {**kept, **pending}
+        """Put back a batch that was not sent, each event ahead of its block's newer ones (a
+        repeat of the same kind right after it is dropped: the newer one stands)."""
+        restored: dict[Slot, list[BlockEvent]] = {}
+        for event in batch.events:
+            slot = (event.tenant, event.key, event.tier)
+            pending = self._slots.pop(slot, [])
+            if pending and pending[0].kind is event.kind:
+                restored[slot] = pending
+            else:
+                restored[slot] = [event, *pending]
+                self._count += 1
+        self._slots = {**restored, **self._slots}
 
     def clear(self) -> None:
         """Forget every pending event (a resync publishes the inventory instead)."""
-        for pending in self._pending.values():
-            pending.clear()
+        self._slots.clear()
+        self._count = 0
         self.overflowed = False
-
-
-def _other(kind: EventKind) -> EventKind:
-    return EventKind.REMOVED if kind is EventKind.STORED else EventKind.STORED
