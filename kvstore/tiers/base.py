@@ -41,8 +41,11 @@ def pages_for(capacity_bytes: int, page_size_bytes: int, kind: str) -> int:
 
 def check_max_block(max_block_bytes: int, page_size_bytes: int, capacity_bytes: int) -> int:
     """The largest block a tier takes (0: one page), refused unless it is at least a page and
-    at most the tier; raises ConfigError naming the setting to change."""
-    largest = max_block_bytes or page_size_bytes
+    at most the tier; raises ConfigError naming the setting to change. With 0, a tier too
+    small for one page is pages_for's to refuse (it names the capacity)."""
+    if not max_block_bytes:
+        return page_size_bytes
+    largest = max_block_bytes
     if not page_size_bytes <= largest <= capacity_bytes:
         raise ConfigError(
             f"max_block_bytes={max_block_bytes} must be 0 (one page) or between page_size_bytes "
