@@ -101,15 +101,17 @@ class Outbox:
         if not self._slots:
             return None
         first = next(iter(self._slots.values()))[0]
-        taken = []
-        for slot, pending in list(self._slots.items()):
+        taken, emptied = [], []
+        for slot, pending in self._slots.items():
             if len(taken) == max_entries:
                 break
             if pending[0].kind is first.kind and pending[0].tenant == first.tenant:
                 taken.append(pending.pop(0))
-                self._count -= 1
                 if not pending:
-                    del self._slots[slot]
+                    emptied.append(slot)
+        for slot in emptied:
+            del self._slots[slot]
+        self._count -= len(taken)
         return Batch(first.kind, first.tenant, tuple(taken))
 
     def restore(self, batch: Batch) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.tiers.host import SHM_DIR, MappedBuffer
+from tests.metadata.servers import wait_until
 
 MIB = 1 << 20
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -52,15 +53,6 @@ def resident_pages(writer: mmap.mmap, start: int, length: int) -> int:
     return sum(byte & 1 for byte in vector)
 
 
-def wait_for(predicate, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
 def test_the_pages_the_arena_holds_are_mapped_and_its_holes_left_alone(sparse_file):
     fd, writer = sparse_file
     writer[0 : 8 * MIB] = b"a" * (8 * MIB)
@@ -68,11 +60,11 @@ def test_the_pages_the_arena_holds_are_mapped_and_its_holes_left_alone(sparse_fi
     mapping = MappedBuffer(fd, 64 * MIB, pin=True)  # a worker's: no CUDA here
     try:
         address = mapping.flat.data_ptr()
-        assert wait_for(lambda: mapping.prefault.mapped_pages == 12 * MIB // PAGE)
+        assert wait_until(lambda: mapping.prefault.mapped_pages == 12 * MIB // PAGE, 10)
         assert mapped_bytes(address) == 12 * MIB
         assert resident_pages(writer, 8 * MIB, 32 * MIB) == 0, "a hole was allocated"
         writer[20 * MIB : 21 * MIB] = b"c" * MIB  # a block written later
-        assert wait_for(lambda: mapped_bytes(address) == 13 * MIB, timeout_s=15)
+        assert wait_until(lambda: mapped_bytes(address) == 13 * MIB, 15)
     finally:
         mapping.close()
     assert not mapping.prefault._thread.is_alive()
