@@ -101,17 +101,15 @@ class Outbox:
         if not self._slots:
             return None
         first = next(iter(self._slots.values()))[0]
-        taken, emptied = [], []
-        for slot, pending in self._slots.items():
+        taken = []
+        for slot, pending in list(self._slots.items()):
             if len(taken) == max_entries:
                 break
             if pending[0].kind is first.kind and pending[0].tenant == first.tenant:
                 taken.append(pending.pop(0))
+                self._count -= 1
                 if not pending:
-                    emptied.append(slot)
-        for slot in emptied:
-            del self._slots[slot]
-        self._count -= len(taken)
+                    del self._slots[slot]
         return Batch(first.kind, first.tenant, tuple(taken))
 
     def restore(self, batch: Batch) -> None:
