@@ -6,7 +6,8 @@ worker's lookups through its node agent (another process, answering from its clu
 all-local, all-remote and all-absent prompts (with the client's default wait, polling for the
 answer before sleeping, and with a client that sleeps at once), each beside a raw unix-socket
 round trip between two processes waiting the same way (the floor under them); the view's
-bytes per key; publish batching.
+bytes per key; publish batching; the idle 64-key lookup on each backend (BACKENDS: services
+on a redis-server and on a 3-master Redis Cluster started here, one slot and sharded).
 
 Runs in the benchmark process; clients for the concurrent runs are separate processes so the
 service, not the client's GIL, is what is measured. They share the machine's cores with the
@@ -16,6 +17,7 @@ and the echo floor (kvstore/bench/grpc_floor.py) is measured under the same clie
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -36,6 +38,7 @@ from kvstore.bench.grpc_floor import (
     timed_calls,
     unix_socket_floor_p50_us,
 )
+from kvstore.bench.redis_cluster_procs import RedisClusterProcesses
 from kvstore.bench.timing import check_runs, machine_info
 from kvstore.errors import ConfigError
 from kvstore.framing import LENGTH_BYTES
@@ -60,32 +63,92 @@ def bench_keys(count: int = PREFIX_KEYS) -> list[bytes]:
     return [index.to_bytes(16, "little") for index in range(count)]
 
 
+# the idle 64-key lookup on each (BACKEND_ARGS: how its service is started)
+BACKENDS = ("memory", "lmdb", "redis", "redis-cluster", "redis-cluster-sharded")
+
+
 def _populate(address: str) -> None:
-    with MetadataClient(address) as client:
+    """PREFIX_KEYS keys of one chain, naming their anchor (a sharded index keeps them on one
+    shard, as agents that name anchors would)."""
+    keys = bench_keys()
+    with MetadataClient(address, timeout_s=60.0) as client:  # a loaded machine's slow start
         lease, _ = client.register_node(
             NodeRecord("bench-node", tcp_address="127.0.0.1:1"), 600_000
         )
-        entries = [BlockEntry(key, "host", 1 << 20, 1) for key in bench_keys()]
+        entries = [
+            BlockEntry(key, "host", 1 << 20, 1, b"" if i == 0 else keys[1])
+            for i, key in enumerate(keys)
+        ]
         client.publish("bench-node", lease, TENANT, entries)
 
 
 @contextmanager
-def _service() -> Iterator[tuple[str, int]]:
-    """A metadata service process (LMDB) on a free loopback port; yields (address, its pid)."""
+def _service(*args: str) -> Iterator[tuple[str, int]]:
+    """A metadata service process on a free loopback port (LMDB, or `args`); yields (address,
+    its pid)."""
     with (
         tempfile.TemporaryDirectory() as data_dir,
         peers.cli_process(
             "metadata",
-            "--backend",
-            "lmdb",
+            *(args or ("--backend", "lmdb", "--data-dir", data_dir)),
             "--listen",
             "127.0.0.1:0",
-            "--data-dir",
-            data_dir,
             ready="listening on",
         ) as (process, line),
     ):
         yield line.split("listening on ", 1)[1].split(",", 1)[0], process.pid
+
+
+@contextmanager
+def _backend_service(backend: str) -> Iterator[str]:
+    """A metadata service on `backend` (BACKENDS), its Redis started here; yields its address."""
+    with contextlib.ExitStack() as stack:
+        if backend in ("memory", "lmdb"):
+            args = ("--backend", backend, "--data-dir", stack.enter_context(_temporary_dir()))
+        elif backend == "redis":
+            port = stack.enter_context(peers.redis_server()).connection_pool.connection_kwargs
+            args = ("--backend", "redis", "--redis-url", f"redis://127.0.0.1:{port['port']}/0")
+        else:
+            cluster = RedisClusterProcesses(Path(stack.enter_context(_temporary_dir())))
+            stack.callback(cluster.stop)
+            cluster.start()
+            shards = "0" if backend.endswith("-sharded") else "1"
+            args = ("--backend", "redis-cluster", "--redis-url", cluster.url)
+            args += ("--redis-shards", shards)
+        address, _ = stack.enter_context(_service(*args))
+        yield address
+
+
+def _temporary_dir():
+    return tempfile.TemporaryDirectory(prefix="kvstore-bench-")
+
+
+def run_backend_lookups(runs: int, duration_s: float, backends=BACKENDS) -> dict:
+    """The idle 64-key lookup of one client on each backend, on the lookup port and as a
+    unary Lookup: medians over `runs` of each run's p50 and p99; the port's p50 and p99 on
+    each backend over the memory backend's."""
+    result: dict = {f"backend_lookup_64_{name}_us": {} for name in ("p50", "p99", "unary_p50")}
+    for backend in backends:
+        with _backend_service(backend) as address:
+            _populate(address)
+            port = [summary(_latencies_s(address, 64, duration_s), duration_s) for _ in range(runs)]
+            unary = [
+                summary(_latencies_s(address, 64, duration_s, way="unary"), duration_s)
+                for _ in range(runs)
+            ]
+        result["backend_lookup_64_p50_us"][backend] = statistics.median(s["p50_us"] for s in port)
+        result["backend_lookup_64_p99_us"][backend] = statistics.median(s["p99_us"] for s in port)
+        result["backend_lookup_64_unary_p50_us"][backend] = statistics.median(
+            s["p50_us"] for s in unary
+        )
+    if "memory" in backends:
+        for quantile in ("p50", "p99"):
+            by_backend = result[f"backend_lookup_64_{quantile}_us"]
+            result[f"backend_lookup_64_{quantile}_vs_memory"] = {
+                backend: latency / by_backend["memory"] for backend, latency in by_backend.items()
+            }
+    result["load_avg_1m"] = os.getloadavg()[0]
+    return result
 
 
 # how a client asks: on the lookup port (its way, where the service has one); on LookupStream
@@ -273,6 +336,7 @@ def run_lookup(runs: int = 5, duration_s: float = 2.0, concurrency=(1, 8, 32)) -
         for batch in (1, 64, 1024):
             result[f"publish_keys_per_s_batch_{batch}"] = _publish_keys_per_s(address, batch)
     result["view_bytes_per_key"] = view_bytes_per_key()
+    result.update(run_backend_lookups(runs, duration_s))
     clients = min(QPS_CLIENTS, max(concurrency))
     result.update(_floors(runs, duration_s, clients))
     for floor in ("tcp_echo", "grpc_echo", "grpc_stream_echo"):

@@ -300,19 +300,29 @@ def test_without_a_lookup_port_the_client_asks_on_lookup_stream_calls(tmp_path):
         assert calls(server, "LookupStream") == 1
 
 
-def test_an_index_whose_reads_block_gets_no_lookup_port(tmp_path):
+def test_an_index_whose_reads_block_is_answered_on_the_port_from_the_pool(tmp_path):
+    """Without lookups on the loop (LoopLookups), its reads run in the unary pool, never on
+    the loop (a version offered such an index no port: its clients paid LookupStream's gRPC)."""
+    threads = []
+
     class BlockingReads(MemoryIndex):
         nonblocking_reads = False
+
+        def lookup(self, tenant, keys, anchor=None):
+            threads.append(threading.current_thread().name)
+            return super().lookup(tenant, keys, anchor)
 
     config = MetadataConfig(listen="127.0.0.1:0", limits=FAST_LIMITS, backend="memory")
     server = MetadataServer(config, index=BlockingReads())
     server.start()
     try:
-        assert server.servicer.lookup_port == 0
+        assert server.servicer.lookup_port > 0
         with client_for(server) as client:
             publish(client)
             assert client.lookup("t", KEYS).prefix_length == 5
-        assert calls(server, "LookupStream") == 1
+        assert calls(server, "LookupPort") == 1
+        assert calls(server, "LookupStream") == 0
+        assert threads and all(name.startswith("rpc") for name in threads)
     finally:
         server.stop(grace_s=0.5)
 

@@ -2,17 +2,43 @@
 
 Implemented by the embedded in-memory/LMDB index and the Redis index; run inside the metadata
 service process, called from many threads at once and, where `nonblocking_reads`, from the
-gRPC loop for reads (implementations lock). Inputs arrive validated by the service; the index
-enforces leases and quotas.
+gRPC loop for reads (implementations lock). An index whose reads wait on I/O may offer
+`LoopLookups` instead: lookups awaited on the loop. Inputs arrive validated by the service; the
+index enforces leases and quotas.
 """
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 from kvstore.errors import ConfigError
 from kvstore.metadata.records import BlockEntry, EventPage, Holding, NodeRecord
+
+# a lookup's holdings (MetadataIndex.lookup) and the live records of their holders
+Found = tuple[list[Sequence[Holding]], dict[str, NodeRecord]]
+
+
+class LoopLookups(ABC):
+    """An index's lookups awaited on an event loop, never blocking it (its I/O is the loop's).
+    Built off the loop by `MetadataIndex.loop_lookups`; used on one loop only."""
+
+    @abstractmethod
+    async def lookup(
+        self, tenant: str, keys: Sequence[bytes], anchor: bytes | None = None
+    ) -> Found | None:
+        """What `MetadataIndex.lookup` answers, with `live_addresses` restricted to the holders
+        found. None: not answerable on the loop now (a server moved or failed: ask the index
+        itself, off the loop, then `refresh`). UnavailableError where a server is too slow."""
+
+    @abstractmethod
+    def refresh(self) -> None:
+        """Find the index's servers again (after a failover). Blocks: call it off the loop."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Close the connections; on the loop."""
 
 
 class MetadataIndex(ABC):
@@ -84,6 +110,11 @@ class MetadataIndex(ABC):
     def stats(self) -> dict:
         """{"blocks": n, "blocks_per_tier": {...}, "blocks_per_node": {id: {tier: n}},
         "last_event_seq": n, "keys_per_tenant": {...}}"""
+
+    def loop_lookups(self, loop: asyncio.AbstractEventLoop) -> LoopLookups | None:
+        """Lookups on `loop` for an index whose reads block; None: none (its reads never
+        block, or block and are run off the loop)."""
+        return None
 
     def snapshot(self, tenant: str) -> tuple[int, dict[str, NodeRecord], list]:
         """(last event seq, live nodes, [(tenant, [(key, {slot: Holding})])]) of `tenant`

@@ -199,22 +199,21 @@ class RedisIndex(MetadataIndex):
         purged, or registered after the first read), never show a dead one."""
         if not keys:
             return []
+        live_ids, blobs = self._round_trip(*self.lookup_commands(tenant, keys))
+        return holders_prefix(blobs, frozenset(live_ids))
+
+    def lookup_commands(self, tenant: str, keys: Sequence[bytes]) -> tuple[tuple, tuple]:
+        """A lookup's two commands: the ids of nodes live now, the holder records of `keys`."""
         stem = self._prefix + b":h:" + tenant.encode() + b"\0"
-        live_ids, blobs = self._round_trip(
+        return (
             (b"ZRANGEBYSCORE", self._prefix + b":exp", f"({self._clock()!r}", b"+inf"),
             (b"MGET", *(stem + key for key in keys)),
         )
-        live = set(live_ids)
-        found = []
-        for blob in blobs:
-            if not blob:
-                break
-            nodes, holdings, pairs = _parse_holders(blob)
-            holders = list(holdings) if nodes <= live else [h for n, h in pairs if n in live]
-            if not holders:
-                break
-            found.append(holders)
-        return found
+
+    def loop_lookups(self, loop):
+        from kvstore.metadata.index.redis_lookups import RedisLoopLookups
+
+        return RedisLoopLookups.of(self, loop)
 
     def snapshot(self, tenant: str) -> tuple[int, dict[str, NodeRecord], list]:
         """The seq first, then SCAN pages of holder records (each page one script: SCAN + MGET).
@@ -332,6 +331,20 @@ def _parse_holders(blob: bytes) -> tuple[frozenset[bytes], tuple[Holding, ...], 
         for i in range(0, len(parts) - 1, 4)
     )
     return frozenset(node for node, _ in pairs), tuple(h for _, h in pairs), pairs
+
+
+def holders_prefix(blobs: Sequence, live: frozenset[bytes]) -> list:
+    """Holdings on `live` nodes for the leading holder records, up to the first without any."""
+    found = []
+    for blob in blobs:
+        if not blob:
+            break
+        nodes, holdings, pairs = _parse_holders(blob)
+        holders = list(holdings) if nodes <= live else [h for n, h in pairs if n in live]
+        if not holders:
+            break
+        found.append(holders)
+    return found
 
 
 def _glob_escape(text: bytes) -> bytes:

@@ -36,6 +36,7 @@ from kvstore.metadata.index.redis_index import (
     _parse_holders,
     _round_trip_on,
     _run_and_wait,
+    holders_prefix,
 )
 from kvstore.metadata.index.redis_scripts import SCRIPTS
 from kvstore.metadata.index.redis_shard_scripts import SHARD_SCRIPTS, SHARD_WRITES
@@ -390,6 +391,18 @@ class ShardedRedisIndex(MetadataIndex):
         if not keys:
             return []
         live = self._alive(self._clock())
+        shard, names = self.lookup_names(tenant, keys, anchor)
+        link = self._links[shard]
+        (blobs,) = link.call(lambda c: _round_trip_on(c.connection_pool, ((b"MGET", *names),)))
+        found = holders_prefix(blobs, live)
+        if len(found) < len(keys) and self._unanchored:
+            found += self._lookup_unanchored(tenant, keys[len(found) :], live)
+        return found
+
+    def lookup_names(
+        self, tenant: str, keys: Sequence[bytes], anchor: bytes | None
+    ) -> tuple[int, list[bytes]]:
+        """The shard a lookup reads and the names of its keys' holder records there."""
         if anchor is None:
             shard, rooted = lookup_shard(keys, self.shards), True
         else:
@@ -397,36 +410,59 @@ class ShardedRedisIndex(MetadataIndex):
         stem = self._tags[shard] + b":h:" + tenant.encode() + b"\0"
         names = [self._holder_name(shard, tenant, keys[0], rooted)]
         names += [stem + key for key in keys[1:]]
-        link = self._links[shard]
-        (blobs,) = link.call(lambda c: _round_trip_on(c.connection_pool, ((b"MGET", *names),)))
-        found = _holders_prefix(blobs, live)
-        if len(found) < len(keys) and self._unanchored:
-            found += self._lookup_unanchored(tenant, keys[len(found) :], live)
-        return found
+        return shard, names
 
     def _holder_name(self, shard: int, tenant: str, key: bytes, first: bool) -> bytes:
         own = not first or shard_of(key, self.shards) == shard
         return self._tags[shard] + (b":h:" if own else b":r:") + tenant.encode() + b"\0" + key
 
     def _lookup_unanchored(self, tenant: str, keys: Sequence[bytes], live: frozenset) -> list:
-        by_shard: dict[int, list[int]] = {}
-        for i, key in enumerate(keys):
-            by_shard.setdefault(shard_of(key, self.shards), []).append(i)
         blobs: list = [None] * len(keys)
-        for shard, positions in by_shard.items():
-            names = [self._holder_name(shard, tenant, keys[i], False) for i in positions]
+        for shard, (positions, names) in self.unanchored_names(tenant, keys).items():
             got = self._links[shard].call(lambda client, n=names: client.mget(n))
             for i, blob in zip(positions, got, strict=True):
                 blobs[i] = blob
-        return _holders_prefix(blobs, live)
+        return holders_prefix(blobs, live)
+
+    @property
+    def unanchored(self) -> bool:
+        """Whether entries without an anchor were published (lookups then read them too)."""
+        return self._unanchored
+
+    def unanchored_names(
+        self, tenant: str, keys: Sequence[bytes]
+    ) -> dict[int, tuple[list[int], list[bytes]]]:
+        """Where `keys` published without an anchor are: per shard, (positions, names)."""
+        by_shard: dict[int, tuple[list[int], list[bytes]]] = {}
+        for i, key in enumerate(keys):
+            shard = shard_of(key, self.shards)
+            positions, names = by_shard.setdefault(shard, ([], []))
+            positions.append(i)
+            names.append(self._holder_name(shard, tenant, key, False))
+        return by_shard
+
+    def loop_lookups(self, loop):
+        from kvstore.metadata.index.redis_lookups import ShardedLoopLookups
+
+        return ShardedLoopLookups.of(self, loop)
+
+    def alive_cached(self, now: float) -> frozenset[bytes] | None:
+        """`_alive(now)` without I/O; None where the live set is due to be re-read."""
+        if time.monotonic() - self._live_read_at >= self._live_refresh_s:
+            return None
+        return self._alive_of_live_set(now)
 
     def _alive(self, now: float) -> frozenset[bytes]:
         """Ids of nodes live at `now`: from the live set (node id -> expires_at), which the
         relay thread keeps fresh and which is re-read here only when older than
         live_refresh_s (a node admitted or extended by another replica shows within that
-        time). Kept between lookups until the live set changes or its first lease ends."""
+        time)."""
         if time.monotonic() - self._live_read_at >= self._live_refresh_s:
             self._read_live_set()
+        return self._alive_of_live_set(now)
+
+    def _alive_of_live_set(self, now: float) -> frozenset[bytes]:
+        """Kept between lookups until the live set changes or its first lease ends."""
         version, until, alive = self._alive_cache
         if version == self._live_version and now < until:
             return alive
@@ -555,17 +591,3 @@ def _unlink_tag(client, tag: bytes) -> None:
 def _add(into: dict[str, int], counts: dict[str, int]) -> None:
     for name, count in counts.items():
         into[name] = into.get(name, 0) + count
-
-
-def _holders_prefix(blobs: Sequence, live: frozenset[bytes]) -> list:
-    """Holdings on live nodes for the leading blobs, up to the first without any."""
-    found = []
-    for blob in blobs:
-        if not blob:
-            break
-        nodes, holdings, pairs = _parse_holders(blob)
-        holders = list(holdings) if nodes <= live else [h for n, h in pairs if n in live]
-        if not holders:
-            break
-        found.append(holders)
-    return found

@@ -2,12 +2,13 @@
 lookup-port connections (lookup_port.py) are authorised by the same tokens, hold slots of one
 kind ("lookup") under one cap, get the same answers and end after the same idle time.
 
-Runs in the metadata service process; built once by the servicer (service.py).
+Runs in the metadata service process; built once by the servicer (service.py). Answers run on
+the loop (`answer`) where the index's reads never block, else are awaited (`answer_later`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from kvstore.metadata.server.auth import TenantScope, TokenAuth
@@ -16,6 +17,8 @@ from kvstore.v1 import metadata_pb2 as pb
 
 # answers one serialized LookupRequest for a scope, its failure inside the answer (never raises)
 Answer = Callable[[bytes, TenantScope], pb.LookupStreamResponse]
+# the same, awaited on the loop (the index's own lookups on it, or its reads in a pool)
+LaterAnswer = Callable[[bytes, TenantScope], Awaitable[pb.LookupStreamResponse]]
 
 
 @dataclass(frozen=True)
@@ -24,3 +27,4 @@ class LookupAccess:
     slots: StreamSlots  # taken by a call at its start, by a connection at its hello
     answer: Answer
     idle_s: float  # a call or connection with no request for this long is ended
+    answer_later: LaterAnswer | None = None  # where set, `answer` would block the loop

@@ -6,10 +6,11 @@ the service instance's id from Describe, bearer token), answered by a status; ea
 is a LookupRequest, answered by a LookupStreamResponse. A connection is counted from its accept,
 TLS handshake included, until its hello is accepted or it ends, and must say hello within
 HELLO_TIMEOUT_S. Its answers run on the loop, at most FRAMES_PER_TURN before the loop's other
-callbacks get their turn; reading stops while frames wait for their turn and while the client
-leaves answers unread (the transport's flow control), so what it can make the service hold is a
-read, a frame and a write buffer. A connection ended by the service gets CLOSE_GRACE_S to take
-its last frames, then is cut.
+callbacks get their turn, or, where the index's reads block (Redis), are awaited one at a time
+(`LookupAccess.answer_later`); reading stops while frames wait for their turn or an answer and
+while the client leaves answers unread (the transport's flow control), so what it can make the
+service hold is a read, a frame, an answer and a write buffer. A connection ended by the service
+gets CLOSE_GRACE_S to take its last frames, then is cut.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class LookupConnection(asyncio.Protocol):
         self._write_blocked = False
         self._scheduled = False
         self._lost = False
+        self._later: asyncio.Task | None = None  # an answer being awaited (answer_later)
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         if self.transport is not None:  # start_tls's SSL transport: the connection goes on
@@ -104,6 +106,9 @@ class LookupConnection(asyncio.Protocol):
         self.buffer += data
         if not self._scheduled and not self._handshaking:  # until then, self.transport is raw
             self._process()
+        # frames wait for their turn or an answer: hold no more than a frame's worth
+        elif not self._handshaking and len(self.buffer) > self.port.max_request_bytes:
+            self._read(False)
 
     def _process(self) -> None:
         """Answer the complete frames, FRAMES_PER_TURN at a time (the rest on the loop's
@@ -114,10 +119,14 @@ class LookupConnection(asyncio.Protocol):
             return  # resume_writing comes back here
         answers: list[bytes] = []
         while len(answers) < FRAMES_PER_TURN and (payload := self._next_payload(answers)):
-            if self.scope is not None:
-                answers.append(wire.frame(self.port.access.answer(payload[0], self.scope)))
-            elif not self._hello(payload[0], answers):
+            if self.scope is None:
+                if not self._hello(payload[0], answers):
+                    return
+            elif self.port.access.answer_later is not None:
+                self._answer_later(payload[0], answers)
                 return
+            else:
+                answers.append(wire.frame(self.port.access.answer(payload[0], self.scope)))
         if self.ended:
             return
         if self.scope is not None:
@@ -131,6 +140,34 @@ class LookupConnection(asyncio.Protocol):
         if not self._write_blocked:
             self._scheduled = True
             self.port.loop.call_soon(self._process)
+
+    def _answer_later(self, payload: bytes, answers: list[bytes]) -> None:
+        """Send the answers so far, await this one; nothing more is answered until it is
+        sent (`_answered_later` goes on from there), nor read past a frame's worth."""
+        self.last_request = self.port.loop.time()
+        if answers:
+            self.transport.write(b"".join(answers))
+        self._scheduled = True
+        if len(self.buffer) > self.port.max_request_bytes:
+            self._read(False)
+        self._later = self.port.loop.create_task(self._answered_later(payload))
+
+    async def _answered_later(self, payload: bytes) -> None:
+        try:
+            answer = await self.port.access.answer_later(payload, self.scope)
+        finally:
+            self._later = None
+            self._scheduled = False
+        if self.ended:  # the client left, or the service is stopping
+            return
+        self.last_request = self.port.loop.time()
+        self.transport.write(wire.frame(answer))
+        self._process()
+
+    @property
+    def answering(self) -> bool:
+        """Whether an answer is being awaited (the connection is not idle meanwhile)."""
+        return self._later is not None
 
     def _next_payload(self, answers: list[bytes]) -> tuple[bytes] | None:
         """The next complete frame's message, as a 1-tuple (an empty message is a frame
@@ -258,6 +295,8 @@ class LookupConnection(asyncio.Protocol):
             return
         self._lost = True
         self.ended = True
+        if self._later is not None:
+            self._later.cancel()
         self._stop_awaiting_hello()
         self.port.connections.discard(self)
         if self.scope is not None:

@@ -3,17 +3,20 @@
 Runs in the metadata service process, on the gRPC loop: a listener, and a LookupConnection
 (lookup_connection.py) per connection. A lookup on a LookupStream pays gRPC's machinery for each
 message in both processes (HTTP/2 frames, completion queues, a thread handoff each way); here it
-pays a read, the answer (`MetadataServicer.answer_lookup`, the same code and metrics as gRPC's)
-and a write: `kvstore bench lookup` prints both beside the machine's raw TCP round trip. The
+pays a read, the answer (`MetadataServicer.answer_lookup`, the same code and metrics as gRPC's;
+where the index's reads block, `answer_lookup_later`: Redis answers it on the loop) and a
+write: `kvstore bench lookup` prints both beside the machine's raw TCP round trip. The
 trust is the gRPC port's: TLS with the same certificates and client CA, the same bearer tokens
 (sent in the connection's first frame, a LookupHello), and the same slots as LookupStream calls.
 Clients learn the port and this process's instance id from Describe; a hello must carry the id,
 so a client cannot be sent to another service's port (a forwarded or reused port).
 
 Bounded: connections by their scope's slots, or, until their hello, by MAX_AWAITING_HELLO and
-HELLO_TIMEOUT_S; each by its frame limit and its buffers (lookup_connection.py); an idle one is
-closed after `idle_s`. Offered only where the index's reads never block (in memory and LMDB):
-the answers run on the loop.
+HELLO_TIMEOUT_S; each by its frame limit, its buffers and its one awaited answer
+(lookup_connection.py); an idle one is closed after `idle_s`. Offered on every backend: the
+answers run on the loop where the index's reads never block (in memory and LMDB), else are
+awaited there (the Redis indexes' pipelined lookups; an index without them: its reads in the
+unary pool).
 """
 
 from __future__ import annotations
@@ -107,6 +110,6 @@ class LookupPort:
         now, idle_s = self.loop.time(), self.access.idle_s
         for connection in list(self.connections):
             idle = connection.scope is not None and now - connection.last_request > idle_s
-            if idle and not connection.ended:
+            if idle and not connection.ended and not connection.answering:
                 connection.close_idle()
         self._sweep_handle = self.loop.call_later(idle_s / 4, self._sweep)

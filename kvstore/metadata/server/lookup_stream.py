@@ -17,7 +17,6 @@ import contextlib
 import functools
 import logging
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import Executor
 
 import grpc
 
@@ -31,16 +30,9 @@ ANSWERING = float("inf")  # the idle clock of a call whose request is being answ
 
 
 class LookupStreams:
-    def __init__(
-        self,
-        access: LookupAccess,
-        executor: Executor | None,
-        count_call: Callable[[grpc.StatusCode], None],
-    ) -> None:
-        """`executor`: where `access.answer` runs when index reads may block (None: on the
-        loop); `count_call`: counts a call's opening by its status."""
+    def __init__(self, access: LookupAccess, count_call: Callable[[grpc.StatusCode], None]) -> None:
+        """`count_call`: counts a call's opening by its status."""
         self.access = access
-        self.executor = executor
         self.count_call = count_call
         self._last_request: dict[asyncio.Task, tuple[float, grpc.aio.ServicerContext]] = {}
         self._sweep_handle: asyncio.TimerHandle | None = None
@@ -67,12 +59,10 @@ class LookupStreams:
         try:
             async for payload in requests:
                 self._last_request[task] = (ANSWERING, context)  # not idle, however long
-                if self.executor is None:
+                if self.access.answer_later is None:
                     answer = self.access.answer(payload, scope)
                 else:
-                    answer = await loop.run_in_executor(
-                        self.executor, self.access.answer, payload, scope
-                    )
+                    answer = await self.access.answer_later(payload, scope)
                 self._last_request[task] = (loop.time(), context)  # idle from here
                 yield answer
         finally:

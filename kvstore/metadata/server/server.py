@@ -2,7 +2,8 @@
 
 Runs in the `kvstore metadata` / `kvstore serve` process. The gRPC server is a grpc.aio server
 on a loop thread of its own: unary writes run in a pool of `max_workers` threads, in-memory
-reads and WatchEvents streams on the loop (a stream holds no thread). `start()` binds and
+reads, WatchEvents streams and the lookup port on the loop (a stream holds no thread; Redis
+lookups of the port and of LookupStream calls are awaited there). `start()` binds and
 returns; `stop()` shuts everything down (SIGTERM handling lives in the CLI).
 """
 
@@ -354,6 +355,7 @@ class MetadataServer:
         )
         self._loop_thread.start()
         try:
+            self.servicer.loop_lookups = self.index.loop_lookups(self._loop)
             self.port = self._on_loop(self._serve())
         except BaseException:
             self._close_loop()
@@ -403,19 +405,18 @@ class MetadataServer:
         return port
 
     async def _start_lookup_port(self) -> None:
-        """Listen on the lookup port where configured and the index's reads never block (its
-        answers run on the loop); the servicer's Describe tells clients where."""
+        """Listen on the lookup port where configured; the servicer's Describe tells clients
+        where. Its answers run on the loop, or are awaited there (lookup_port.py)."""
         config = self.config
         address = listen_address(config.lookup_listen, config.listen)
         if address is None:
             return
-        if not self.index.nonblocking_reads:
+        if not self.index.nonblocking_reads and self.servicer.loop_lookups is None:
             logger.info(
-                "no lookup port on the %s backend (its reads wait on I/O): clients "
-                "look up on LookupStream calls",
+                "the %s index has no lookups on the loop (a TLS Redis): the lookup port's "
+                "answers run in the unary pool",
                 self.index.backend,
             )
-            return
         tls = None
         if config.tls_cert:
             tls = server_ssl_context(config.tls_cert, config.tls_key, config.tls_client_ca)
@@ -484,6 +485,8 @@ class MetadataServer:
         await self.lookup_port.stop()
         await self._server.stop(grace_s)
         self._server = None
+        if self.servicer.loop_lookups is not None:
+            self.servicer.loop_lookups.close()
 
     def _close_loop(self) -> None:
         if self._loop is not None:

@@ -1,13 +1,15 @@
 """The gRPC servicer of the metadata service: checks, authorisation, metrics, error mapping.
 
-Runs in the metadata service process, on the gRPC asyncio loop: writes (and every call to an
-index whose reads block, Redis) run in the `pool` of unary threads, non-blocking reads inline,
+Runs in the metadata service process, on the gRPC asyncio loop: writes (and every unary call to
+an index whose reads block, Redis) run in the `pool` of unary threads, non-blocking reads inline,
 streams on the loop itself, in the collaborators the servicer holds (WatchEvents and Snapshot:
 StreamRpcs, streams.py; LookupStream: LookupStreams, lookup_stream.py), so streams never take
-the threads heartbeats need. Every unary RPC is wrapped by `_unary`, which authenticates,
-times it, and maps kvstore errors to status codes through STATUS_FOR (status.py), the one
-table of that mapping. Heartbeats run in a pool of their own (`lease_pool`): however many
-publishes queue for the unary pool, no lease waits behind them.
+the threads heartbeats need. The lookups of LookupStream calls and the lookup port are awaited
+on the loop from the index's LoopLookups where its reads block (Redis: redis_lookups.py). Every
+unary RPC is wrapped by `_unary`, which authenticates, times it, and maps kvstore errors to
+status codes through STATUS_FOR (status.py), the one table of that mapping. Heartbeats run in
+a pool of their own (`lease_pool`): however many publishes queue for the unary pool, no lease
+waits behind them.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from google.protobuf.message import Message
 
 from kvstore import errors
 from kvstore.metadata import wire
-from kvstore.metadata.index.base import MetadataIndex
+from kvstore.metadata.index.base import LoopLookups, MetadataIndex
 from kvstore.metadata.server.auth import TenantScope, TokenAuth
 from kvstore.metadata.server.lookup_access import LookupAccess
 from kvstore.metadata.server.lookup_stream import LookupStreams
@@ -115,16 +117,17 @@ class MetadataServicer:
         self._metric_children: dict[tuple[str, grpc.StatusCode], tuple] = {}
         self.lookup_port = 0  # where the server's lookup port listens (lookup_port.py); 0: none
         self.lookup_instance = b""  # the id its hellos must carry
+        self.loop_lookups: LoopLookups | None = None  # the index's, on the loop (server.py)
         self.stream_rpcs = StreamRpcs(auth, index, events, metrics, limits.max_batch)
         # LookupStream calls share it with the lookup port's connections (server.py)
         self.lookup_access = LookupAccess(
-            auth, lookup_slots, self.answer_lookup, limits.lookup_stream_idle_s
+            auth,
+            lookup_slots,
+            self.answer_lookup,
+            limits.lookup_stream_idle_s,
+            None if index.nonblocking_reads else self.answer_lookup_later,
         )
-        self.lookup_streams = LookupStreams(
-            self.lookup_access,
-            None if index.nonblocking_reads else pool,
-            metrics.count_calls("LookupStream"),
-        )
+        self.lookup_streams = LookupStreams(self.lookup_access, metrics.count_calls("LookupStream"))
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Starts the streams' housekeeping on the server's loop (LookupStream's idle sweep)."""
@@ -223,28 +226,72 @@ class MetadataServicer:
         return self._lookup(request, scope)
 
     def answer_lookup(self, payload: bytes, scope: TenantScope) -> pb.LookupStreamResponse:
-        """One request of a LookupStream (lookup_stream.py), a failure inside the answer;
-        timed and counted as a `Lookup` (the call itself counts as `LookupStream`), so the
-        lookup series cover both ways of asking."""
+        """One request of a LookupStream (lookup_stream.py) or the lookup port, a failure
+        inside the answer; timed and counted as a `Lookup` (the call itself counts as
+        `LookupStream`), so the lookup series cover both ways of asking."""
         started = time.perf_counter()
-        code = grpc.StatusCode.OK
         try:
             request = wire.parse(pb.LookupRequest, payload)
-            return pb.LookupStreamResponse(response=self._lookup(request, scope))
-        except errors.KVStoreError as exc:
-            code = status_for(exc)
-            return pb.LookupStreamResponse(status_code=code.value[0], status_message=str(exc))
-        except Exception:
+            return self._answered(self._lookup(request, scope), started)
+        except Exception as exc:
+            return self._refused(exc, started)
+
+    async def answer_lookup_later(
+        self, payload: bytes, scope: TenantScope
+    ) -> pb.LookupStreamResponse:
+        """`answer_lookup` where the index's reads block: on the loop from its LoopLookups,
+        the same checks and answer; off it, in the unary pool, where it has none or they
+        cannot answer now (a Redis failover: the index follows it, and they find it after)."""
+        started = time.perf_counter()
+        try:
+            request = wire.parse(pb.LookupRequest, payload)
+            tenant, keys, anchor = self._lookup_args(request, scope)
+            found = None
+            if self.loop_lookups is not None:
+                found = await self.loop_lookups.lookup(tenant, keys, anchor)
+            if found is not None:
+                return self._answered(self._lookup_response(request, keys, *found), started)
+        except Exception as exc:
+            return self._refused(exc, started)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.pool, self._answer_off_loop, payload, scope)
+
+    def _answer_off_loop(self, payload: bytes, scope: TenantScope) -> pb.LookupStreamResponse:
+        answer = self.answer_lookup(payload, scope)
+        if self.loop_lookups is not None:
+            self.loop_lookups.refresh()
+        return answer
+
+    def _answered(self, response: pb.LookupResponse, started: float) -> pb.LookupStreamResponse:
+        self._count("Lookup", grpc.StatusCode.OK, started)
+        return pb.LookupStreamResponse(response=response)
+
+    def _refused(self, exc: Exception, started: float) -> pb.LookupStreamResponse:
+        """A lookup's failure as its answer's status (INTERNAL, logged, where unexpected)."""
+        if isinstance(exc, errors.KVStoreError):
+            code, message = status_for(exc), str(exc)
+        else:
             code = grpc.StatusCode.INTERNAL
-            logger.exception("a LookupStream request failed")
+            logger.error("a LookupStream request failed", exc_info=exc)
             message = "internal error in LookupStream; see the service log"
-            return pb.LookupStreamResponse(status_code=code.value[0], status_message=message)
-        finally:
-            rpcs, latency = self._children("Lookup", code)
-            rpcs.inc()
-            latency.observe(time.perf_counter() - started)
+        self._count("Lookup", code, started)
+        return pb.LookupStreamResponse(status_code=code.value[0], status_message=message)
+
+    def _count(self, name: str, code: grpc.StatusCode, started: float) -> None:
+        rpcs, latency = self._children(name, code)
+        rpcs.inc()
+        latency.observe(time.perf_counter() - started)
 
     def _lookup(self, request: pb.LookupRequest, scope: TenantScope) -> pb.LookupResponse:
+        tenant, keys, anchor = self._lookup_args(request, scope)
+        found = self.index.lookup(tenant, keys, anchor)
+        nodes = self.index.live_addresses() if found else {}
+        return self._lookup_response(request, keys, found, nodes)
+
+    def _lookup_args(
+        self, request: pb.LookupRequest, scope: TenantScope
+    ) -> tuple[str, list[bytes], bytes | None]:
+        """The request's tenant (the scope's to ask for), keys and anchor, checked."""
         tenant = scope.check_tenant(request.tenant)
         keys = wire.check_keys(request.keys, self.limits.max_batch)
         anchor = (
@@ -252,8 +299,11 @@ class MetadataServicer:
             if request.HasField("anchor")
             else None
         )
-        found = self.index.lookup(tenant, keys, anchor)
-        nodes = self.index.live_addresses() if found else {}
+        return tenant, keys, anchor
+
+    def _lookup_response(
+        self, request: pb.LookupRequest, keys: list[bytes], found: list, nodes: dict
+    ) -> pb.LookupResponse:
         response = wire.lookup_response(found, nodes, request.caller_node_id)
         self.metrics.observe_lookup(len(keys), len(found), request.chunk_tokens)
         return response

@@ -1,0 +1,246 @@
+"""The Redis indexes' lookups on the service's event loop (LoopLookups): the index's own
+commands, sent on pipes (redis_pipe.py) to the master that holds the keys, then one more round
+trip for the records of the holders found (what `live_addresses` would give of them).
+
+Runs in the metadata service process: built off the loop (the servers its links lead to), used
+on the gRPC loop by lookup-port connections and LookupStream calls. What the index would answer
+it answers, from the same commands: `RedisIndex.lookup_commands`, `ShardedRedisIndex`'s names
+and cached live set, `holders_prefix`. A server gone or moved (a refused or lost connection,
+MOVED, CLUSTERDOWN, ...) answers None: the service asks the index itself off the loop, which
+follows failovers, then `refresh` finds the servers again. A late reply is UnavailableError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Sequence
+
+from kvstore.metadata.index.base import Found, LoopLookups
+from kvstore.metadata.index.redis_index import RedisIndex, holders_prefix
+from kvstore.metadata.index.redis_pipe import (
+    PipeAddress,
+    PipeError,
+    RedisPipe,
+    ReplyError,
+    ReplyLate,
+)
+from kvstore.metadata.records import Holding, NodeRecord
+
+# error replies of a server that no longer serves the slot, or not yet: ask the index itself
+FAILOVER_REPLIES = frozenset(
+    {"MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN", "LOADING", "READONLY", "MASTERDOWN"}
+)
+
+
+class _Pipes:
+    """A pipe to the server each of the index's links leads to now (`by_link`, in the links'
+    order; one pipe per server)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, links: Sequence) -> None:
+        self.loop = loop
+        self.links = links
+        self.by_link: list[RedisPipe] = []
+        self._pipes: dict[PipeAddress, RedisPipe] = {}
+        self._lock = threading.Lock()  # refreshes from several threads at once
+
+    def refresh(self) -> bool:
+        """Find each link's server (its slot map as last read; no I/O); False where one
+        cannot be piped (TLS). Pipes no longer used are closed."""
+        addresses = [PipeAddress.of(link.client()) for link in self.links]
+        if None in addresses:
+            return False
+        with self._lock:
+            for address in addresses:
+                if address not in self._pipes:
+                    self._pipes[address] = RedisPipe(self.loop, address)
+            unused = [self._pipes.pop(a) for a in set(self._pipes) - set(addresses)]
+            self.by_link = [self._pipes[address] for address in addresses]
+        for pipe in unused:
+            self.loop.call_soon_threadsafe(pipe.close)
+        return True
+
+    def close(self) -> None:
+        for pipe in self._pipes.values():
+            pipe.close()
+
+
+async def _ask(pipe: RedisPipe, commands: Sequence[tuple]) -> list | None:
+    """The replies; None where the server is gone or no longer serves the keys."""
+    try:
+        return await pipe.call(commands)
+    except ReplyLate:
+        raise
+    except PipeError:
+        return None
+    except ReplyError as exc:
+        if exc.reply.split(" ", 1)[0] in FAILOVER_REPLIES:
+            return None
+        raise
+
+
+_FIELDS = (b"lease", b"ttl", b"info")  # of a node's hash, as `live_nodes` reads them
+RECENT_HOLDERS = 8  # nodes whose records each lookup asks for beside its keys
+
+
+class _Addresses:
+    """The records of a lookup's holders, from the node hashes and expiry set under `prefix`:
+    those live now, as `live_nodes` reads them. Those of the RECENT_HOLDERS nodes that held
+    the last prompts are asked for with the keys (`guess`), so a lookup whose holders are
+    among them takes one round trip; others' after the keys' replies."""
+
+    def __init__(self, prefix: bytes, clock: Callable[[], float]) -> None:
+        self.prefix = prefix
+        self.clock = clock
+        self.recent: dict[str, None] = {}  # node ids, the last holder last
+
+    def guess(self) -> tuple[list[str], list[tuple]]:
+        """The recent holders and the commands that read their records."""
+        node_ids = list(self.recent)
+        return node_ids, self._commands(node_ids)
+
+    def _commands(self, node_ids: list[str]) -> list[tuple]:
+        commands = []
+        for node_id in node_ids:
+            commands.append((b"HMGET", self.prefix + b":node:" + node_id.encode(), *_FIELDS))
+            commands.append((b"ZSCORE", self.prefix + b":exp", node_id))
+        return commands
+
+    def _records(self, node_ids: list[str], replies: list) -> dict[str, NodeRecord]:
+        now, nodes = self.clock(), {}
+        for i, node_id in enumerate(node_ids):
+            (lease, ttl, info), expires_at = replies[2 * i], replies[2 * i + 1]
+            if lease is not None and expires_at is not None and float(expires_at) > now:
+                nodes[node_id] = RedisIndex._record(node_id, expires_at, lease, ttl, info)
+        return nodes
+
+    async def of(
+        self, pipe: RedisPipe, found: list, guessed: list[str], replies: list
+    ) -> Found | None:
+        """`found` with its holders' records: `replies` to the `guess` of `guessed`, the
+        others asked of `pipe` now."""
+        holders = list(dict.fromkeys(h.node_id for holders in found for h in holders))
+        records = self._records(guessed, replies)
+        missing = [node_id for node_id in holders if node_id not in self.recent]
+        if missing:
+            more = await _ask(pipe, self._commands(missing))
+            if more is None:
+                return None
+            records |= self._records(missing, more)
+        for node_id in holders:
+            self.recent.pop(node_id, None)
+            self.recent[node_id] = None
+        while len(self.recent) > RECENT_HOLDERS:
+            del self.recent[next(iter(self.recent))]
+        return found, {node_id: records[node_id] for node_id in holders if node_id in records}
+
+
+class RedisLoopLookups(LoopLookups):
+    """RedisIndex's: its one round trip (the live ids, the holder records), then the holders'."""
+
+    def __init__(self, index, pipes: _Pipes, addresses: _Addresses) -> None:
+        self.index = index
+        self.pipes = pipes
+        self.addresses = addresses
+
+    @classmethod
+    def of(cls, index, loop: asyncio.AbstractEventLoop) -> RedisLoopLookups | None:
+        pipes = _Pipes(loop, [index._link])
+        if not pipes.refresh():
+            return None
+        return cls(index, pipes, _Addresses(index._prefix, index._clock))
+
+    async def lookup(
+        self, tenant: str, keys: Sequence[bytes], anchor: bytes | None = None
+    ) -> Found | None:
+        if not keys:
+            return [], {}
+        pipe = self.pipes.by_link[0]
+        guessed, guesses = self.addresses.guess()
+        replies = await _ask(pipe, [*self.index.lookup_commands(tenant, keys), *guesses])
+        if replies is None:
+            return None
+        live_ids, blobs, *records = replies
+        found = holders_prefix(blobs, frozenset(live_ids))
+        return await self.addresses.of(pipe, found, guessed, records)
+
+    def refresh(self) -> None:
+        self.pipes.refresh()
+
+    def close(self) -> None:
+        self.pipes.close()
+
+
+class ShardedLoopLookups(LoopLookups):
+    """ShardedRedisIndex's: one MGET on the shard of the prompt's anchor against the cached
+    live set (and the shards of keys published without an anchor after the first miss), then
+    the holders' records from the membership tag."""
+
+    def __init__(self, index, pipes: _Pipes, addresses: _Addresses) -> None:
+        self.index = index
+        self.pipes = pipes  # the shards' links, then the membership tag's
+        self.addresses = addresses
+
+    @classmethod
+    def of(cls, index, loop: asyncio.AbstractEventLoop) -> ShardedLoopLookups | None:
+        pipes = _Pipes(loop, [*index._links, index._members])
+        if not pipes.refresh():
+            return None
+        return cls(index, pipes, _Addresses(index._members_tag, index._clock))
+
+    async def lookup(
+        self, tenant: str, keys: Sequence[bytes], anchor: bytes | None = None
+    ) -> Found | None:
+        if not keys:
+            return [], {}
+        live = self.index.alive_cached(self.addresses.clock())
+        if live is None:  # the live set is due to be read again: the index does it
+            return None
+        shard, names = self.index.lookup_names(tenant, keys, anchor)
+        got = await self._read(self.pipes.by_link[shard], (b"MGET", *names))
+        if got is None:
+            return None
+        blobs, guessed, records = got
+        found = holders_prefix(blobs, live)
+        if len(found) < len(keys) and self.index.unanchored:
+            more = await self._unanchored(tenant, keys[len(found) :], live)
+            if more is None:
+                return None
+            found += more
+        return await self.addresses.of(self.pipes.by_link[-1], found, guessed, records)
+
+    async def _read(self, pipe: RedisPipe, mget: tuple) -> tuple[list, list, list] | None:
+        """The MGET's reply, with the guessed holders' records read on the membership tag's
+        master meanwhile (in the same write where it is the shard's)."""
+        guessed, guesses = self.addresses.guess()
+        members = self.pipes.by_link[-1]
+        if members is pipe or not guesses:
+            replies = await _ask(pipe, [mget, *guesses])
+            return None if replies is None else (replies[0], guessed, replies[1:])
+        blobs, records = await asyncio.gather(_ask(pipe, [mget]), _ask(members, guesses))
+        if blobs is None or records is None:
+            return None
+        return blobs[0], guessed, records
+
+    async def _unanchored(
+        self, tenant: str, keys: Sequence[bytes], live: frozenset[bytes]
+    ) -> list[list[Holding]] | None:
+        """The holdings of `keys` published without an anchor, each on its own shard."""
+        by_shard = self.index.unanchored_names(tenant, keys).items()
+        pipes = self.pipes.by_link
+        replies = await asyncio.gather(
+            *(_ask(pipes[shard], ((b"MGET", *names),)) for shard, (_, names) in by_shard)
+        )
+        if None in replies:
+            return None
+        blobs: list = [None] * len(keys)
+        for (_, (positions, _)), (got,) in zip(by_shard, replies, strict=True):
+            for i, blob in zip(positions, got, strict=True):
+                blobs[i] = blob
+        return holders_prefix(blobs, live)
+
+    def refresh(self) -> None:
+        self.pipes.refresh()
+
+    def close(self) -> None:
+        self.pipes.close()

@@ -1,0 +1,226 @@
+"""One asyncio connection to one Redis server, on which lookups are pipelined: each call's
+commands are written back to back, behind any still unanswered, and their replies matched in
+order (RESP parsed by hiredis), so a call costs a write and a read, and no task or lock.
+
+Runs in the metadata service process, on the gRPC loop (redis_lookups.py); built off it from a
+redis-py client's settings. Opened at the first call (AUTH and SELECT as the client does); a
+reply later than `reply_timeout_s`, a protocol error or a lost connection fails every call
+waiting on it (PipeError) and the next call opens another. Bounded by its callers: the lookup
+port and LookupStream calls have one lookup each in flight per connection or call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import hiredis
+import redis
+
+from kvstore.errors import UnavailableError
+
+CONNECT_TIMEOUT_S = 2.0
+REPLY_TIMEOUT_S = 2.0  # under a client's default lookup deadline (5 s): it gets the status
+
+
+class PipeError(UnavailableError):
+    """The connection failed (refused, lost, a protocol error): replies of its calls are lost."""
+
+
+class ReplyLate(PipeError):
+    """A reply came no sooner than `reply_timeout_s`: the connection was cut."""
+
+
+class ReplyError(UnavailableError):
+    """Redis answered a command with an error (`reply`: its text, as MOVED 1 host:port)."""
+
+    def __init__(self, message: str, reply: str) -> None:
+        super().__init__(message)
+        self.reply = reply
+
+
+@dataclass(frozen=True)
+class PipeAddress:
+    """Where and as whom to connect: host and port, or a unix socket `path`."""
+
+    host: str = ""
+    port: int = 0
+    path: str = ""
+    username: str | None = None
+    password: str | None = None
+    db: int = 0
+
+    @classmethod
+    def of(cls, client: redis.Redis) -> PipeAddress | None:
+        """The server `client` talks to; None where this pipe cannot speak as it does (TLS,
+        a credential provider)."""
+        pool = client.connection_pool
+        kwargs = pool.connection_kwargs
+        if kwargs.get("credential_provider") is not None:
+            return None
+        common = {
+            "username": kwargs.get("username"),
+            "password": kwargs.get("password"),
+            "db": int(kwargs.get("db") or 0),
+        }
+        if pool.connection_class is redis.UnixDomainSocketConnection:
+            return cls(path=kwargs["path"], **common)
+        if pool.connection_class is not redis.Connection:
+            return None
+        host, port = kwargs.get("host", "localhost"), int(kwargs.get("port", 6379))
+        return cls(host=host, port=port, **common)
+
+    def name(self) -> str:
+        return self.path or f"{self.host}:{self.port}"
+
+    def handshake(self) -> list[tuple]:
+        """The commands a new connection sends first."""
+        commands: list[tuple] = []
+        if self.password is not None:
+            user = () if self.username is None else (self.username,)
+            commands.append(("AUTH", *user, self.password))
+        if self.db:
+            commands.append(("SELECT", self.db))
+        return commands
+
+
+class _Call:
+    __slots__ = ("count", "future", "replies", "timer")
+
+    def __init__(self, future: asyncio.Future, count: int, timer: asyncio.TimerHandle) -> None:
+        self.future, self.count, self.replies, self.timer = future, count, [], timer
+
+
+class _Replies(asyncio.Protocol):
+    """The connection: calls waiting for their replies, oldest first."""
+
+    def __init__(self, pipe: RedisPipe) -> None:
+        self.pipe = pipe
+        self.reader = hiredis.Reader()
+        self.transport: asyncio.Transport | None = None
+        self.waiting: collections.deque[_Call] = collections.deque()
+        self.failed: PipeError | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
+
+    def send(self, packed: bytes, count: int, timeout_s: float) -> asyncio.Future:
+        loop = self.pipe.loop
+        future = loop.create_future()
+        timer = loop.call_later(timeout_s, self._late, future, timeout_s)
+        self.waiting.append(_Call(future, count, timer))
+        self.transport.write(packed)
+        return future
+
+    def data_received(self, data: bytes) -> None:
+        self.reader.feed(data)
+        try:
+            while (reply := self.reader.gets()) is not False:
+                self._take(reply)
+        except (hiredis.ProtocolError, IndexError) as exc:  # IndexError: a reply unasked for
+            self.fail(self.error(f"a reply that is not RESP, or was not asked for ({exc!r})"))
+
+    def _take(self, reply) -> None:
+        call = self.waiting[0]
+        call.replies.append(reply)
+        if len(call.replies) == call.count:
+            self.waiting.popleft()
+            call.timer.cancel()
+            if not call.future.done():  # its caller may have been cancelled
+                call.future.set_result(call.replies)
+
+    def _late(self, future: asyncio.Future, timeout_s: float) -> None:
+        if not future.done():
+            self.fail(self.error(f"no reply within {timeout_s:g} s", ReplyLate))
+
+    def error(self, why: str, kind: type[PipeError] = PipeError) -> PipeError:
+        return kind(f"redis at {self.pipe.address.name()}: {why}")
+
+    def fail(self, error: PipeError) -> None:
+        """End the connection: its calls fail with `error` (the first), later calls open
+        another."""
+        if self.failed is None:
+            self.failed = error
+        self.pipe.forget(self)
+        while self.waiting:
+            call = self.waiting.popleft()
+            call.timer.cancel()
+            if not call.future.done():
+                call.future.set_exception(self.failed)
+        if self.transport is not None:
+            self.transport.abort()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.fail(self.error(f"the connection was lost ({exc or 'closed by the server'})"))
+
+
+class RedisPipe:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        address: PipeAddress,
+        reply_timeout_s: float | None = None,
+    ) -> None:
+        """`reply_timeout_s`: None, REPLY_TIMEOUT_S."""
+        self.loop = loop
+        self.address = address
+        self.reply_timeout_s = REPLY_TIMEOUT_S if reply_timeout_s is None else reply_timeout_s
+        self._open: _Replies | None = None
+        self._opening: asyncio.Future | None = None
+
+    async def call(self, commands: Sequence[tuple]) -> list:
+        """The replies of `commands`, sent as one write. PipeError where the connection
+        fails or a reply is late; ReplyError where Redis refuses a command."""
+        replies = await self._send(b"".join(map(hiredis.pack_command, commands)), len(commands))
+        for reply in replies:
+            if isinstance(reply, hiredis.ReplyError):
+                raise ReplyError(f"redis at {self.address.name()}: {reply}", str(reply))
+        return replies
+
+    async def _send(self, packed: bytes, count: int) -> list:
+        connection = self._open
+        if connection is None:
+            connection = await self._connect()
+        return await connection.send(packed, count, self.reply_timeout_s)
+
+    async def _connect(self) -> _Replies:
+        """The connection, opened once for every caller waiting on it."""
+        if self._opening is None:
+            self._opening = self.loop.create_task(self._opened())
+        try:
+            return await asyncio.shield(self._opening)
+        finally:
+            if self._opening is not None and self._opening.done():
+                self._opening = None
+
+    async def _opened(self) -> _Replies:
+        address, loop = self.address, self.loop
+        try:
+            if address.path:
+                opening = loop.create_unix_connection(lambda: _Replies(self), address.path)
+            else:
+                opening = loop.create_connection(lambda: _Replies(self), address.host, address.port)
+            _, connection = await asyncio.wait_for(opening, CONNECT_TIMEOUT_S)
+        except (OSError, TimeoutError) as exc:
+            raise PipeError(f"redis at {address.name()} is unavailable: {exc!r}") from None
+        handshake = address.handshake()
+        if handshake:
+            packed = b"".join(map(hiredis.pack_command, handshake))
+            replies = await connection.send(packed, len(handshake), self.reply_timeout_s)
+            refused = [r for r in replies if isinstance(r, hiredis.ReplyError)]
+            if refused:
+                connection.fail(connection.error(f"refused the connection: {refused[0]}"))
+                raise connection.failed
+        self._open = connection
+        return connection
+
+    def forget(self, connection: _Replies) -> None:
+        if self._open is connection:
+            self._open = None
+
+    def close(self) -> None:
+        """Abort the connection (on the loop); a later call opens another."""
+        if self._open is not None:
+            self._open.fail(self._open.error("the pipe was closed"))
