@@ -34,6 +34,7 @@ KV_CACHE_BYTES = 2 << 30  # vLLM's own, per server: 64k tokens (the default clai
 KVSTORE_COUNTERS = (
     "hit_tokens",
     "loaded_blocks",
+    "helper_loaded_blocks",
     "load_failures",
     "recomputed_chunks",
     "lookup_failures",

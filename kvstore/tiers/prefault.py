@@ -6,6 +6,10 @@ inside the forward of its first hits. A background thread maps the pages the are
 populated hole of a tmpfs file is allocated, charged to the worker's memory, which would
 claim the whole sparse arena at once. The agent never frees an arena page, so a mapped page
 stays valid; sweeps repeat, further apart while nothing new appears, for pages written since.
+A sweep reads the residency of the whole arena, so the thread takes at most 1/DUTY_RATIO of a
+core: measured in a vLLM worker whose engine saved every step (each sweep finding new pages),
+sweeps every 10 ms took ~8 % of the core the forward ran on. It runs on the cores vLLM's
+binding left free where there are some (kvstore/cores.py), never beside the forward.
 
 Runs in a daemon thread of each worker process that copies payloads on the CPU (a mapping
 registered with CUDA had every page faulted in by the registration). Linux 5.14 or later;
@@ -18,8 +22,11 @@ import ctypes
 import logging
 import os
 import threading
+import time
 
 import numpy as np
+
+from kvstore.cores import bind_this_thread, spare_cpus
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +34,7 @@ MADV_POPULATE_READ = 22  # linux/mman.h (5.14)
 STEP_BYTES = 64 << 20  # per mincore / madvise call: the thread can stop between calls
 FIRST_SWEEP_S = 0.01
 IDLE_MAX_S = 5.0  # between sweeps once nothing new appears
+DUTY_RATIO = 50  # a sweep of t seconds waits at least (DUTY_RATIO - 1) * t before the next
 
 
 class Prefault:
@@ -51,11 +59,16 @@ class Prefault:
         self._thread.join()
 
     def _run(self) -> None:
+        cpus = spare_cpus()
+        if cpus:
+            bind_this_thread(cpus)
         wait_s = FIRST_SWEEP_S
         try:
             while not self._stop.wait(wait_s):
+                started = time.perf_counter()
                 found = self._sweep()
                 wait_s = FIRST_SWEEP_S if found else min(IDLE_MAX_S, wait_s * 2)
+                wait_s = max(wait_s, (DUTY_RATIO - 1) * (time.perf_counter() - started))
         except OSError as exc:  # no mincore or MADV_POPULATE_READ here: faults as before
             logger.debug("arena prefault off: %s", exc)
 

@@ -1,17 +1,22 @@
 """A worker's CPU mapping of the arena gets its pages mapped in the background: every page the
 arena holds, including ones written later, and never a hole (a populated hole of a tmpfs file
-is allocated: the sparse arena would be claimed whole)."""
+is allocated: the sparse arena would be claimed whole), at a bounded cost, on the cores the
+forward's threads leave free."""
 
 from __future__ import annotations
 
 import ctypes
+import json
 import mmap
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from kvstore.tiers import prefault
 from kvstore.tiers.host import SHM_DIR, MappedBuffer
 from tests.metadata.servers import wait_until
 
@@ -81,3 +86,45 @@ def test_a_mapping_that_copies_nothing_is_not_prefaulted(sparse_file):
         assert mapped_bytes(mapping.flat.data_ptr()) == 0
     finally:
         mapping.close()
+
+
+def test_sweeps_take_a_bounded_share_of_a_core(monkeypatch):
+    """A sweep reads the whole arena's residency: while every sweep finds new pages (an engine
+    saving every step), the next waits DUTY_RATIO - 1 times as long as the last took."""
+    sweeps = []
+
+    def slow_sweep(self) -> int:
+        sweeps.append(time.perf_counter())
+        time.sleep(0.02)
+        return 1  # always something new
+
+    monkeypatch.setattr(prefault.Prefault, "_sweep", slow_sweep)
+    buffer = (ctypes.c_ubyte * PAGE)()
+    sweeper = prefault.Prefault(ctypes.addressof(buffer), PAGE)
+    time.sleep(0.5)
+    sweeper.stop()
+    assert 1 <= len(sweeps) <= 2, "a sweep every FIRST_SWEEP_S would be ~16 in 0.5 s"
+
+
+BOUND = """
+import ctypes, json, mmap, os
+import torch  # libgomp binds this process's first thread as it loads, as in vLLM's worker
+from kvstore.cores import spare_cpus
+from kvstore.tiers.prefault import Prefault
+pages = mmap.mmap(-1, 1 << 20)  # page-aligned, as an arena mapping is
+sweeper = Prefault(ctypes.addressof(ctypes.c_char.from_buffer(pages)), 1 << 20)
+sweeper._stop.wait(0.2)
+print(json.dumps([sorted(spare_cpus()), sorted(os.sched_getaffinity(sweeper._thread.native_id))]))
+sweeper.stop()
+"""
+
+
+def test_the_sweeps_run_on_the_cores_the_forward_left_free():
+    first = min(os.sched_getaffinity(0))
+    env = {**os.environ, "GOMP_CPU_AFFINITY": str(first), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", BOUND], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    spare, sweeping_on = json.loads(result.stdout)
+    assert sweeping_on == (spare or [first])

@@ -1,12 +1,14 @@
-"""LayerwiseLoad, the worker's layer-by-layer copy schedule, in both of its modes: a layer is
-copied before anyone who waits for it returns, in layer order, each exactly once; a copy that
-fails releases every waiter and is reported (the worker turns it into load errors)."""
+"""LayerwiseLoad, the worker's layer-by-layer copy schedule, in both of its modes and with a
+helper's share: a layer is copied before anyone who waits for it returns, in layer order,
+each exactly once; a copy that fails releases every waiter and is reported (the worker turns
+it into load errors)."""
 
+import os
 import threading
 
 import pytest
 
-from kvstore.connectors.vllm.worker import LayerwiseLoad
+from kvstore.connectors.vllm.layerwise import LayerwiseLoad
 
 NAMES = [f"layer{i}" for i in range(4)]
 
@@ -49,3 +51,31 @@ def test_a_failed_copy_releases_every_waiter_and_is_reported(background):
     load.wait("layer3")  # must not hang
     load.join()
     assert copied == [0] and isinstance(load.error, RuntimeError)
+
+
+def test_a_helpers_share_is_copied_on_its_own_thread_bound_to_its_cores():
+    own, helped = [], []
+    helper_cores = []
+
+    def copy_helped(index: int) -> None:
+        helper_cores.append(os.sched_getaffinity(0))
+        helped.append(index)
+
+    cores = frozenset([min(os.sched_getaffinity(0))])
+    load = LayerwiseLoad(NAMES, own.append, background=False, helpers=[copy_helped], cpus=cores)
+    load.wait("layer2")  # both shares have copied layers 0..2 when it returns
+    assert own == [0, 1, 2] and helped[:3] == [0, 1, 2]
+    load.join()
+    assert own == helped == [0, 1, 2, 3] and load.error is None
+    assert set(map(frozenset, helper_cores)) == {cores}
+
+
+def test_a_failed_helper_releases_every_waiter_and_fails_the_load():
+    def copy_helped(index: int) -> None:
+        if index == 1:
+            raise RuntimeError("page gone")
+
+    load = LayerwiseLoad(NAMES, lambda index: None, background=False, helpers=[copy_helped])
+    load.wait("layer3")  # must not hang
+    load.join()
+    assert isinstance(load.error, RuntimeError)

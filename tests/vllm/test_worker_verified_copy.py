@@ -4,6 +4,9 @@ connection breaks mid-load and other workers reuse the arena meanwhile (regressi
 agent unpinned a broken connection's pages while the load thread still copied from them, and
 the stale views read the next block's bytes, 0xbb where 0xaa was loaded)."""
 
+import os
+import threading
+
 import torch
 
 from kvstore.block import HEADER_BYTES
@@ -65,11 +68,11 @@ def test_a_broken_connection_mid_load_never_yields_wrong_kv(tmp_path):
         writer, saved, reader, target = saved_chunk_and_reader(agent)
         copy_layer = reader._copy_layer_in
 
-        def copy_after_the_connection_broke(layer, tensor):
+        def copy_after_the_connection_broke(layer, *args):
             if layer == 0:
                 reader.agent.client._break()  # e.g. a timeout: the client drops the connection
                 overwrite_the_arena(agent.config.socket_path)
-            copy_layer(layer, tensor)
+            copy_layer(layer, *args)
 
         reader._copy_layer_in = copy_after_the_connection_broke
         reader.start_load(KVStoreConnectorMetadata(loads=[LoadSpec("r", CHAIN, [[2, 3]], 0)]))
@@ -92,13 +95,13 @@ def test_a_page_rewritten_under_a_pinned_view_is_a_load_error_not_kv(tmp_path):
         writer, _, reader, _ = saved_chunk_and_reader(agent)
         copy_layer = reader._copy_layer_in
 
-        def copy_after_the_page_changed(layer, tensor):
+        def copy_after_the_page_changed(layer, *args):
             if layer == 1:  # layer 0 is already in the engine; the rest of the page changes
                 host = agent.store.slots[0].tier
                 page = host.pages[host.page_index(KV.rank_key(CHAIN[0]))]
                 start, stop = LAYOUT.layer_range(1)
                 page[HEADER_BYTES + start : HEADER_BYTES + stop].fill_(0xBB)
-            copy_layer(layer, tensor)
+            copy_layer(layer, *args)
 
         reader._copy_layer_in = copy_after_the_page_changed
         reader.start_load(KVStoreConnectorMetadata(loads=[LoadSpec("r", CHAIN, [[2, 3]], 0)]))
@@ -134,3 +137,50 @@ def test_a_request_with_saves_is_reported_finished_once_they_are_committed(tmp_p
         assert worker.finished_saving({"saved", "unreached"}) == {"saved", "unreached"}
         assert worker.finished_saving({"saved"}) == set(), "reported once"
         worker.close()
+
+
+def test_a_load_shared_with_a_helper_copies_and_verifies_every_chunk(tmp_path):
+    """The CPU's load helper (layerwise.py) copies every other chunk on its own thread; each
+    chunk still arrives whole and verified, and a page changed under the helper's copy is a
+    load error from that chunk on."""
+    chain = chunk_keys(Namespace("sha256:m", "two"), range(64), LAYOUT.chunk_tokens)
+    with running_agent(tmp_path, host_capacity_bytes=8 * PAGE, page_size_bytes=PAGE) as agent:
+        settings = ConnectorSettings(socket_path=str(agent.config.socket_path))
+        writer, saved = WorkerSide(settings, KV), paged(0.5, num_blocks=8)
+        writer.register(saved)
+        meta = KVStoreConnectorMetadata(saves=[SaveSpec("w", chain, b"", [[0, 1, 2, 3]])])
+        for name, tensor in saved.items():
+            writer.save_layer(meta, name, tensor)
+        writer.finish_save()
+        reader, target = WorkerSide(settings, KV), paged(0.0, num_blocks=8)
+        reader.register(target)
+        reader._helper_cpus = frozenset(os.sched_getaffinity(0))  # as if vLLM left cores free
+        threads = helped_threads(reader)
+        reader.start_load(KVStoreConnectorMetadata(loads=[LoadSpec("r", chain, [[4, 5, 6, 7]], 0)]))
+        for name in target:
+            reader.wait_for_layer(name)
+        assert reader.take_failed_block_ids() == set()
+        for name in saved:
+            assert torch.equal(target[name][4:8], saved[name][0:4])
+        assert threads == {"kvstore-load-helper"} and reader.stats["loaded_blocks"] == 2
+
+        host = agent.store.slots[0].tier
+        page = host.pages[host.page_index(KV.rank_key(chain[1]))]
+        page[HEADER_BYTES : HEADER_BYTES + 64].fill_(0xBB)  # the helper's chunk, changed
+        reader.start_load(KVStoreConnectorMetadata(loads=[LoadSpec("r", chain, [[4, 5, 6, 7]], 0)]))
+        assert reader.take_failed_block_ids() == {6, 7}
+        writer.close()
+        reader.close()
+
+
+def helped_threads(reader: WorkerSide) -> set[str]:
+    """The names of the threads that copy with the reader's helper copier, as they do."""
+    threads: set[str] = set()
+    load_layer = reader._helper.load_layer
+
+    def recorded(*args, **kwargs):
+        threads.add(threading.current_thread().name)
+        return load_layer(*args, **kwargs)
+
+    reader._helper.load_layer = recorded
+    return threads

@@ -1,8 +1,9 @@
 """The worker half of the connector: copies chunks between the node agent's shared arena and
-vLLM's paged KV cache. Loads run layer by layer (LayerwiseLoad), so the attention of layer i
-waits only for layer i; each layer is copied out of the shared page into a private buffer and
-hashed in the same pass, and a chunk whose digest is not the checksum it was loaded with is a
-load error (recomputed), so a page reused under a stale view can never become KV. A chunk is
+vLLM's paged KV cache. Loads run layer by layer (layerwise.py), so the attention of layer i
+waits only for layer i; each layer is copied out of the shared page into vLLM's blocks (or a
+private buffer) and hashed in the same pass, and a chunk whose digest is not the checksum it
+was loaded with is a load error (recomputed), so a page reused under a stale view can never
+become KV. A chunk is
 one block per head group this rank owns (chunk-major, group-minor). Saves are saves.py's.
 Runs in each vLLM worker process.
 """
@@ -10,7 +11,6 @@ Runs in each vLLM worker process.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass
 
@@ -20,8 +20,10 @@ from kvstore.client import LoadedBlocks
 from kvstore.connectors.vllm import compat
 from kvstore.connectors.vllm.agent import AgentConnection
 from kvstore.connectors.vllm.config import ConnectorSettings, EngineKV
+from kvstore.connectors.vllm.layerwise import LayerwiseLoad
 from kvstore.connectors.vllm.metadata import KVStoreConnectorMetadata, LoadSpec
 from kvstore.connectors.vllm.saves import SavePipeline
+from kvstore.cores import spare_cpus
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.kvcopy.engine import BlockIndex, ChunkCopier
 from kvstore.kvcopy.paged import PagedLayer, check_paged_layer
@@ -44,54 +46,6 @@ class _CopyIn:
     indexes: dict[int, BlockIndex]
 
 
-class LayerwiseLoad:
-    """One step's loads, layer after layer: `wait(layer)` returns once that layer (and every
-    earlier one) is copied. With `background`, a thread copies ahead of the forward (CUDA: it
-    only submits copies and hashes, so the forward keeps its cores); without, each layer is
-    copied by the forward's own thread when it first waits for it (CPU: the forward's torch
-    threads use every core, and a copy thread beside them stalls its parallel regions)."""
-
-    def __init__(self, names: list[str], copy_layer, background: bool) -> None:
-        self.index = {name: i for i, name in enumerate(names)}
-        self.done = [threading.Event() for _ in names]
-        self._copy_layer = copy_layer
-        self._next = 0  # the first layer not copied yet
-        self.error: BaseException | None = None
-        self._thread = None
-        if background:
-            self._thread = threading.Thread(target=self._run, name="kvstore-load", daemon=True)
-            self._thread.start()
-
-    def _run(self, stop: int | None = None) -> None:
-        stop = len(self.done) if stop is None else stop
-        try:
-            while self._next < stop:
-                self._copy_layer(self._next)
-                self.done[self._next].set()
-                self._next += 1
-        except BaseException as exc:  # reported as load errors; never leave a waiter hanging
-            self.error = exc
-            logger.exception("layer-wise load failed")
-            for event in self.done:
-                event.set()
-            self._next = len(self.done)
-
-    def wait(self, layer_name: str) -> None:
-        index = self.index.get(layer_name)
-        if index is None:
-            return
-        if self._thread is None:
-            self._run(stop=index + 1)
-        self.done[index].wait()
-
-    def join(self) -> None:
-        """Every layer copied (inline: the ones the forward did not wait for, now)."""
-        if self._thread is None:
-            self._run()
-        else:
-            self._thread.join()
-
-
 class WorkerSide:
     def __init__(
         self,
@@ -110,7 +64,9 @@ class WorkerSide:
         self._loaded: list[tuple[LoadSpec, LoadedBlocks]] = []
         self._digests: list[list[Hasher | None]] = []  # per load, per block (None: unused)
         self._plan: list[_CopyIn] = []  # the step's copies, for every layer
-        self._loader: ChunkCopier | None = None  # on the load thread
+        self._loader: ChunkCopier | None = None  # the forward's share of the loads
+        self._helper: ChunkCopier | None = None  # the load helper's (the CPU: load_thread auto)
+        self._helper_cpus: frozenset[int] | None = None  # its cores, found at the first load
         self._load_thread = False
         self.failed_block_ids: set[int] = set()
         self._finished_loads: set[str] = set()  # asynchronous loads done (or failed), by request
@@ -118,6 +74,7 @@ class WorkerSide:
         self.stats = {
             "loaded_blocks": 0,
             "loaded_bytes": 0,
+            "helper_loaded_blocks": 0,
             "load_s": 0.0,
             "saved_blocks": 0,
             "saved_bytes": 0,
@@ -171,6 +128,8 @@ class WorkerSide:
         device = first.device
         self._loader = ChunkCopier(self.kv.layout, self.kv.block_size, device)
         self._load_thread = _load_thread(self.settings.load_thread, self._loader.on_cuda)
+        if self.settings.load_thread == "auto" and not self._loader.on_cuda:
+            self._helper = ChunkCopier(self.kv.layout, self.kv.block_size, device)
         self.saves.copier = ChunkCopier(self.kv.layout, self.kv.block_size, device)
 
     # ---- loads -----------------------------------------------------------------------------
@@ -189,8 +148,16 @@ class WorkerSide:
         # CUDA, on the forward's thread: loads go after the compute stream's work so far
         # (vLLM may zero new blocks there), as vLLM's own offloader orders them
         self._loader.after_compute()
+        own, helped = self._shares()
+        helpers = []
+        if helped:
+            helpers.append(lambda i: self._copy_layer_in(i, tensors[i], self._helper, helped))
         self._load = LayerwiseLoad(
-            names, lambda i: self._copy_layer_in(i, tensors[i]), background=self._load_thread
+            names,
+            lambda i: self._copy_layer_in(i, tensors[i], self._loader, own),
+            background=self._load_thread,
+            helpers=helpers,
+            cpus=self._helper_cpus,
         )
         self.stats["load_s"] += time.perf_counter() - started
 
@@ -277,18 +244,35 @@ class WorkerSide:
             first += 1
         return self._loader.block_index(blocks, range(min(first, len(blocks)), len(blocks)))
 
-    def _copy_layer_in(self, layer: int, paged: PagedLayer) -> None:
+    def _shares(self) -> tuple[list[_CopyIn], list[_CopyIn]]:
+        """The step's copies split between the forward's thread and the load helper (every
+        other one), or all the forward's where there is no helper, or no core free for one
+        (layerwise.spare_cpus, looked up once, at the first load with two copies)."""
+        if self._helper is None or len(self._plan) < 2:
+            return self._plan, []
+        if self._helper_cpus is None:
+            self._helper_cpus = spare_cpus()
+            logger.info("kvstore load helper cores: %s", sorted(self._helper_cpus) or "none")
+        if not self._helper_cpus:
+            return self._plan, []
+        helped = self._plan[1::2]
+        self.stats["helper_loaded_blocks"] += len(helped)
+        return self._plan[0::2], helped
+
+    def _copy_layer_in(
+        self, layer: int, paged: PagedLayer, loader: ChunkCopier, copies: list[_CopyIn]
+    ) -> None:
         cache_group = self._layer_groups[layer]
-        for copy in self._plan:
+        for copy in copies:
             start, stop = copy.layout.layer_range(layer)
-            self._loader.load_layer(
+            loader.load_layer(
                 copy.payload[start:stop],
                 copy.digest,
                 self.kv.group_view(paged, copy.group),
                 copy.indexes[cache_group],
                 copy.layout,
             )
-        self._loader.record(layer)
+        loader.record(layer)
 
     def _mismatched(self, loaded: LoadedBlocks, digests: list) -> list[int]:
         """Positions of the loaded blocks whose copies are not the blocks' bytes."""
@@ -393,5 +377,7 @@ class WorkerSide:
 
 
 def _load_thread(setting: str, on_cuda: bool) -> bool:
-    """Whether loads copy on a background thread ("auto": on CUDA, where it only submits)."""
+    """Whether the forward's share of the loads copies on a background thread ("auto": on
+    CUDA, where it only submits; on the CPU the forward's thread copies it, beside a helper
+    on the cores vLLM left free, where it left some: layerwise.py)."""
     return {"auto": on_cuda, "thread": True, "inline": False}[setting]
