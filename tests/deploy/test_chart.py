@@ -253,28 +253,28 @@ def test_network_policies_admit_only_agents_to_transfer_ports():
     assert {"kvstore.io/agent": "true"}.items() <= labels[0].items()
 
 
-def test_lmdb_metadata_serves_its_lookup_port_and_redis_metadata_none():
-    lmdb = {
-        o["kind"]: o
-        for o in render(CHART / "ci" / "embedded-lmdb-values.yaml")
-        if o["metadata"]["name"] == "kv-kvstore-metadata"
-    }
-    container = pod_spec(lmdb["StatefulSet"])["containers"][0]
-    args = container["args"]
-    assert args[args.index("--lookup-listen") + 1] == "0.0.0.0:50052"
-    assert {"name": "lookup", "containerPort": 50052, "protocol": "TCP"} in container["ports"]
-    service_ports = {port["name"]: port for port in lmdb["Service"]["spec"]["ports"]}
-    assert service_ports["lookup"]["port"] == 50052  # clients dial the gRPC host at this port
-    assert service_ports["lookup"]["targetPort"] == "lookup"
-    redis = {
-        o["kind"]: o
-        for o in render(CHART / "ci" / "redis-replicas-values.yaml")
-        if o["metadata"]["name"] == "kv-kvstore-metadata"
-    }
-    container = pod_spec(redis["Deployment"])["containers"][0]
-    assert container["args"][container["args"].index("--lookup-listen") + 1] == "off"
-    assert "lookup" not in {port["name"] for port in container["ports"]}
-    assert "lookup" not in {port["name"] for port in redis["Service"]["spec"]["ports"]}
+def test_metadata_serves_its_lookup_port_on_every_backend():
+    """The port was opened on LMDB only: a Redis replica's id was its process's own, and a
+    client behind the Service could Describe one replica and dial another. Replicas of one
+    index share its id now, so every backend opens the port, and the NetworkPolicy lets it in."""
+    for values, kind in (
+        ("embedded-lmdb-values.yaml", "StatefulSet"),
+        ("redis-replicas-values.yaml", "Deployment"),
+        ("redis-cluster-values.yaml", "Deployment"),
+    ):
+        rendered = render(CHART / "ci" / values)
+        metadata = {
+            o["kind"]: o for o in rendered if o["metadata"]["name"] == "kv-kvstore-metadata"
+        }
+        container = pod_spec(metadata[kind])["containers"][0]
+        args = container["args"]
+        assert args[args.index("--lookup-listen") + 1] == "0.0.0.0:50052", values
+        assert {"name": "lookup", "containerPort": 50052, "protocol": "TCP"} in container["ports"]
+        service_ports = {port["name"]: port for port in metadata["Service"]["spec"]["ports"]}
+        assert service_ports["lookup"]["port"] == 50052  # clients dial the gRPC host at this port
+        assert service_ports["lookup"]["targetPort"] == "lookup"
+        policy = metadata["NetworkPolicy"]["spec"]["ingress"][0]["ports"]
+        assert {"port": 50052, "protocol": "TCP"} in policy, values
 
 
 def test_lmdb_metadata_keeps_its_data_on_a_pvc_and_probes_grpc_health():

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import time
 import uuid
+from contextlib import contextmanager
 
 import pytest
 
@@ -35,40 +36,36 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def redis_url(tmp_path_factory):
-    """A real redis-server on a loopback port for the whole session."""
+@contextmanager
+def redis_server(workdir):
+    """A real redis-server on a free loopback port, no persistence; yields its URL."""
     binary = shutil.which("redis-server")
     assert binary, "redis-server is required (apt-get install redis-server; .ci/run does this)"
     port = free_port()
-    workdir = tmp_path_factory.mktemp("redis")
+    options = ["--save", "", "--appendonly", "no", "--dir", str(workdir)]
     process = subprocess.Popen(
-        [
-            binary,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(workdir),
-        ],
-        stdout=subprocess.DEVNULL,
+        [binary, "--port", str(port), "--bind", "127.0.0.1", *options], stdout=subprocess.DEVNULL
     )
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            assert time.monotonic() < deadline, "redis-server did not start"
-            time.sleep(0.05)
-    yield f"redis://127.0.0.1:{port}/0"
-    process.terminate()
-    process.wait(timeout=10)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "redis-server did not start"
+                time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    """A real redis-server on a loopback port for the whole session."""
+    with redis_server(tmp_path_factory.mktemp("redis")) as url:
+        yield url
 
 
 @pytest.fixture(scope="session")

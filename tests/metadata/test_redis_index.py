@@ -1,13 +1,18 @@
 """Redis-specific behaviour of RedisIndex beyond the shared contract: binary keys, exact lease
-times, batch deduplication, node records surviving the round trip."""
+times, batch deduplication, node records surviving the round trip; holder records read and
+MGETs packed as the lookups on the loop do."""
 
+import os
 import time
 import uuid
 
+import hiredis
 import pytest
 import redis
 
+from kvstore.metadata.index.redis_holders import holders_prefix
 from kvstore.metadata.index.redis_index import RedisIndex
+from kvstore.metadata.index.redis_pipe import pack_mget
 from kvstore.metadata.records import BlockEntry, Holding, NodeRecord
 from tests.metadata.conftest import FakeClock
 
@@ -28,7 +33,7 @@ def test_keys_with_separator_bytes_round_trip(index):
     keys = [b"\0" * 16, b"\0\1" * 8, b"a\0b\0c\0" + b"\xff" * 10]
     lease = index.register_node(NodeRecord("n1"), 10_000).lease_id
     assert index.publish("n1", lease, "t", [BlockEntry(k, "disk", 5, 2**63) for k in keys]) == 3
-    assert index.lookup("t", keys) == [[Holding("n1", "disk", 5, 2**63)]] * 3
+    assert index.lookup("t", keys) == [(Holding("n1", "disk", 5, 2**63),)] * 3
     assert [e.key for e in index.events_since(1, 10).events] == keys
     assert index.unpublish("n1", lease, "t", [BlockEntry(keys[1], "disk")]) == 1
     assert len(index.lookup("t", keys)) == 1
@@ -52,7 +57,7 @@ def test_a_key_repeated_in_one_batch_is_recorded_once_with_the_last_values(index
     key = b"k" * 16
     batch = [BlockEntry(key, "host", 1, 1), BlockEntry(key, "host", 2, 2)]
     assert index.publish("n1", lease, "t", batch) == 1
-    assert index.lookup("t", [key]) == [[Holding("n1", "host", 2, 2)]]
+    assert index.lookup("t", [key]) == [(Holding("n1", "host", 2, 2),)]
     assert index.stats()["keys_per_tenant"] == {"t": 1}
     assert index.events_since(0, 10).last_seq == 1
 
@@ -64,7 +69,7 @@ def test_a_holder_on_an_expired_node_is_hidden_while_a_live_one_is_shown(index, 
     index.publish("short", short, "t", [BlockEntry(key, "host")])
     index.publish("long", long, "t", [BlockEntry(key, "disk")])
     clock.advance(2)
-    assert index.lookup("t", [key]) == [[Holding("long", "disk")]]
+    assert index.lookup("t", [key]) == [(Holding("long", "disk"),)]
     assert index.stats()["blocks"] == 2, "lookup has no side effects"
 
 
@@ -107,3 +112,28 @@ def test_a_user_without_the_dangerous_commands_still_serves_stats_and_streams(re
         limited.close()
         admin.acl_deluser(user)
         admin.close()
+
+
+def test_a_lookup_s_run_of_keys_ends_at_the_first_without_a_live_holder():
+    """holders_prefix: all live (each key's holdings as recorded), a dead holder left out, and
+    a key with none (no record, an empty one, only dead holders) ends the run."""
+    one, two = Holding("n1", "host", 1, 2), Holding("n2", "disk", 3, 4)
+    n1, n2 = b"n1\0host\x001\x002\0", b"n2\0disk\x003\x004\0"
+    assert holders_prefix([n1, n1 + n2], frozenset({b"n1", b"n2"})) == [(one,), (one, two)]
+    assert holders_prefix([n1, n1 + n2, n1], frozenset({b"n1"})) == [(one,), (one,), (one,)]
+    for gap in (None, b"", n2):
+        assert holders_prefix([n1, gap, n1], frozenset({b"n1"})) == [(one,)]
+    assert holders_prefix([None, n1], frozenset({b"n1"})) == []
+
+
+def test_a_packed_mget_is_the_one_hiredis_packs():
+    """pack_mget writes a lookup's MGET without building its names: the same bytes."""
+    stem = b"P:h:tenant\0"
+    for keys, head in (
+        ([os.urandom(16) for _ in range(64)], ()),
+        ([os.urandom(16) for _ in range(3)], (b"{P}:r:tenant\0" + b"k" * 16,)),
+        ([b"short", b"longer key"], ()),
+        ([], (b"first",)),
+    ):
+        names = (b"MGET", *head, *(stem + key for key in keys))
+        assert pack_mget(stem, keys, head) == hiredis.pack_command(names)

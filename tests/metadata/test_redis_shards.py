@@ -86,10 +86,10 @@ def test_a_lookup_is_one_round_trip_to_one_shard(index, monkeypatch):
         sent.clear()
         found = index.lookup("t", keys)
         assert [len(holders) for holders in found] == [1] * 24
-        assert found[5] == [Holding("n1", "host", 10, 1)]
+        assert found[5] == (Holding("n1", "host", 10, 1),)
         assert len(sent) == 1 and sent[0][1].startswith(b"*25\r\n$4\r\nMGET"), sent
     monkeypatch.undo()
-    assert index.lookup("t", prompts[0][:1]) == [[Holding("n1", "host", 10, 1)]]
+    assert index.lookup("t", prompts[0][:1]) == [(Holding("n1", "host", 10, 1),)]
 
 
 def test_a_batch_split_across_shards_is_applied_with_its_events(index):

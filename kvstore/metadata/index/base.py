@@ -10,6 +10,7 @@ index enforces leases and quotas.
 from __future__ import annotations
 
 import asyncio
+import secrets
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
@@ -47,6 +48,7 @@ class MetadataIndex(ABC):
     backend: str = ""
     nonblocking_reads: bool = False  # lookup/live_nodes/stats do no I/O: safe on an event loop
     incarnation: int = 0  # changes when the index restarts without its state; 0: unknown
+    _own_id = b""  # index_id's where the index keeps none: this object's own
 
     @abstractmethod
     def register_node(self, node: NodeRecord, lease_ttl_ms: int) -> NodeRecord:
@@ -110,6 +112,16 @@ class MetadataIndex(ABC):
     def stats(self) -> dict:
         """{"blocks": n, "blocks_per_tier": {...}, "blocks_per_node": {id: {tier: n}},
         "last_event_seq": n, "keys_per_tenant": {...}}"""
+
+    def index_id(self) -> bytes:
+        """16 bytes naming this index, not the process: every service over the same index
+        (replicas over one Redis and prefix) reads the same, any other index another; the
+        service's lookup port takes hellos carrying it (DescribeResponse.instance). It may
+        change where the index lost its state. Default: random, of this object (an embedded
+        index is its process's own). May block (Redis: a round trip)."""
+        if not self._own_id:
+            self._own_id = secrets.token_bytes(16)
+        return self._own_id
 
     def loop_lookups(self, loop: asyncio.AbstractEventLoop) -> LoopLookups | None:
         """Lookups on `loop` for an index whose reads block; None: none (its reads never

@@ -7,7 +7,6 @@ Redis Cluster (redis_cluster.py: all keys in one hash slot, so every script runs
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import secrets
@@ -25,6 +24,7 @@ from kvstore.errors import (
 )
 from kvstore.metadata.index.base import MetadataIndex
 from kvstore.metadata.index.redis_cluster import ClusterLink, Durability, StandaloneLink
+from kvstore.metadata.index.redis_holders import decode, holders_prefix
 from kvstore.metadata.index.redis_scripts import SCRIPTS, WRITES
 from kvstore.metadata.records import (
     BlockEntry,
@@ -204,11 +204,16 @@ class RedisIndex(MetadataIndex):
 
     def lookup_commands(self, tenant: str, keys: Sequence[bytes]) -> tuple[tuple, tuple]:
         """A lookup's two commands: the ids of nodes live now, the holder records of `keys`."""
-        stem = self._prefix + b":h:" + tenant.encode() + b"\0"
-        return (
-            (b"ZRANGEBYSCORE", self._prefix + b":exp", f"({self._clock()!r}", b"+inf"),
-            (b"MGET", *(stem + key for key in keys)),
-        )
+        stem = self.holders_stem(tenant)
+        return self.live_command(), (b"MGET", *(stem + key for key in keys))
+
+    def live_command(self) -> tuple:
+        """The ids of the nodes live now (a lookup's first command)."""
+        return (b"ZRANGEBYSCORE", self._prefix + b":exp", f"({self._clock()!r}", b"+inf")
+
+    def holders_stem(self, tenant: str) -> bytes:
+        """What the names of `tenant`'s holder records start with (then the key)."""
+        return self._prefix + b":h:" + tenant.encode() + b"\0"
 
     def loop_lookups(self, loop):
         from kvstore.metadata.index.redis_lookups import RedisLoopLookups
@@ -236,7 +241,7 @@ class RedisIndex(MetadataIndex):
             for name, blob in zip(names, blobs, strict=True):
                 if blob:  # gone between SCAN and MGET: its removal is an event after last_seq
                     tenant, _, key = name[stem_len:].partition(b"\0")
-                    holdings = _parse_holders.__wrapped__(blob)[1]  # uncached: read once
+                    holdings = decode(blob)[1]  # afresh: read once
                     held.setdefault(tenant.decode(), {})[key] = holdings
             if cursor in (b"0", 0):
                 return last_seq, held
@@ -254,6 +259,12 @@ class RedisIndex(MetadataIndex):
             b"%d/%s" % (stored, self._link.replication_id().encode()), digest_size=8
         ).digest()
         return int.from_bytes(folded, "big") >> 1 | 1
+
+    def index_id(self) -> bytes:
+        """Of P:inc, the number the incarnation is folded from: kept by whichever replica asks
+        first, so the replicas over one Redis and prefix share it, and another prefix or Redis
+        has its own; an emptied Redis gets a new one (the service re-reads it). One round trip."""
+        return id_of_incarnation(self._run("incarnation", [self._prefix, secrets.randbits(63) | 1]))
 
     def _round_trip(self, *commands: tuple) -> list:
         """Send `commands` back to back on one pooled connection and read their raw replies:
@@ -317,34 +328,9 @@ class RedisIndex(MetadataIndex):
         self._link.close()
 
 
-@functools.lru_cache(maxsize=1 << 14)  # at most ~20 MB of decoded holder lists
-def _parse_holders(blob: bytes) -> tuple[frozenset[bytes], tuple[Holding, ...], tuple]:
-    """Decode a key's holder records into (holder node ids, holdings, (node id, holding) pairs).
-    Pure (same bytes, same holdings), so caching it never serves stale state: any change to the
-    holders changes the bytes. Liveness is not part of it; lookup filters on every call."""
-    parts = blob.split(b"\0")
-    pairs = tuple(
-        (
-            parts[i],
-            Holding(parts[i].decode(), parts[i + 1].decode(), int(parts[i + 2]), int(parts[i + 3])),
-        )
-        for i in range(0, len(parts) - 1, 4)
-    )
-    return frozenset(node for node, _ in pairs), tuple(h for _, h in pairs), pairs
-
-
-def holders_prefix(blobs: Sequence, live: frozenset[bytes]) -> list:
-    """Holdings on `live` nodes for the leading holder records, up to the first without any."""
-    found = []
-    for blob in blobs:
-        if not blob:
-            break
-        nodes, holdings, pairs = _parse_holders(blob)
-        holders = list(holdings) if nodes <= live else [h for n, h in pairs if n in live]
-        if not holders:
-            break
-        found.append(holders)
-    return found
+def id_of_incarnation(stored: bytes) -> bytes:
+    """MetadataIndex.index_id of an index whose P:inc holds `stored`."""
+    return hashlib.blake2b(b"index/%d" % int(stored), digest_size=16).digest()
 
 
 def _glob_escape(text: bytes) -> bytes:

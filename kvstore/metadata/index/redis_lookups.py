@@ -4,8 +4,9 @@ trip for the records of the holders found (what `live_addresses` would give of t
 
 Runs in the metadata service process: built off the loop (the servers its links lead to), used
 on the gRPC loop by lookup-port connections and LookupStream calls. What the index would answer
-it answers, from the same commands: `RedisIndex.lookup_commands`, `ShardedRedisIndex`'s names
-and cached live set, `holders_prefix`. A server gone or moved (a refused or lost connection,
+it answers, from the same commands (`RedisIndex.lookup_commands`' parts, `ShardedRedisIndex`'s
+names, the MGET packed without building them: `pack_mget`), its cached live set, and
+`holders_prefix`. A server gone or moved (a refused or lost connection,
 MOVED, CLUSTERDOWN, ...) answers None: the service asks the index itself off the loop, which
 follows failovers, then `refresh` finds the servers again. A late reply is UnavailableError.
 """
@@ -15,15 +16,21 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable, Sequence
+from itertools import chain
+from operator import attrgetter
+
+import hiredis
 
 from kvstore.metadata.index.base import Found, LoopLookups
-from kvstore.metadata.index.redis_index import RedisIndex, holders_prefix
+from kvstore.metadata.index.redis_holders import holders_prefix
+from kvstore.metadata.index.redis_index import RedisIndex
 from kvstore.metadata.index.redis_pipe import (
     PipeAddress,
     PipeError,
     RedisPipe,
     ReplyError,
     ReplyLate,
+    pack_mget,
 )
 from kvstore.metadata.records import Holding, NodeRecord
 
@@ -65,7 +72,7 @@ class _Pipes:
             pipe.close()
 
 
-async def _ask(pipe: RedisPipe, commands: Sequence[tuple]) -> list | None:
+async def _ask(pipe: RedisPipe, commands: Sequence[tuple | bytes]) -> list | None:
     """The replies; None where the server is gone or no longer serves the keys."""
     try:
         return await pipe.call(commands)
@@ -80,6 +87,7 @@ async def _ask(pipe: RedisPipe, commands: Sequence[tuple]) -> list | None:
 
 
 _FIELDS = (b"lease", b"ttl", b"info")  # of a node's hash, as `live_nodes` reads them
+_NODE_ID = attrgetter("node_id")
 RECENT_HOLDERS = 8  # nodes whose records each lookup asks for beside its keys
 
 
@@ -93,33 +101,48 @@ class _Addresses:
         self.prefix = prefix
         self.clock = clock
         self.recent: dict[str, None] = {}  # node ids, the last holder last
+        self._guess: tuple[list[str], list[bytes]] = ([], [])
+        self._decoded: dict[tuple, NodeRecord] = {}  # records by the replies they came from
 
-    def guess(self) -> tuple[list[str], list[tuple]]:
-        """The recent holders and the commands that read their records."""
+    def guess(self) -> tuple[list[str], list[bytes]]:
+        """The recent holders and the commands that read their records (packed again only
+        when the holders change)."""
         node_ids = list(self.recent)
-        return node_ids, self._commands(node_ids)
+        if node_ids != self._guess[0]:
+            self._guess = node_ids, self._commands(node_ids)
+        return self._guess
 
-    def _commands(self, node_ids: list[str]) -> list[tuple]:
+    def _commands(self, node_ids: list[str]) -> list[bytes]:
         commands = []
         for node_id in node_ids:
             commands.append((b"HMGET", self.prefix + b":node:" + node_id.encode(), *_FIELDS))
             commands.append((b"ZSCORE", self.prefix + b":exp", node_id))
-        return commands
+        return list(map(hiredis.pack_command, commands))
 
     def _records(self, node_ids: list[str], replies: list) -> dict[str, NodeRecord]:
         now, nodes = self.clock(), {}
         for i, node_id in enumerate(node_ids):
             (lease, ttl, info), expires_at = replies[2 * i], replies[2 * i + 1]
             if lease is not None and expires_at is not None and float(expires_at) > now:
-                nodes[node_id] = RedisIndex._record(node_id, expires_at, lease, ttl, info)
+                nodes[node_id] = self._record(node_id, expires_at, lease, ttl, info)
         return nodes
+
+    def _record(self, *replied) -> NodeRecord:
+        """RedisIndex._record of a node's replied fields, kept by them: the same replies, the
+        same record (a heartbeat's new expiry is another reply); a few holders' at a time."""
+        record = self._decoded.get(replied)
+        if record is None:
+            if len(self._decoded) >= 4 * RECENT_HOLDERS:
+                self._decoded.clear()
+            record = self._decoded[replied] = RedisIndex._record(*replied)
+        return record
 
     async def of(
         self, pipe: RedisPipe, found: list, guessed: list[str], replies: list
     ) -> Found | None:
         """`found` with its holders' records: `replies` to the `guess` of `guessed`, the
         others asked of `pipe` now."""
-        holders = list(dict.fromkeys(h.node_id for holders in found for h in holders))
+        holders = list(dict.fromkeys(map(_NODE_ID, chain.from_iterable(found))))
         records = self._records(guessed, replies)
         missing = [node_id for node_id in holders if node_id not in self.recent]
         if missing:
@@ -157,7 +180,8 @@ class RedisLoopLookups(LoopLookups):
             return [], {}
         pipe = self.pipes.by_link[0]
         guessed, guesses = self.addresses.guess()
-        replies = await _ask(pipe, [*self.index.lookup_commands(tenant, keys), *guesses])
+        mget = pack_mget(self.index.holders_stem(tenant), keys)
+        replies = await _ask(pipe, [self.index.live_command(), mget, *guesses])
         if replies is None:
             return None
         live_ids, blobs, *records = replies
@@ -196,8 +220,8 @@ class ShardedLoopLookups(LoopLookups):
         live = self.index.alive_cached(self.addresses.clock())
         if live is None:  # the live set is due to be read again: the index does it
             return None
-        shard, names = self.index.lookup_names(tenant, keys, anchor)
-        got = await self._read(self.pipes.by_link[shard], (b"MGET", *names))
+        shard, first, stem = self.index.lookup_stem(tenant, keys, anchor)
+        got = await self._read(self.pipes.by_link[shard], pack_mget(stem, keys[1:], (first,)))
         if got is None:
             return None
         blobs, guessed, records = got
@@ -209,7 +233,7 @@ class ShardedLoopLookups(LoopLookups):
             found += more
         return await self.addresses.of(self.pipes.by_link[-1], found, guessed, records)
 
-    async def _read(self, pipe: RedisPipe, mget: tuple) -> tuple[list, list, list] | None:
+    async def _read(self, pipe: RedisPipe, mget: bytes) -> tuple[list, list, list] | None:
         """The MGET's reply, with the guessed holders' records read on the membership tag's
         master meanwhile (in the same write where it is the shard's)."""
         guessed, guesses = self.addresses.guess()

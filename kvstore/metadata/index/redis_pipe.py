@@ -41,6 +41,19 @@ class ReplyError(UnavailableError):
         self.reply = reply
 
 
+def pack_mget(stem: bytes, keys: Sequence[bytes], head: Sequence[bytes] = ()) -> bytes:
+    """`MGET *head *(stem + key for key in keys)` in RESP, as hiredis.pack_command writes it:
+    where the keys share a length (a lookup's: KEY_BYTES each), one join that never builds the
+    names (a 64-key lookup's MGET: ~1 µs, against ~8 µs for the names and their packing)."""
+    lengths = set(map(len, keys))
+    if len(lengths) != 1:
+        return hiredis.pack_command((b"MGET", *head, *(stem + key for key in keys)))
+    each = b"$%d\r\n%s" % (len(stem) + lengths.pop(), stem)
+    front = b"".join(b"$%d\r\n%s\r\n" % (len(name), name) for name in head)
+    names = each + (b"\r\n" + each).join(keys)
+    return b"*%d\r\n$4\r\nMGET\r\n%s%s\r\n" % (1 + len(head) + len(keys), front, names)
+
+
 @dataclass(frozen=True)
 class PipeAddress:
     """Where and as whom to connect: host and port, or a unix socket `path`."""
@@ -170,10 +183,12 @@ class RedisPipe:
         self._open: _Replies | None = None
         self._opening: asyncio.Future | None = None
 
-    async def call(self, commands: Sequence[tuple]) -> list:
-        """The replies of `commands`, sent as one write. PipeError where the connection
-        fails or a reply is late; ReplyError where Redis refuses a command."""
-        replies = await self._send(b"".join(map(hiredis.pack_command, commands)), len(commands))
+    async def call(self, commands: Sequence[tuple | bytes]) -> list:
+        """The replies of `commands` (each its words, or bytes already in RESP: pack_mget),
+        sent as one write. PipeError where the connection fails or a reply is late;
+        ReplyError where Redis refuses a command."""
+        packed = b"".join(c if isinstance(c, bytes) else hiredis.pack_command(c) for c in commands)
+        replies = await self._send(packed, len(commands))
         for reply in replies:
             if isinstance(reply, hiredis.ReplyError):
                 raise ReplyError(f"redis at {self.address.name()}: {reply}", str(reply))

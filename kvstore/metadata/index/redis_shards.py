@@ -27,16 +27,16 @@ from kvstore.metadata.index.redis_cluster import (
     _replication_id,
 )
 from kvstore.metadata.index.redis_events import EventRelay
+from kvstore.metadata.index.redis_holders import decode, holders_prefix
 from kvstore.metadata.index.redis_index import (
     NO_WAIT,
     SNAPSHOT_SCAN_COUNT,
     RedisIndex,
     _glob_escape,
     _pairs,
-    _parse_holders,
     _round_trip_on,
     _run_and_wait,
-    holders_prefix,
+    id_of_incarnation,
 )
 from kvstore.metadata.index.redis_scripts import SCRIPTS
 from kvstore.metadata.index.redis_shard_scripts import SHARD_SCRIPTS, SHARD_WRITES
@@ -403,14 +403,20 @@ class ShardedRedisIndex(MetadataIndex):
         self, tenant: str, keys: Sequence[bytes], anchor: bytes | None
     ) -> tuple[int, list[bytes]]:
         """The shard a lookup reads and the names of its keys' holder records there."""
+        shard, first, stem = self.lookup_stem(tenant, keys, anchor)
+        return shard, [first, *(stem + key for key in keys[1:])]
+
+    def lookup_stem(
+        self, tenant: str, keys: Sequence[bytes], anchor: bytes | None
+    ) -> tuple[int, bytes, bytes]:
+        """lookup_names as (the shard, the first key's name, what the others' names start
+        with before their key)."""
         if anchor is None:
             shard, rooted = lookup_shard(keys, self.shards), True
         else:
             shard, rooted = shard_of(anchor, self.shards), False
-        stem = self._tags[shard] + b":h:" + tenant.encode() + b"\0"
-        names = [self._holder_name(shard, tenant, keys[0], rooted)]
-        names += [stem + key for key in keys[1:]]
-        return shard, names
+        first = self._holder_name(shard, tenant, keys[0], rooted)
+        return shard, first, self._tags[shard] + b":h:" + tenant.encode() + b"\0"
 
     def _holder_name(self, shard: int, tenant: str, key: bytes, first: bool) -> bytes:
         own = not first or shard_of(key, self.shards) == shard
@@ -519,7 +525,7 @@ class ShardedRedisIndex(MetadataIndex):
                 break
         for name, blob in found:  # applied once the shard's copy is whole (a retry restarts)
             tenant, _, key = name[len(stem) :].partition(b"\0")
-            holdings = _parse_holders.__wrapped__(blob)[1]
+            holdings = decode(blob)[1]
             into = held.setdefault(tenant.decode(), {})
             into[key] = tuple(dict.fromkeys(into.get(key, ()) + holdings))
 
@@ -536,6 +542,13 @@ class ShardedRedisIndex(MetadataIndex):
             b"%d/%s" % (stored, "/".join(replids).encode()), digest_size=8
         ).digest()
         return int.from_bytes(folded, "big") >> 1 | 1
+
+    def index_id(self) -> bytes:
+        """Of P:inc on the events tag (redis_index.py's, of its layout): one round trip."""
+        stored = self._run(
+            self._events, self._events_tag, "incarnation", [secrets.randbits(63) | 1]
+        )
+        return id_of_incarnation(stored)
 
     # ---- events ----------------------------------------------------------------------------
     def events_since(self, from_seq: int, max_events: int) -> EventPage:

@@ -2,7 +2,7 @@
 
 Runs in the metadata service process, on the gRPC loop (an asyncio Protocol). A frame is a
 4-byte little-endian length, then a message. The first frame is a LookupHello (framing version,
-the service instance's id from Describe, bearer token), answered by a status; each later frame
+the instance id from Describe, bearer token), answered by a status; each later frame
 is a LookupRequest, answered by a LookupStreamResponse. A connection is counted from its accept,
 TLS handshake included, until its hello is accepted or it ends, and must say hello within
 HELLO_TIMEOUT_S. Its answers run on the loop, at most FRAMES_PER_TURN before the loop's other
@@ -16,7 +16,6 @@ gets CLOSE_GRACE_S to take its last frames, then is cut.
 from __future__ import annotations
 
 import asyncio
-import hmac
 from typing import TYPE_CHECKING
 
 import grpc
@@ -196,7 +195,7 @@ class LookupConnection(asyncio.Protocol):
             if hello.version != (ours := wire.LOOKUP_FRAMING_VERSION):
                 message = f"LookupHello version {hello.version} is not the service's ({ours})"
                 raise ConfigError(f"{message}; the first frame must be a LookupHello")
-            if not hmac.compare_digest(hello.instance, self.port.instance):
+            if not self.port.accepts(hello.instance):
                 raise LeaseError(
                     "this lookup port is another service instance's than the one "
                     "described; ask Describe again"

@@ -8,8 +8,11 @@ where the index's reads block, `answer_lookup_later`: Redis answers it on the lo
 write: `kvstore bench lookup` prints both beside the machine's raw TCP round trip. The
 trust is the gRPC port's: TLS with the same certificates and client CA, the same bearer tokens
 (sent in the connection's first frame, a LookupHello), and the same slots as LookupStream calls.
-Clients learn the port and this process's instance id from Describe; a hello must carry the id,
-so a client cannot be sent to another service's port (a forwarded or reused port).
+Clients learn the port and the instance id from Describe; a hello must carry the id, so a client
+cannot be sent to another service's port (a forwarded or reused port). The id is the index's
+(`MetadataIndex.index_id`), not the process's: replicas over one Redis index share it, so a client
+that asked one replica behind a Service may be answered on another's port, and the check still
+refuses any other index's service; an embedded index's id is its process's own.
 
 Bounded: connections by their scope's slots, or, until their hello, by MAX_AWAITING_HELLO and
 HELLO_TIMEOUT_S; each by its frame limit, its buffers and its one awaited answer
@@ -22,7 +25,7 @@ unary pool).
 from __future__ import annotations
 
 import asyncio
-import secrets
+import hmac
 import ssl
 from collections.abc import Callable
 
@@ -69,13 +72,26 @@ class LookupPort:
         self.access = access
         self.count_connection = count_connection
         self.max_request_bytes = max_request_bytes
-        self.instance = secrets.token_bytes(16)  # DescribeResponse.instance
+        self.instance = b""  # DescribeResponse.instance (adopt)
+        self.accepted: tuple[bytes, ...] = ()  # hellos' instances taken: it and its predecessor
         self.connections: set[LookupConnection] = set()
         self.awaiting_hello = 0
         self.tls: ssl.SSLContext | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.Server | None = None
         self._sweep_handle: asyncio.TimerHandle | None = None
+
+    def adopt(self, instance: bytes) -> None:
+        """Describe `instance` from now on (the index's id, read at start and re-read while
+        the service runs); a hello carrying the one it replaces is still taken, so clients
+        that asked before a change are not refused while the replicas converge."""
+        if instance != self.instance:
+            self.accepted = (instance, self.instance) if self.instance else (instance,)
+            self.instance = instance
+
+    def accepts(self, instance: bytes) -> bool:
+        """Whether a hello carrying `instance` was meant for this index's services."""
+        return any(hmac.compare_digest(instance, ours) for ours in self.accepted)
 
     @property
     def slots(self) -> StreamSlots:

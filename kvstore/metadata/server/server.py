@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import threading
+import time
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +53,7 @@ BACKENDS = ("lmdb", "memory", "redis", "redis-cluster")
 START_TIMEOUT_S = 30.0
 LEASE_THREADS = 4  # heartbeats' own pool (service.py): 3,000/s at 10,000 nodes, each short
 MIN_MESSAGE_BYTES = 1 << 20  # a full Publish batch (4096 entries) is ~150 KiB
+INDEX_ID_REFRESH_S = 5.0  # how often the lease reaper re-reads the index's id (lookup hellos)
 
 
 @dataclass(frozen=True)
@@ -355,6 +357,7 @@ class MetadataServer:
         )
         self._loop_thread.start()
         try:
+            self.lookup_port.adopt(self.index.index_id())
             self.servicer.loop_lookups = self.index.loop_lookups(self._loop)
             self.port = self._on_loop(self._serve())
         except BaseException:
@@ -455,8 +458,14 @@ class MetadataServer:
         self.metrics_port = self._metrics_http.server_port
 
     def _reap_leases(self) -> None:
+        """Every half of the shortest lease: expire leases; every INDEX_ID_REFRESH_S, follow
+        the index's id."""
         period_s = self.config.limits.min_lease_ttl_ms / 1000 / 2
+        id_read_at = time.monotonic()
         while not self._stopping.wait(period_s):
+            if time.monotonic() - id_read_at >= INDEX_ID_REFRESH_S:
+                id_read_at = time.monotonic()
+                self._follow_index_id()
             try:
                 expired = self.index.expire_leases()
             except Exception:  # the backend may be briefly unreachable; try again next tick
@@ -465,6 +474,20 @@ class MetadataServer:
             for node_id in expired:
                 logger.info("lease of node %s expired; its blocks are unpublished", node_id)
             self.metrics.expired_nodes.inc(len(expired))
+
+    def _follow_index_id(self) -> None:
+        """Re-read the index's id (lookup_port.py): a Redis that lost its data has a new one,
+        which replicas started since describe; this one takes it too, so they converge."""
+        try:
+            index_id = self.index.index_id()
+        except Exception:  # the backend may be briefly unreachable; try again next time
+            logger.exception("reading the index's id failed")
+            return
+        if index_id != self.lookup_port.instance:
+            logger.info("the index has a new id (its state was lost?): lookup hellos follow it")
+            self.lookup_port.adopt(index_id)
+            if self.servicer.lookup_port:
+                self.servicer.lookup_instance = index_id
 
     def stop(self, grace_s: float = 2.0) -> None:
         self._stopping.set()
