@@ -4,13 +4,17 @@ Runs in the benchmark process, with a real node agent as a child process; needs 
 the project (no vLLM, no SGLang). Paged KV sized like Llama-3-8B (32 layers, 8 kv heads, head
 dim 128, bf16, block 16, 256-token chunks) in each of vLLM's six physical layouts, built with
 plain strides; `--chunks` chunks saved into the agent's arena and loaded back through the copy
-engine, bytes compared; beside them, a plain pinned `copy_` of the same bytes each way; and
-the overlap: 32 layer-sized matmuls on the compute stream alone, then while loads run.
+engine (a layer of every chunk in one call: on CUDA, one DMA for the chunks whose pages lie
+side by side), bytes compared; after each such round, a plain `copy_` of the same bytes each
+way between the KV and pinned host memory, the figures `*_vs_copy` being the median of the
+rounds' ratios; and the overlap: 32 layer-sized matmuls on the compute stream alone, then
+while loads run.
 `--device cpu` runs the same code (CI calls it), where streams are no-ops and a thread loads.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import statistics
 import tempfile
@@ -26,7 +30,8 @@ from kvstore.block import HEADER_BYTES
 from kvstore.client import KVStoreClient
 from kvstore.errors import ConfigError
 from kvstore.keys import BlockKey
-from kvstore.kvcopy.engine import ChunkCopier
+from kvstore.kvcopy.engine import ChunkCopier, LayerLoad
+from kvstore.kvcopy.streams import one_thread
 from kvstore.kvcopy.verified import Hasher
 from kvstore.layout import KVLayout
 
@@ -73,6 +78,7 @@ class _Run:
         for layer in self.target:
             layer.zero_()
         self.copier = ChunkCopier(layout, block, device)
+        self.uploads = 0  # the copier's uploads (DMAs into staging) in its last load
 
     def blocks(self, chunk: int) -> list[int]:
         return list(range(chunk * self.per_chunk, (chunk + 1) * self.per_chunk))
@@ -98,19 +104,27 @@ class _Run:
 
     def load(self, keys: list[BlockKey], layer_done=None) -> tuple[float, bool]:
         started = time.perf_counter()
+        uploads = self.copier.streams.uploads
         loaded = self.client.load("bench", keys, verify=False)
         indexes = self.indexes()
         digests = [Hasher() for _ in keys]
         self.copier.after_compute()
         for layer, paged in enumerate(self.target):
             start, stop = self.layout.layer_range(layer)
-            for chunk, payload in enumerate(loaded.payloads):
-                self.copier.load_layer(payload[start:stop], digests[chunk], paged, indexes[chunk])
+            self.copier.load_layers(
+                [
+                    LayerLoad(payload[start:stop], digest, paged, index)
+                    for payload, digest, index in zip(
+                        loaded.payloads, digests, indexes, strict=True
+                    )
+                ]
+            )
             self.copier.record(layer)
             if layer_done is not None:
                 layer_done(layer)
         self.copier.synchronize()
         elapsed = time.perf_counter() - started
+        self.uploads = self.copier.streams.uploads - uploads
         verified = len(loaded) == len(keys) and all(
             d.intdigest() == c for d, c in zip(digests, loaded.checksums, strict=True)
         )
@@ -121,23 +135,40 @@ class _Run:
         return all(torch.equal(s, t) for s, t in zip(self.source, self.target, strict=True))
 
 
-def _copy_limit_s(num_bytes: int, device: torch.device, runs: int) -> tuple[float, float]:
-    """Median seconds of a plain copy_ of `num_bytes` device -> pinned host and back."""
-    pinned = device.type == "cuda"
-    host = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=pinned)
-    there = torch.empty(num_bytes, dtype=torch.uint8, device=device)
-    out, back = [], []
-    for _ in range(runs + 1):
-        _sync(device)
+class _CopyLimit:
+    """A plain copy_ of a round's bytes, from its source KV (one allocation) into pinned host
+    memory and back into its target KV, timed right after the round's save and load, under
+    the same load from the rest of the host (on a shared one, what other work leaves free
+    changes from minute to minute: one baseline taken after every round would compare
+    moments, not copies). On the CPU on one thread, as the copy engine copies
+    (kvcopy/streams.py `one_thread`): torch's pool would time two threads against one."""
+
+    def __init__(self, num_bytes: int, device: torch.device) -> None:
+        self.device = device
+        self.pinned = device.type == "cuda"
+        self.host = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=self.pinned)
+        self.host.zero_()  # its pages exist before the first timed copy
+
+    def seconds(self, run: _Run) -> tuple[float, float]:
+        """Seconds of the copy device -> host, and host -> device, of `run`'s bytes."""
+        source, target = _bytes_of(run.source), _bytes_of(run.target)
+        with contextlib.nullcontext() if self.pinned else one_thread():
+            out = self._timed(self.host, source)
+            back = self._timed(target, self.host)
+        return out, back
+
+    def _timed(self, destination: torch.Tensor, source: torch.Tensor) -> float:
+        _sync(self.device)
         started = time.perf_counter()
-        host.copy_(there, non_blocking=pinned)
-        _sync(device)
-        out.append(time.perf_counter() - started)
-        started = time.perf_counter()
-        there.copy_(host, non_blocking=pinned)
-        _sync(device)
-        back.append(time.perf_counter() - started)
-    return statistics.median(out[1:]), statistics.median(back[1:])
+        destination.copy_(source, non_blocking=self.pinned)
+        _sync(self.device)
+        return time.perf_counter() - started
+
+
+def _bytes_of(layers: list[torch.Tensor]) -> torch.Tensor:
+    """The one allocation `paged_layers` made, as flat bytes."""
+    storage = layers[0].untyped_storage()
+    return torch.empty(0, dtype=torch.uint8, device=layers[0].device).set_(storage)
 
 
 def _matmuls_s(device: torch.device, size: int, count: int) -> float:
@@ -161,6 +192,12 @@ def _overlap(run: _Run, keys, matmul_size: int, layers: int) -> tuple[float, flo
     beside = _matmuls_s(run.device, matmul_size, layers)
     loader.join()
     return alone, beside
+
+
+def _paired(copy_s: list[float], engine_s: list[float]) -> float:
+    """The median over rounds of the plain copy's seconds over the engine's, each pair
+    measured back to back."""
+    return statistics.median(c / e for c, e in zip(copy_s, engine_s, strict=True))
 
 
 def _device(name: str) -> torch.device:
@@ -198,31 +235,35 @@ def run_gpu(device: str = "cuda", chunks: int = 64, runs: int = 3, quick: bool =
 
 def _measure(client, layout, block, chunks, layouts, device, runs, quick) -> dict:
     total = layout.payload_bytes * chunks
-    save_s, load_s, equal, verified = [], [], True, True
-    run = None
+    times = {"save": [], "load": [], "out": [], "back": []}
+    equal, verified, run = True, True, None
+    limit = _CopyLimit(total, device)
     for round_, name in enumerate(layouts * runs):
+        run = None  # the last round's KV goes before the next round's is made
         run = _Run(client, layout, block, chunks, LAYOUTS[name], device)
         keys = [BlockKey((round_ * 1000 + i).to_bytes(16, "little")) for i in range(chunks)]
-        save_s.append(run.save(keys))
+        times["save"].append(run.save(keys))
         elapsed, ok = run.load(keys)
-        load_s.append(elapsed)
+        times["load"].append(elapsed)
         equal &= run.bytes_equal()
         verified &= ok
-    out_s, back_s = _copy_limit_s(total, device, runs)
+        out, back = limit.seconds(run)  # after the comparison: it overwrites the target
+        times["out"].append(out)
+        times["back"].append(back)
     alone, beside = _overlap(run, keys, 256 if quick else 4096, layout.num_layers)
-    save, load = gbps(total, statistics.median(save_s)), gbps(total, statistics.median(load_s))
-    copy_out, copy_in = gbps(total, out_s), gbps(total, back_s)
+    rates = {name: gbps(total, statistics.median(values)) for name, values in times.items()}
     return {
         "device": str(device),
         "layouts": layouts,
         "chunks": chunks,
         "payload_bytes": layout.payload_bytes,
-        "save_GBps": save,
-        "load_GBps": load,
-        "copy_d2h_GBps": copy_out,
-        "copy_h2d_GBps": copy_in,
-        "save_vs_copy": save / copy_out,
-        "load_vs_copy": load / copy_in,
+        "save_GBps": rates["save"],
+        "load_GBps": rates["load"],
+        "copy_d2h_GBps": rates["out"],
+        "copy_h2d_GBps": rates["back"],
+        "load_uploads_per_layer": run.uploads / layout.num_layers,
+        "save_vs_copy": _paired(times["out"], times["save"]),
+        "load_vs_copy": _paired(times["back"], times["load"]),
         "matmuls_alone_s": alone,
         "matmuls_with_loads_s": beside,
         "compute_slowdown": beside / alone - 1,

@@ -4,66 +4,74 @@ paged layer (any device, any strides; see paged.py). A prompt's tail (a block of
 than a chunk) goes through the same buffers, with its own layout (KVLayout.with_tokens).
 
 Runs in the worker (the connectors' worker halves) and in `kvstore bench gpu`. One code path
-for every device (but the CPU's raw loads, below); only its `Streams` (streams.py) differ: on
+for every device (but the CPU's raw copies, below); only its `Streams` (streams.py) differ: on
 the CPU each step runs at once, on CUDA it is queued on the copier's stream. A layer moves
 in a constant number of device operations, whatever the number of blocks per chunk: one
 indexed gather (`index_select`) or scatter (`index_copy_`) per K and V, over a `BlockIndex`
-built once per chunk and step, on views that read the head-dim axis as 8-byte words (a
-bitwise copy with 4-8x fewer elements).
+(index.py) built once per chunk and step, on views that read the head-dim axis as 8-byte
+words (a bitwise copy with 4-8x fewer elements).
 - A load stages the page's bytes privately (hashed beside the DMA on CUDA), decodes them in
-  place (raw) or into the canonical buffer (fp8), and scatters. On the CPU a raw load skips
-  the staging pass: each engine block's K and V go straight from the page into the engine,
-  hashed as copied (a transposed K through an L1 tile: kvstore/native/copyhash.c), one
-  host copy per run of consecutive engine blocks: half the bytes that staging then
+  place (raw) or into the canonical buffer (fp8), and scatters. `load_layers` takes a layer
+  of several chunks: their pages that lie at one stride in the arena go up in one DMA
+  (batches.py, dma.py), each still hashed into its own chunk's digest. On the CPU a raw load
+  skips the staging pass: each engine block's K and V go straight from the page into the
+  engine, hashed as copied (a transposed K through an L1 tile: kvstore/native/copyhash.c),
+  one host copy per run of consecutive engine blocks: half the bytes that staging then
   scattering move.
 - A save gathers into the canonical buffer, encodes it into staging (raw: the same bytes),
-  and writes staging into the reserved page (hashed as written on the CPU).
+  and writes staging into the reserved page (hashed as written on the CPU). On the CPU a raw
+  save whose K and V rows are contiguous goes the other way of a raw load: engine blocks
+  straight into the page, hashed as written (a K kept transposed is gathered by torch).
 Buffers are allocated once per copier and reused: a step allocates nothing per layer.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 import torch
 
 from kvstore.codec import decode_layer, encode_layer
 from kvstore.errors import ConfigError
+from kvstore.kvcopy.batches import LayerLoad, batches, page_rows
+from kvstore.kvcopy.host import EngineViews, items
+from kvstore.kvcopy.index import BlockIndex, block_runs
 from kvstore.kvcopy.paged import PagedLayer, kv_views
 from kvstore.kvcopy.streams import streams_for
 from kvstore.kvcopy.verified import Hasher
 from kvstore.layout import KVLayout
 
+__all__ = ["UPLOAD_BATCH_BYTES", "BlockIndex", "ChunkCopier", "LayerLoad"]
 
-@dataclass(frozen=True)
-class BlockIndex:
-    """Which engine blocks a stored block's positions fill: `blocks` (on the device) holds the
-    engine block of each position in [first, stop) of the stored block. `runs`, for host
-    copies: every position of the stored block as (start, stop, first engine block) runs of
-    consecutive engine blocks, the first engine block None where a run is not filled."""
-
-    blocks: torch.Tensor
-    first: int
-    stop: int
-    runs: tuple[tuple[int, int, int | None], ...] = ()
-
-    def __len__(self) -> int:
-        return self.stop - self.first
+# The most a layer's batched upload moves in one DMA (one device buffer of this size, made on
+# the first batched load): 16 chunk layers of Llama-3-8B, past where a DMA reaches the link's
+# speed, while a request's later chunks still pipeline with its earlier layers' attention.
+UPLOAD_BATCH_BYTES = 16 << 20
 
 
 class ChunkCopier:
     """Copies chunk layers of one layout for one engine. Not thread-safe: one per thread."""
 
-    def __init__(self, layout: KVLayout, block_size: int, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        layout: KVLayout,
+        block_size: int,
+        device: torch.device | str,
+        upload_batch_bytes: int = UPLOAD_BATCH_BYTES,
+    ) -> None:
         self.layout = layout
         self.block_size = block_size
         self.device = torch.device(device)
         self.streams = streams_for(self.device)
+        self.upload_batch_bytes = upload_batch_bytes
         self._staging = torch.empty(layout.layer_bytes, dtype=torch.uint8, device=self.device)
         self._decoded_flat = torch.empty(
             layout.layer_elements, dtype=layout.torch_dtype, device=self.device
         )
+        self._batch: torch.Tensor | None = None  # made by the first batched upload
+        self._engine_views = EngineViews()  # host copies' views of the engine's layers
 
     @property
     def on_cuda(self) -> bool:
@@ -77,7 +85,7 @@ class ChunkCopier:
         if keep.step != 1 or keep.start < 0 or keep.stop > len(blocks):
             raise ValueError(f"positions {keep} are not a run within {len(blocks)} blocks")
         host = torch.tensor([blocks[i] for i in keep], dtype=torch.int64)
-        runs = _runs(blocks, keep)
+        runs = block_runs(blocks, keep)
         return BlockIndex(self.streams.index(host), keep.start, keep.stop, runs)
 
     # ---- loads -----------------------------------------------------------------------------
@@ -94,40 +102,65 @@ class ChunkCopier:
         with the block's checksum once every layer of the chunk was copied, and `streams`
         synchronized: a mismatch means the KV written is not the block's and must be
         recomputed). `layout`: a tail's (fewer tokens), else the chunk's."""
-        layout = self._checked(layout)
-        if self.streams.in_place and layout.codec == "raw":
-            self._load_in_place(page, hasher, paged, index, layout)
-            return
-        staging = self._staging[: layout.layer_bytes]
-        with self.streams.submitting():
-            self.streams.upload(staging, page, hasher)
-            if len(index):
-                self._scatter(self._decode(layout, staging), paged, index)
+        self._load([LayerLoad(page, hasher, paged, index, self._checked(layout))])
 
-    def _load_in_place(
-        self,
-        page: torch.Tensor,
-        hasher: Hasher,
-        paged: PagedLayer,
-        index: BlockIndex,
-        layout: KVLayout,
-    ) -> None:
+    def load_layers(self, loads: Sequence[LayerLoad]) -> None:
+        """`load_layer` for each of `loads`, chunk layers of one layer, in their order: the
+        same copies, each chunk's hasher fed as `load_layer` feeds it. Where the streams stage
+        loads (CUDA), the pages of consecutive loads that lie at one stride in one host
+        buffer (arena pages next to each other, the same layout) are uploaded by one DMA, up
+        to `upload_batch_bytes`; on the CPU, raw pages still go straight into the engine."""
+        self._load([replace(load, layout=self._checked(load.layout)) for load in loads])
+
+    def _load(self, loads: Sequence[LayerLoad]) -> None:
+        """`load_layers` of loads whose layouts are named and checked."""
+        staged = []
+        for load in loads:
+            if self.streams.in_place and load.layout.codec == "raw":
+                self._load_in_place(load)
+            else:
+                staged.append(load)
+        limit = self.upload_batch_bytes if self.streams.strided_uploads else 0
+        for run in batches(staged, limit):
+            self._load_staged(run)
+
+    def _load_staged(self, run: list[LayerLoad]) -> None:
+        """One upload of the run's pages into rows of staging, then each chunk decoded and
+        scattered from its row."""
+        layout = run[0].layout
+        with self.streams.submitting():
+            rows = self._rows(len(run), layout.layer_bytes)
+            self.streams.upload(rows, page_rows(run), [load.hasher for load in run])
+            for row, load in zip(rows, run, strict=True):
+                if len(load.index):
+                    self._scatter(self._decode(layout, row), load.paged, load.index)
+
+    def _rows(self, count: int, row_bytes: int) -> torch.Tensor:
+        """[count, row_bytes] of staging: the layer buffer for one row, else the batch buffer
+        (made once, on the copier's stream, which alone uses it)."""
+        if count == 1:
+            return self._staging[:row_bytes].view(1, row_bytes)
+        if self._batch is None:
+            self._batch = torch.empty(
+                self.upload_batch_bytes, dtype=torch.uint8, device=self.device
+            )
+        return self._batch[: count * row_bytes].view(count, row_bytes)
+
+    def _load_in_place(self, load: LayerLoad) -> None:
         """Host memory, raw payloads: K, then V, of each engine block straight from the page,
         hashed as copied (a K kept as [head][dim][token] is transposed on the way: see
         kvstore/native/copyhash.c); positions the engine has already go into staging, so
         the digest still covers every byte of the layer, each byte as it was copied."""
-        stored = _items(page, layout.torch_dtype).reshape(layout.layer_shape)
-        spare = _items(self._staging[: layout.layer_bytes], layout.torch_dtype)
-        spare = spare.reshape(layout.layer_shape)
-        for part, view in enumerate(kv_views(paged)):
-            engine = _items(view, view.dtype)
-            source = stored[part].reshape(-1, self.block_size, *stored.shape[2:])
-            unfilled = spare[part].reshape(source.shape)
-            for start, stop, block in index.runs:
-                target = (
-                    unfilled[start:stop] if block is None else engine[block : block + stop - start]
-                )
-                hasher.copy(target, source[start:stop])
+        layout = load.layout
+        stored = self._by_blocks(load.page, layout)
+        spare = self._by_blocks(self._staging[: layout.layer_bytes], layout)
+        for part, engine in enumerate(self._engine_views(load.paged)):
+            for start, stop, block in load.index.runs:
+                source = stored[part, start:stop]
+                if block is None:
+                    load.hasher.copy(spare[part, start:stop], source)
+                else:
+                    load.hasher.copy(engine[block : block + stop - start], source)
 
     def _decode(self, layout: KVLayout, staging: torch.Tensor) -> torch.Tensor:
         if layout.codec == "raw":
@@ -158,6 +191,9 @@ class ChunkCopier:
         layout = self._checked(layout)
         if index.first != 0 or len(index) * self.block_size != layout.chunk_tokens:
             raise ValueError(f"a save fills every position of its block, not {index.first}..")
+        if self.streams.in_place and layout.codec == "raw" and self._rows_dense(paged):
+            self._save_in_place(paged, index, page, hasher, layout)
+            return
         staging = self._staging[: layout.layer_bytes]
         with self.streams.submitting():
             canonical = self._canonical_for(layout, staging)
@@ -165,6 +201,32 @@ class ChunkCopier:
             if layout.codec != "raw":
                 encode_layer(layout, canonical, staging)
             self.streams.download(page, staging, hasher)
+
+    def _save_in_place(
+        self,
+        paged: PagedLayer,
+        index: BlockIndex,
+        page: torch.Tensor,
+        hasher: Hasher | None,
+        layout: KVLayout,
+    ) -> None:
+        """Host memory, raw payloads: K, then V, of each run of consecutive engine blocks
+        straight into the reserved page, hashed as written (the mirror of `_load_in_place`):
+        one pass over the bytes, where gathering into staging and then writing it out took
+        two. A page under reservation is this worker's alone until it commits."""
+        stored = self._by_blocks(page, layout)
+        for part, engine in enumerate(self._engine_views(paged)):
+            for start, stop, block in index.runs:
+                source = engine[block : block + stop - start]
+                if hasher is None:
+                    np.copyto(stored[part, start:stop], source)
+                else:
+                    hasher.copy(stored[part, start:stop], source)
+
+    def _by_blocks(self, flat: torch.Tensor, layout: KVLayout) -> np.ndarray:
+        """A flat uint8 host layer as [2, blocks, block_size, kv_heads, head_dim] items."""
+        shape = (2, -1, self.block_size, layout.num_kv_heads, layout.head_dim)
+        return items(flat, layout.torch_dtype).reshape(shape)
 
     def _canonical_for(self, layout: KVLayout, staging: torch.Tensor) -> torch.Tensor:
         """Where a save gathers: staging itself for raw payloads, else the decoded buffer."""
@@ -187,6 +249,11 @@ class ChunkCopier:
 
     def _decoded(self, layout: KVLayout) -> torch.Tensor:
         return self._decoded_flat[: layout.layer_elements].view(layout.layer_shape)
+
+    def _rows_dense(self, paged: PagedLayer) -> bool:
+        """Whether K's and V's head-dim axes are contiguous (runs of a row each, which the
+        host copies move at memory speed; a K kept transposed is gathered by torch)."""
+        return all(view.strides[-1] == view.itemsize for view in self._engine_views(paged))
 
     def _by_block(self, part: torch.Tensor) -> torch.Tensor:
         """One of K or V, [tokens, kv_heads, head_dim], as [blocks, block_size, ...] (a view)."""
@@ -211,34 +278,7 @@ class ChunkCopier:
         self.streams.synchronize()
 
 
-def _runs(blocks: list[int], keep: range) -> tuple[tuple[int, int, int | None], ...]:
-    """Positions 0..len(blocks) as (start, stop, first engine block) runs: consecutive engine
-    blocks within `keep` make one run (one host copy), positions outside it runs of None."""
-    runs = [(0, keep.start, None)] if keep.start else []
-    for position in keep:
-        start, stop, block = runs[-1] if runs else (0, 0, None)
-        if block is not None and stop == position and blocks[position] == block + stop - start:
-            runs[-1] = (start, position + 1, block)
-        else:
-            runs.append((position, position + 1, blocks[position]))
-    if keep.stop < len(blocks):
-        runs.append((keep.stop, len(blocks), None))
-    return tuple(runs)
-
-
 _WORDS = (torch.int64, torch.int32, torch.int16)
-_ITEMS = {1: (torch.uint8, np.uint8), 2: (torch.int16, np.int16), 4: (torch.int32, np.int32)}
-_ITEMS[8] = (torch.int64, np.int64)
-
-
-def _items(tensor: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
-    """A host tensor's items of `dtype` (a flat uint8 one's: its bytes read as `dtype`) as a
-    numpy array of integers of their size, sharing its memory: what Hasher.copy takes, for
-    any dtype (numpy has no bfloat16) and any strides."""
-    torch_items, numpy_items = _ITEMS[dtype.itemsize]
-    if tensor.dtype == torch.uint8:
-        return tensor.numpy().view(numpy_items)
-    return tensor.view(torch_items).numpy()
 
 
 def _as_words(*views: torch.Tensor) -> tuple[torch.Tensor, ...]:

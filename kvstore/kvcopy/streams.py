@@ -3,16 +3,19 @@
 The copy engine (engine.py) runs the same loads and saves on every device; a `Streams` object
 says where each step goes and how bytes cross between the host page and the device:
 - `HostStreams` (the CPU): everything runs at once, on the calling thread alone (not torch's
-  thread pool); a raw page's bytes are copied into the engine's blocks (else into the private
-  staging buffer) and hashed in the same pass (kvcopy.verified), so the digest is of the copy
-  that becomes KV.
+  thread pool); a raw page's bytes are copied into the engine's blocks, and a raw save's
+  engine blocks into the reserved page (else through the private staging buffer), hashed in
+  the same pass (kvcopy.verified), so the digest is of the copy that becomes KV (or is
+  stored).
 - `CudaStreams`: copies are queued on the copier's own stream and ordered against the compute
   stream by one event per layer, so the forward waits on the device, never on the host. A
-  load DMAs the pinned page into device staging and, beside the DMA, a verifier thread hashes
-  the same page (it cannot change while pinned); a save DMAs into the reserved page, and the
-  verifier thread hashes it once the DMA's event completes. Verification costs no pass on the
-  forward's thread, and the agent need not hash a save at commit. `synchronize` (and a step's
-  `StepDone`) waits for the copies and the hashes.
+  load DMAs the pinned page into device staging (the same layer of several chunks whose pages
+  lie at one stride in the arena: one strided DMA, dma.py) and, beside the DMA, a verifier
+  thread hashes each page into its chunk's hasher (it cannot change while pinned); a save
+  DMAs into the reserved page, and the verifier thread hashes it once the DMA's event
+  completes. Verification costs no pass on the forward's thread, and the agent need not hash
+  a save at commit. `synchronize` (and a step's `StepDone`) waits for the copies and the
+  hashes.
 
 Runs in the worker (the connectors' worker halves) and in `kvstore bench gpu`.
 """
@@ -20,12 +23,14 @@ Runs in the worker (the connectors' worker halves) and in `kvstore bench gpu`.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from kvstore.block import as_buffer
+from kvstore.kvcopy import dma
+from kvstore.kvcopy.batches import PageRows
 from kvstore.kvcopy.verified import Hasher, copy_hashed
 
 
@@ -34,16 +39,23 @@ class HostStreams:
     page into the engine's blocks in place, hashed as copied (no staging pass), unless made
     with `in_place=False` (the staged path every device shares, as tests exercise it)."""
 
+    strided_uploads = True  # `upload` takes rows at any stride
+
     def __init__(self, in_place: bool = True) -> None:
         self.in_place = in_place
+        self.uploads = 0  # calls of `upload`: what a device would DMA
 
     def submitting(self) -> contextlib.AbstractContextManager:
-        """Torch's copies on this thread alone: see `_one_thread`."""
-        return _one_thread()
+        """Torch's copies on this thread alone: see `one_thread`."""
+        return one_thread()
 
-    def upload(self, staging: torch.Tensor, page: torch.Tensor, hasher: Hasher) -> None:
-        """Copy a page's bytes into `staging`, feeding `hasher` with the bytes copied."""
-        copy_hashed(staging, page, hasher)
+    def upload(self, rows: torch.Tensor, pages: PageRows, hashers: Sequence[Hasher]) -> None:
+        """Copy each of `pages` into its row of `rows` ([len(pages), row bytes]), feeding its
+        hasher with the bytes copied (the bytes that then become KV). Counted as one upload:
+        what the device does in one DMA."""
+        self.uploads += 1
+        for row, page, hasher in zip(rows, pages.pages, hashers, strict=True):
+            copy_hashed(row, page, hasher)
 
     def index(self, host: torch.Tensor) -> torch.Tensor:
         """A small host tensor (block ids) where the copies read it."""
@@ -80,6 +92,8 @@ class CudaStreams:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.strided_uploads = dma.available()
+        self.uploads = 0
         self.stream = torch.cuda.Stream(device)
         self._events: dict[int, torch.cuda.Event] = {}
         self._verifier = ThreadPoolExecutor(1, thread_name_prefix="kvstore-verify")
@@ -88,9 +102,16 @@ class CudaStreams:
     def submitting(self) -> contextlib.AbstractContextManager:
         return torch.cuda.stream(self.stream)
 
-    def upload(self, staging: torch.Tensor, page: torch.Tensor, hasher: Hasher) -> None:
-        staging.copy_(page, non_blocking=True)
-        self._hashing.append(self._verifier.submit(hasher.update, as_buffer(page)))
+    def upload(self, rows: torch.Tensor, pages: PageRows, hashers: Sequence[Hasher]) -> None:
+        """One DMA of every page into its row (a strided one for several), each page hashed
+        beside it into its own hasher (a pinned page cannot change while pinned)."""
+        self.uploads += 1
+        if len(pages) == 1:
+            rows[0].copy_(pages.pages[0], non_blocking=True)
+        else:
+            dma.upload_rows(rows, pages.pages[0], pages.stride_bytes, self.stream)
+        for page, hasher in zip(pages.pages, hashers, strict=True):
+            self._hashing.append(self._verifier.submit(hasher.update, as_buffer(page)))
 
     def index(self, host: torch.Tensor) -> torch.Tensor:
         """Through pinned memory: a copy from pageable memory would wait for the current
@@ -155,7 +176,7 @@ def _hash_when_copied(copied: torch.cuda.Event, hasher: Hasher, page: torch.Tens
 
 
 @contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
+def one_thread() -> Iterator[None]:
     """Run the torch operations inside on the calling thread, not fanned out to torch's
     intra-op pool: a chunk layer is a few hundred KiB to a few MiB, which one core copies at
     memory speed, while a parallel region needs every pool thread scheduled at once and, on a

@@ -407,6 +407,33 @@ static inline int next_outer(odometer *o, const Py_buffer *dst, int axes, Py_ssi
 }
 
 #ifdef HAVE_AVX2_PATH
+/* Short runs at scattered addresses (a K or V row of 256 bytes, the next one a head or a
+ * block away) defeat the hardware's stream prefetch: each run's first bytes, both where it
+ * is read and where it is written, are fetched this many runs ahead (a run's own prefetch,
+ * PREFETCH_BYTES ahead, covers the rest of a long one). */
+#define PREFETCH_RUNS 8
+
+__attribute__((target("avx2"))) static inline void prefetch_run(const xxh_u8 *to,
+                                                               const xxh_u8 *from,
+                                                               Py_ssize_t run_bytes) {
+    Py_ssize_t reach = run_bytes < PREFETCH_BYTES ? run_bytes : PREFETCH_BYTES;
+    for (Py_ssize_t offset = 0; offset < reach; offset += STRIPE) {
+        _mm_prefetch((const char *)from + offset, _MM_HINT_T0);
+        _mm_prefetch((const char *)to + offset, _MM_HINT_T0);
+    }
+}
+
+/* Whether a run's next one (along the innermost walked axis) starts more than a run past
+ * its end in either buffer: where the hardware's prefetch loses the stream (K rows of vLLM's
+ * head-major layouts, a head's block apart); rows a V apart (token-major) it follows. */
+static int scattered_runs(const Py_buffer *dst, const Py_buffer *src, const copy_plan *plan) {
+    if (plan->outer_dims == 0) return 0;
+    int axis = plan->outer_dims - 1;
+    Py_ssize_t to = dst->strides[axis] < 0 ? -dst->strides[axis] : dst->strides[axis];
+    Py_ssize_t from = src->strides[axis] < 0 ? -src->strides[axis] : src->strides[axis];
+    return to > 2 * plan->run_bytes || from > 2 * plan->run_bytes;
+}
+
 /* A copy whose runs are whole stripes, after whole stripes (nothing buffered) and past the
  * short-input bound: one fused pass, the accumulators in registers from run to run, so a run
  * of 256 bytes (one kv head's row of a token) costs no call. The last stripe is final. */
@@ -419,8 +446,16 @@ __attribute__((target("avx2"))) static void copy_runs_avx2(hash_state *s, const 
     size_t per_run = (size_t)plan->run_bytes / STRIPE;
     size_t left = (size_t)plan->total_bytes / STRIPE;
     odometer o = {.to = dst->buf, .from = src->buf};
+    odometer ahead = o; /* PREFETCH_RUNS runs further on: its bytes are fetched early */
+    int more_ahead = scattered_runs(dst, src, plan);
+    for (int k = 0; k < PREFETCH_RUNS && more_ahead; k++)
+        more_ahead = next_run(&ahead, dst, src, plan->outer_dims);
     xxh_u8 *last_run;
     do {
+        if (more_ahead) {
+            prefetch_run(ahead.to, ahead.from, plan->run_bytes);
+            more_ahead = next_run(&ahead, dst, src, plan->outer_dims);
+        }
         xxh_u8 *to = last_run = o.to;
         const xxh_u8 *from = o.from;
         for (size_t i = 0; i < per_run; i++, to += STRIPE, from += STRIPE) {

@@ -10,7 +10,7 @@ import torch
 import xxhash
 
 from kvstore.bench.gpu import LAYOUTS, paged_layers
-from kvstore.kvcopy.engine import ChunkCopier
+from kvstore.kvcopy.engine import ChunkCopier, LayerLoad
 from kvstore.kvcopy.verified import Hasher
 from kvstore.layout import KVLayout
 
@@ -21,8 +21,8 @@ CUDA = torch.device("cuda")
 SLEEP_CYCLES = 200_000_000  # ~0.1 s of a GPU's clock: long enough to lose any race
 
 
-def layout_of(codec: str) -> KVLayout:
-    return KVLayout(4, 4, 128, "bfloat16", chunk_tokens=256, codec=codec)
+def layout_of(codec: str, chunk_tokens: int = 256) -> KVLayout:
+    return KVLayout(4, 4, 128, "bfloat16", chunk_tokens=chunk_tokens, codec=codec)
 
 
 def filled(layout: KVLayout, order, device, seed: int | None) -> list[torch.Tensor]:
@@ -161,3 +161,93 @@ def test_the_copies_of_a_chunk_layer_do_not_grow_with_its_blocks():
         return sum(1 for event in profiled.events() if event.device_type.name == "CUDA")
 
     assert kernels(1) == kernels(64)
+
+
+CHUNK_TOKENS = 4 * BLOCK  # the side-by-side tests: four chunks of four blocks
+
+
+def saved_side_by_side(layout: KVLayout, chunks: int, source) -> tuple[torch.Tensor, list[int]]:
+    """`chunks` chunks of `source` saved on the CPU into pinned pages side by side (an arena,
+    a 4 KiB header before each payload), and each payload's checksum."""
+    page_bytes = 4096 + layout.payload_bytes
+    arena = torch.zeros(chunks * page_bytes, dtype=torch.uint8).pin_memory()
+    copier = ChunkCopier(layout, BLOCK, "cpu")
+    sums = []
+    for chunk in range(chunks):
+        payload = arena[chunk * page_bytes + 4096 : (chunk + 1) * page_bytes]
+        index = copier.block_index(SAVED_FROM[chunk * 4 : chunk * 4 + 4])
+        for layer, paged in enumerate(source):
+            start, stop = layout.layer_range(layer)
+            copier.save_layer(paged, index, payload[start:stop], None)
+        sums.append(xxhash.xxh3_64_intdigest(payload.numpy()))
+    return arena.view(chunks, page_bytes)[:, 4096:], sums
+
+
+def load_side_by_side(copier: ChunkCopier, payloads, order: list[int], layers) -> list[int]:
+    """A layer of the chunks in `order` per call, into LOADED_INTO; each chunk's digest."""
+    layout = copier.layout
+    indexes = [copier.block_index(LOADED_INTO[chunk * 4 : chunk * 4 + 4]) for chunk in order]
+    hashers = [Hasher() for _ in order]
+    copier.after_compute()
+    for layer, paged in enumerate(layers):
+        start, stop = layout.layer_range(layer)
+        loads = [
+            LayerLoad(payloads[chunk][start:stop], hasher, paged, index)
+            for chunk, hasher, index in zip(order, hashers, indexes, strict=True)
+        ]
+        copier.load_layers(loads)
+        copier.record(layer)
+    copier.synchronize()
+    return [hasher.intdigest() for hasher in hashers]
+
+
+@pytest.mark.parametrize("codec", ["raw", "fp8"])
+@pytest.mark.parametrize(("order", "uploads"), [([0, 1, 2, 3], 1), ([3, 2, 1, 0], 4)])
+def test_chunks_side_by_side_load_in_one_dma_per_layer(codec, order, uploads):
+    """Four chunks' pages side by side go up in one strided DMA per layer (in the reverse
+    order, one each), land where the CPU's copies put them, and each digest is its own
+    page's checksum."""
+    layout = layout_of(codec, CHUNK_TOKENS)
+    on_cpu = filled(layout, LAYOUTS["BLNHC"], "cpu", seed=5)
+    payloads, sums = saved_side_by_side(layout, 4, on_cpu)
+    targets = {device: filled(layout, LAYOUTS["BLNHC"], device, None) for device in ("cpu", CUDA)}
+    cpu_digests = load_side_by_side(
+        ChunkCopier(layout, BLOCK, "cpu"), payloads, order, targets["cpu"]
+    )
+    copier = ChunkCopier(layout, BLOCK, CUDA)
+    digests = load_side_by_side(copier, payloads, order, targets[CUDA])
+    assert copier.streams.uploads == uploads * layout.num_layers
+    assert digests == cpu_digests == [sums[chunk] for chunk in order]
+    for cpu_layer, gpu_layer in zip(targets["cpu"], targets[CUDA], strict=True):
+        assert torch.equal(gpu_layer.cpu(), cpu_layer)
+
+
+def test_a_corrupted_page_in_a_batched_dma_fails_its_own_chunk():
+    layout = layout_of("raw", CHUNK_TOKENS)
+    payloads, sums = saved_side_by_side(layout, 4, filled(layout, LAYOUTS["LBHNC"], "cpu", 6))
+    payloads[1][layout.layer_range(2)[0] + 7] ^= 0xFF
+    copier = ChunkCopier(layout, BLOCK, CUDA)
+    target = filled(layout, LAYOUTS["LBHNC"], CUDA, None)
+    digests = load_side_by_side(copier, payloads, [0, 1, 2, 3], target)
+    assert copier.streams.uploads == layout.num_layers
+    assert [d == s for d, s in zip(digests, sums, strict=True)] == [True, False, True, True]
+
+
+def test_a_batched_dma_is_fewer_host_to_device_copies():
+    """Counted by the profiler: the copies from host to device of four chunks' layers, side by
+    side (one per layer) and in the reverse order (four per layer)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    layout = layout_of("raw", CHUNK_TOKENS)
+    payloads, _ = saved_side_by_side(layout, 4, filled(layout, LAYOUTS["LBHNC"], "cpu", 7))
+    target = filled(layout, LAYOUTS["LBHNC"], CUDA, None)
+
+    def host_to_device(order: list[int]) -> int:
+        copier = ChunkCopier(layout, BLOCK, CUDA)
+        load_side_by_side(copier, payloads, order, target)  # warm: indexes, buffers
+        with profile(activities=[ProfilerActivity.CUDA]) as profiled:
+            load_side_by_side(copier, payloads, order, target)
+        names = [event.name for event in profiled.events() if event.device_type.name == "CUDA"]
+        return sum(1 for name in names if "HtoD" in name)
+
+    assert host_to_device([0, 1, 2, 3]) < host_to_device([3, 2, 1, 0])

@@ -46,9 +46,11 @@ def vllm_views(layout: KVCacheLayout, seed: int | None) -> list[torch.Tensor]:
     return views
 
 
-def save_chunk(views, blocks) -> torch.Tensor:
+def save_chunk(views, blocks, in_place: bool = True) -> torch.Tensor:
+    """Save from `views`; `in_place=False`: the staged path every device shares."""
     payload = torch.zeros(LAYOUT.payload_bytes, dtype=torch.uint8)
     copier = ChunkCopier(LAYOUT, BLOCK, "cpu")
+    copier.streams = HostStreams(in_place=in_place)
     hasher = Hasher()
     for layer, view in enumerate(views):
         start, stop = LAYOUT.layer_range(layer)
@@ -77,7 +79,7 @@ def load_chunk(payload, views, blocks, keep: range, in_place: bool = True) -> in
 @pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "staged"])
 def test_a_chunk_saved_from_one_layout_loads_into_another_unchanged(source, target, in_place):
     saved_from = vllm_views(source, seed=1)
-    payload = save_chunk(saved_from, blocks=[4, 1])
+    payload = save_chunk(saved_from, blocks=[4, 1], in_place=in_place)
     loaded_into = vllm_views(target, seed=None)
     digest = load_chunk(payload, loaded_into, blocks=[0, 3], keep=range(2), in_place=in_place)
     assert digest == xxhash.xxh3_64_intdigest(payload.numpy())
@@ -86,10 +88,15 @@ def test_a_chunk_saved_from_one_layout_loads_into_another_unchanged(source, targ
         assert not after[[1, 2, 4, 5]].any(), "no other block is touched"
 
 
-def test_the_payload_is_the_same_whatever_layout_it_came_from():
-    payloads = {layout: save_chunk(vllm_views(layout, seed=2), [2, 5]) for layout in KVCacheLayout}
-    first = payloads[KVCacheLayout.LBHNC]
-    assert all(torch.equal(first, payload) for payload in payloads.values())
+def test_the_payload_is_the_same_whatever_layout_and_path_it_came_from():
+    """Saved in place (the CPU: engine blocks straight into the page) or staged (gathered,
+    then written out: every device), from any layout: the same bytes."""
+    payloads = [
+        save_chunk(vllm_views(layout, seed=2), [2, 5], in_place)
+        for layout in KVCacheLayout
+        for in_place in (True, False)
+    ]
+    assert all(torch.equal(payloads[0], payload) for payload in payloads)
 
 
 def test_skipped_blocks_are_left_alone():
