@@ -4,6 +4,7 @@ from kvstore.eviction import (  # noqa: F401
     arc,
     belady,
     lru,
+    prefix_arc,
     prefix_lru,
     prefix_reuse,
     reuse_interval,

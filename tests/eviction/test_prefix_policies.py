@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from kvstore.eviction import make_policy
 from tests.eviction.helpers import everything, evict_one, key
 
-PREFIX_POLICIES = ["prefix-lru", "prefix-reuse"]
+PREFIX_POLICIES = ["prefix-lru", "prefix-reuse", "prefix-arc"]
 CHAIN = [key(f"chain-{n}") for n in range(4)]
 
 
@@ -67,7 +67,7 @@ def test_prefix_reuse_evicts_a_request_end_before_older_leaves():
 
 def test_prefix_reuse_keeps_a_reused_chain_longer_than_prefix_lru_does():
     victims = {}
-    for name in PREFIX_POLICIES:
+    for name in ("prefix-lru", "prefix-reuse"):
         policy = make_policy(name, **({"capacity_blocks": 10} if name == "prefix-reuse" else {}))
         insert_chain(policy, CHAIN[:2])
         policy.touch(CHAIN[0])

@@ -1,5 +1,5 @@
 """Scan resistance, narrated: a stream of keys read once must not flush keys read often.
-S3-FIFO and ARC keep the hot set; LRU, the baseline, loses it."""
+S3-FIFO, ARC and prefix-arc keep the hot set; LRU, the baseline, loses it."""
 
 import pytest
 
@@ -25,7 +25,7 @@ def survivors_of_a_scan(name: str) -> int:
     return sum(hot in policy for hot in HOT)
 
 
-@pytest.mark.parametrize("name", ["s3fifo", "arc"])
+@pytest.mark.parametrize("name", ["s3fifo", "arc", "prefix-arc"])
 def test_a_one_time_scan_does_not_flush_the_hot_set(name):
     assert survivors_of_a_scan(name) == len(HOT)
 
