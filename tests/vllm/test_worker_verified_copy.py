@@ -176,11 +176,11 @@ def test_a_load_shared_with_a_helper_copies_and_verifies_every_chunk(tmp_path):
 def helped_threads(reader: WorkerSide) -> set[str]:
     """The names of the threads that copy with the reader's helper copier, as they do."""
     threads: set[str] = set()
-    load_layer = reader._helper.load_layer
+    load_layers = reader._helper.load_layers
 
     def recorded(*args, **kwargs):
         threads.add(threading.current_thread().name)
-        return load_layer(*args, **kwargs)
+        return load_layers(*args, **kwargs)
 
-    reader._helper.load_layer = recorded
+    reader._helper.load_layers = recorded
     return threads

@@ -25,7 +25,7 @@ from kvstore.connectors.vllm.metadata import KVStoreConnectorMetadata, LoadSpec
 from kvstore.connectors.vllm.saves import SavePipeline
 from kvstore.cores import spare_cpus
 from kvstore.errors import ConfigError, KVStoreError
-from kvstore.kvcopy.engine import BlockIndex, ChunkCopier
+from kvstore.kvcopy.engine import BlockIndex, ChunkCopier, LayerLoad
 from kvstore.kvcopy.paged import PagedLayer, check_paged_layer
 from kvstore.kvcopy.verified import Hasher
 from kvstore.layout import KVLayout
@@ -263,15 +263,15 @@ class WorkerSide:
         self, layer: int, paged: PagedLayer, loader: ChunkCopier, copies: list[_CopyIn]
     ) -> None:
         cache_group = self._layer_groups[layer]
+        loads = []
         for copy in copies:
             start, stop = copy.layout.layer_range(layer)
-            loader.load_layer(
-                copy.payload[start:stop],
-                copy.digest,
-                self.kv.group_view(paged, copy.group),
-                copy.indexes[cache_group],
-                copy.layout,
+            view = self.kv.group_view(paged, copy.group)
+            payload = copy.payload[start:stop]
+            loads.append(
+                LayerLoad(payload, copy.digest, view, copy.indexes[cache_group], copy.layout)
             )
+        loader.load_layers(loads)  # CUDA: adjacent pages go up in one DMA
         loader.record(layer)
 
     def _mismatched(self, loaded: LoadedBlocks, digests: list) -> list[int]:
