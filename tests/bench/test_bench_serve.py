@@ -63,8 +63,6 @@ def test_a_fresh_server_loads_what_another_stored(record_property):
     assert hit["computed_tokens_per_request"] <= BLOCK_TOKENS
     assert hit["local_hit_tokens"] == 0, "B's own prefix cache never held these prompts"
     assert hit["kvstore"]["load_failures"] == 0 and hit["kvstore"]["loaded_blocks"] > 0
-    # vLLM bound its OpenMP team and left the reserved core: a helper copied beside the forward
-    assert 0 < hit["kvstore"]["helper_loaded_blocks"] < hit["kvstore"]["loaded_blocks"]
     assert result["ratios"]["none"]["c2"]["b"]["ttft_p50_speedup"] == 1.0
     assert result["goals"]["c2"]["b_computed_tokens_per_hit_met"]
     assert result["setup"]["client"] == "vllm.benchmarks.serve"
