@@ -23,9 +23,7 @@ from pathlib import Path
 import torch
 
 from kvstore.errors import ConfigError, NotFoundError, UnavailableError
-from kvstore.keys import BlockKey
 from kvstore.tiers.arena import ArenaTier
-from kvstore.tiers.arena_growth import ArenaGrowth, default_ahead_bytes
 from kvstore.tiers.base import check_max_block, pages_for
 from kvstore.tiers.prefault import Prefault
 
@@ -117,11 +115,6 @@ class SharedArena:
         self.mapping = MappedBuffer(self._fd, num_pages * page_size_bytes)
         self.pages = self.mapping.flat.view(num_pages, page_size_bytes)
 
-    @property
-    def fd(self) -> int:
-        """The owner's descriptor of the arena file (closed by `close`)."""
-        return self._fd
-
     def open_fd(self) -> int:
         """A new descriptor of the arena to hand a worker: a new open file description, so the
         owner's lock never travels with it, opened through our own descriptor, so it works
@@ -189,31 +182,18 @@ class HostTier(ArenaTier):
         page_size_bytes: int,
         name: str | None = None,
         max_block_bytes: int = 0,
-        ahead_bytes: int | None = None,
     ) -> None:
-        """`ahead_bytes`: how far past the pages used so far the arena is allocated ahead
-        (arena_growth.py; None: its default for the arena's size)."""
         num_pages = pages_for(capacity_bytes, page_size_bytes, self.kind)
-        size_bytes = num_pages * page_size_bytes
-        check_max_block(max_block_bytes, page_size_bytes, size_bytes)
+        check_max_block(max_block_bytes, page_size_bytes, num_pages * page_size_bytes)
         name = name or f"{ARENA_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self.arena = SharedArena(name, num_pages, page_size_bytes)
         super().__init__(self.arena.pages, max_block_bytes)
-        ahead = default_ahead_bytes(size_bytes) if ahead_bytes is None else ahead_bytes
-        self.growth = ArenaGrowth(self.arena.fd, size_bytes, ahead)
-
-    def reserve(self, key: BlockKey, size_bytes: int = 0) -> torch.Tensor:
-        view = super().reserve(key, size_bytes)
-        stop = self._reserved[key] + self.pages_needed(size_bytes)
-        self.growth.used_up_to(stop * self.page_size_bytes)
-        return view
 
     @property
     def arena_name(self) -> str:
         return self.arena.name
 
     def close(self) -> None:
-        self.growth.stop()
         self.pages = self.flat = None
         self.arena.close()
 

@@ -1,12 +1,10 @@
 """Host tier scenarios: another process maps the arena and reads and writes in place; no other
-user can open it; segments left by a dead owner are cleaned up, whatever pid reuse did; the
-owner allocates its pages ahead of their first writers."""
+user can open it; segments left by a dead owner are cleaned up, whatever pid reuse did."""
 
 import os
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
@@ -21,10 +19,8 @@ from kvstore.tiers.host import (
     map_fd,
     remove_stale_arenas,
 )
-from tests.metadata.servers import wait_until
 
 PAGE = 4096
-MIB = 1 << 20
 
 _READER_WRITER = textwrap.dedent(
     """
@@ -108,24 +104,3 @@ def test_an_arena_larger_than_its_filesystem_is_refused_at_start():
     free = stats.f_bavail * stats.f_frsize
     with pytest.raises(ConfigError, match=r"host arena needs \d+ bytes but .* free"):
         HostTier(free + (64 << 20), PAGE)
-
-
-def allocated_bytes(tier: HostTier) -> int:
-    return os.fstat(tier.arena.fd).st_blocks * 512
-
-
-def test_the_agent_allocates_the_arena_ahead_of_its_first_writers_and_no_further():
-    """A worker that first writes a page of a sparse arena pays its allocation in its forward
-    (56 MiB: 111 ms fresh, 8.7 ms allocated and mapped): the agent allocates the pages the
-    allocator hands out next, ahead of use, and leaves the rest of the arena a hole."""
-    tier = HostTier(64 * MIB, MIB, ahead_bytes=8 * MIB)
-    try:
-        assert wait_until(lambda: allocated_bytes(tier) >= 8 * MIB, 10)
-        for index in range(20):
-            tier.reserve(BlockKey(index.to_bytes(16, "little")), MIB)
-        assert wait_until(lambda: allocated_bytes(tier) >= 28 * MIB, 10)
-        time.sleep(0.2)
-        assert allocated_bytes(tier) <= 32 * MIB, "the arena's far end stays a hole"
-    finally:
-        tier.close()
-    assert not tier.growth._thread.is_alive()
