@@ -272,3 +272,21 @@ def test_stored_and_evicted_chunks_reach_vllms_publisher(
         engine.wait(timeout=120)
         subscriber.socket.close(linger=0)
         context.term()
+
+
+def test_a_runs_removals_reach_the_publisher_children_first():
+    """The node's outbox keeps each block's events in order, not the order between blocks: a
+    chunk's removal can arrive after its parent's, which a router's radix tree (Dynamo's,
+    above) refuses ("Failed to find block": the parent took its subtree with it)."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    from kvstore.connectors.vllm.events import _children_first
+
+    parent, child, grandchild, other = (
+        BlockRemoved(block_hashes=hashes, medium="CPU") for hashes in ([1, 2], [3, 4], [5, 6], [9])
+    )
+    parents = {id(parent): None, id(child): 2, id(grandchild): 4, id(other): None}
+    stored = BlockStored([7], None, [0], 16, None, "CPU", None)
+    events = [parent, other, child, stored, grandchild]
+    assert _children_first(events, parents) == [child, parent, other, stored, grandchild]
+    assert _children_first([parent, grandchild, child], parents) == [grandchild, child, parent]

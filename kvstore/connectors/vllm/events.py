@@ -132,6 +132,7 @@ class KVEventTracker:
         self._chunks: OrderedDict[bytes, _Chunk] = OrderedDict()
         self._by_block: dict[bytes, bytes] = {}  # block key -> chain key (pending or announced)
         self._out: deque[KVCacheEvent] = deque()
+        self._removed_parents: dict[int, object] = {}  # a queued removal -> its parent hash
         self._inbox: queue.Queue = queue.Queue(limits.max_queued_events)
         self._lost = False  # node events were lost: retract everything announced
         self._following = threading.Event()  # the follower's first resync is done
@@ -279,8 +280,7 @@ class KVEventTracker:
         if is_full and not was_full:
             self._emit(self._stored(chunk, medium))
         elif was_full and not is_full:
-            self._emit(BlockRemoved(block_hashes=list(chunk.hashes), medium=medium))
-            self.counters["removed"] += 1
+            self._emit_removed(chunk, medium)
         if not any(chunk.held.values()):
             del self._chunks[chain]
             self._unindex(chain, chunk)
@@ -288,8 +288,7 @@ class KVEventTracker:
     def _retract(self, chain: bytes, chunk: _Chunk) -> None:
         for medium, held in chunk.held.items():
             if len(held) == len(chunk.block_keys):
-                self._emit(BlockRemoved(block_hashes=list(chunk.hashes), medium=medium))
-                self.counters["removed"] += 1
+                self._emit_removed(chunk, medium)
         self._unindex(chain, chunk)
 
     def _unindex(self, chain: bytes, chunk: _Chunk) -> None:
@@ -311,6 +310,12 @@ class KVEventTracker:
             extra_keys=chunk.extra_keys,
         )
 
+    def _emit_removed(self, chunk: _Chunk, medium: str) -> None:
+        event = BlockRemoved(block_hashes=list(chunk.hashes), medium=medium)
+        self._removed_parents[id(event)] = chunk.parent
+        self._emit(event)
+        self.counters["removed"] += 1
+
     def _emit(self, event: KVCacheEvent) -> None:
         self._out.append(event)
         if len(self._out) > self.limits.max_queued_events:
@@ -324,8 +329,10 @@ class KVEventTracker:
             while self._chunks:  # node events after the loss name only chunks still pending
                 self._retract(*self._chunks.popitem(last=False))
         self._apply_node_events()
-        while self._out:
-            yield self._out.popleft()
+        events = _children_first(list(self._out), self._removed_parents)
+        self._out.clear()
+        self._removed_parents.clear()
+        yield from events
 
 
 def scheduler_tracker(vllm_config, kv_cache_config, settings, kv) -> KVEventTracker | None:
@@ -357,3 +364,30 @@ def worker_collects(vllm_config) -> bool:
     """Whether vLLM publishes KV events (--kv-events-config enable_kv_cache_events)."""
     config = getattr(vllm_config, "kv_events_config", None)
     return bool(config is not None and config.enable_kv_cache_events)
+
+
+def _children_first(events: list, parents: dict[int, object]) -> list:
+    """`events` with each run of removals reordered so that a chunk's removal comes before
+    its parent chunk's: the node's outbox keeps each block's events in order, not the order
+    between blocks, and a router's radix tree (Dynamo's) that drops a parent with its subtree
+    then cannot find the child's block."""
+    out, run = [], []
+    for event in [*events, None]:
+        if isinstance(event, BlockRemoved):
+            run.append(event)
+            continue
+        out.extend(sorted(run, key=lambda e: -_depth(e, run, parents)))
+        run = []
+        if event is not None:
+            out.append(event)
+    return out
+
+
+def _depth(event, run: list, parents: dict[int, object]) -> int:
+    """How many of `run`'s removals are ancestors of `event`'s chunk (by parent hashes)."""
+    last = {e.block_hashes[-1]: e for e in run if e.block_hashes}
+    depth, parent = 0, parents.get(id(event))
+    while parent in last and depth < len(run):
+        depth += 1
+        parent = parents.get(id(last[parent]))
+    return depth
