@@ -158,13 +158,24 @@ class _Addresses:
         return found, {node_id: records[node_id] for node_id in holders if node_id in records}
 
 
-class RedisLoopLookups(LoopLookups):
-    """RedisIndex's: its one round trip (the live ids, the holder records), then the holders'."""
+class _PipedLookups(LoopLookups):
+    """What both indexes' loop lookups hold: the index, its servers' pipes, the holders'
+    records."""
 
     def __init__(self, index, pipes: _Pipes, addresses: _Addresses) -> None:
         self.index = index
         self.pipes = pipes
         self.addresses = addresses
+
+    def refresh(self) -> None:
+        self.pipes.refresh()
+
+    def close(self) -> None:
+        self.pipes.close()
+
+
+class RedisLoopLookups(_PipedLookups):
+    """RedisIndex's: its one round trip (the live ids, the holder records), then the holders'."""
 
     @classmethod
     def of(cls, index, loop: asyncio.AbstractEventLoop) -> RedisLoopLookups | None:
@@ -188,22 +199,11 @@ class RedisLoopLookups(LoopLookups):
         found = holders_prefix(blobs, frozenset(live_ids))
         return await self.addresses.of(pipe, found, guessed, records)
 
-    def refresh(self) -> None:
-        self.pipes.refresh()
 
-    def close(self) -> None:
-        self.pipes.close()
-
-
-class ShardedLoopLookups(LoopLookups):
+class ShardedLoopLookups(_PipedLookups):
     """ShardedRedisIndex's: one MGET on the shard of the prompt's anchor against the cached
     live set (and the shards of keys published without an anchor after the first miss), then
-    the holders' records from the membership tag."""
-
-    def __init__(self, index, pipes: _Pipes, addresses: _Addresses) -> None:
-        self.index = index
-        self.pipes = pipes  # the shards' links, then the membership tag's
-        self.addresses = addresses
+    the holders' records from the membership tag (the last of its pipes)."""
 
     @classmethod
     def of(cls, index, loop: asyncio.AbstractEventLoop) -> ShardedLoopLookups | None:
@@ -262,9 +262,3 @@ class ShardedLoopLookups(LoopLookups):
             for i, blob in zip(positions, got, strict=True):
                 blobs[i] = blob
         return holders_prefix(blobs, live)
-
-    def refresh(self) -> None:
-        self.pipes.refresh()
-
-    def close(self) -> None:
-        self.pipes.close()
