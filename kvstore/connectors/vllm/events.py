@@ -319,7 +319,7 @@ class KVEventTracker:
     def _emit(self, event: KVCacheEvent) -> None:
         self._out.append(event)
         if len(self._out) > self.limits.max_queued_events:
-            self._out.popleft()
+            self._removed_parents.pop(id(self._out.popleft()), None)  # bounded with the queue
             self.counters["dropped_events"] += 1
 
     def take(self) -> Iterator[KVCacheEvent]:
