@@ -3,17 +3,21 @@ the agent's shared arena, mapped here, for zero-copy reads and writes of block p
 
 Runs inside inference workers (the vLLM / SGLang connector). One client per process half is
 the rule; it is thread-safe (calls are serialised) and offers futures (`*_async`) so a
-connector can overlap loads with compute.
+connector can overlap loads with compute. Calls may also be pipelined: a call sent without
+waiting (`release(wait=False)`, `save_sent`) has its answer read before the next call's (the
+agent answers in order), so a worker pays no round trip for an answer it does not need yet.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import select
 import socket
 import threading
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,8 +35,10 @@ from kvstore.tier import ANSWER_NAMES, BY_CODE
 from kvstore.tiers.host import MappedBuffer, map_fd
 from kvstore.v1 import agent_pb2 as pb
 
+logger = logging.getLogger(__name__)
 DEFAULT_ANSWER_SPIN_US = 100  # a lookup's answer comes in 30-50 us (docs/view.md)
 MAX_ANSWER_SPIN_US = 10_000  # past this, polling burns a core for nothing a sleep would lose
+MAX_CALLS_SENT = 64  # calls sent and not answered yet; one more first reads the oldest answer
 
 
 def check_answer_spin_us(value: int) -> None:
@@ -71,6 +77,16 @@ class LookupCounts:
         if len(self.codes) == self.total:
             return tuple(TIER_OF_CODE.get(code, "host") for code in self.codes)
         return ("host",) * self.local + ("remote",) * self.remote
+
+
+@dataclass
+class _Sent:
+    """A call sent to the agent whose answer is not read yet (answers come in order)."""
+
+    request_id: int
+    name: str
+    kept: bool  # someone will ask for the answer; else it is read, checked and dropped
+    response: pb.AgentResponse | None = None
 
 
 @dataclass
@@ -142,6 +158,7 @@ class KVStoreClient:
             raise errors.UnavailableError(f"no node agent at {socket_path}: {exc}") from None
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
+        self._sent: deque[_Sent] = deque()  # in the order the agent answers them
         self._broken = False
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvstore-client")
         self._pin_mapping = pin_mapping
@@ -180,28 +197,65 @@ class KVStoreClient:
     def _call(self, name: str, **fields) -> pb.AgentResponse:
         """One request and its answer; `fields` are those of the `name` call's message (one
         message built from a dict: a lookup pays no copy)."""
+        return self._answer(self._send_call(name, fields, kept=True))
+
+    def _send_call(self, name: str, fields: dict, kept: bool) -> _Sent:
+        """Send a call without reading its answer (`_answer` reads it; unless `kept`, the
+        next call reads it, and only logs an error it carries)."""
         request = pb.AgentRequest(request_id=next(self._ids), **{name: fields})
         with self._lock:
-            if self._broken:
-                raise errors.UnavailableError("this client's agent connection broke; reconnect")
+            if len(self._sent) >= MAX_CALLS_SENT:
+                self._read_until(self._sent[0])
+            self._require_open()
             try:
                 refusal = self._send(request)
-                if refusal is None and self._answer_spin_s:
+            except (OSError, errors.KVStoreError) as exc:
+                self._break()
+                raise errors.UnavailableError(f"node agent connection failed: {exc}") from None
+            sent = _Sent(request.request_id, name, kept, refusal)
+            if refusal is None:
+                self._sent.append(sent)
+            else:
+                self._break()  # the agent refused this connection; its refusal is the answer
+            return sent
+
+    def _answer(self, sent: _Sent) -> pb.AgentResponse:
+        """The answer of a call sent with `kept`; its error raised as a KVStoreError."""
+        with self._lock:
+            if sent.response is None:
+                self._read_until(sent)
+        response = sent.response
+        if response.HasField("error"):
+            raise _error(response.error)
+        return response
+
+    def _read_until(self, sent: _Sent) -> None:
+        """Under the lock: read answers in order up to `sent`'s, keeping the kept ones."""
+        while sent.response is None:
+            self._require_open()
+            head = self._sent[0]
+            try:
+                if self._answer_spin_s:
                     framing.spin_until_readable(self._answer_poll, self._answer_spin_s)
-                response = refusal or framing.recv_message(self._sock, pb.AgentResponse)
+                response = framing.recv_message(self._sock, pb.AgentResponse)
             except (OSError, errors.KVStoreError) as exc:
                 self._break()  # a late answer must never be read as the next call's
                 raise errors.UnavailableError(f"node agent connection failed: {exc}") from None
-            if response is None or response.request_id != request.request_id:
+            if response is None or response.request_id != head.request_id:
                 self._break()
                 if response is not None and response.HasField("error"):
                     raise _error(response.error)  # the agent refused this connection
                 raise errors.UnavailableError(
                     "the node agent closed or desynchronised the connection"
                 )
-        if response.HasField("error"):
-            raise _error(response.error)
-        return response
+            self._sent.popleft()
+            head.response = response
+            if not head.kept and response.HasField("error"):
+                logger.warning("kvstore %s failed: %s", head.name, response.error.message)
+
+    def _require_open(self) -> None:
+        if self._broken:
+            raise errors.UnavailableError("this client's agent connection broke; reconnect")
 
     def _send(self, request: pb.AgentRequest) -> pb.AgentResponse | None:
         """Send; None, unless the agent already refused this connection: then its refusal,
@@ -275,10 +329,15 @@ class KVStoreClient:
     def load_async(self, tenant: str, keys: Sequence[bytes], **options) -> Future[LoadedBlocks]:
         return self._executor.submit(self.load, tenant, keys, **options)
 
-    def release(self, loaded: LoadedBlocks, suspect: Sequence[int] = ()) -> None:
+    def release(self, loaded: LoadedBlocks, suspect: Sequence[int] = (), wait: bool = True) -> None:
         """Unpin a load. Its payload views must not be read afterwards. `suspect`: positions
-        of payloads whose copy failed its checksum (the agent purges them if corrupt)."""
-        self._call("release", load_id=loaded.load_id, suspect=suspect)
+        of payloads whose copy failed its checksum (the agent purges them if corrupt).
+        Without `wait`, the answer is read (and an error only logged) by the next call."""
+        fields = {"load_id": loaded.load_id, "suspect": suspect}
+        if wait:
+            self._call("release", **fields)
+        else:
+            self._send_call("release", fields, kept=False)
 
     # ---- writes ----------------------------------------------------------------------------
     def save(
@@ -291,15 +350,31 @@ class KVStoreClient:
         codec_id: int = 0,
     ) -> SaveReservation:
         """Reserve arena pages for a chain of chunk keys; write payloads in place, then commit."""
-        result = self._call(
-            "save",
-            tenant=tenant,
-            keys=keys,
-            first_parent=first_parent or b"",
-            payload_bytes=payload_bytes,
-            layout_hash=layout_hash,
-            codec_id=codec_id,
-        ).save
+        return self.save_sent(tenant, keys, payload_bytes, first_parent, layout_hash, codec_id)()
+
+    def save_sent(
+        self,
+        tenant: str,
+        keys: Sequence[bytes],
+        payload_bytes: int,
+        first_parent: bytes | None = None,
+        layout_hash: int = 0,
+        codec_id: int = 0,
+    ) -> Callable[[], SaveReservation]:
+        """`save`, sent now; the returned function waits for its answer (a call made
+        meanwhile reads this one's answer first, and keeps it)."""
+        fields = {
+            "tenant": tenant,
+            "keys": keys,
+            "first_parent": first_parent or b"",
+            "payload_bytes": payload_bytes,
+            "layout_hash": layout_hash,
+            "codec_id": codec_id,
+        }
+        sent = self._send_call("save", fields, kept=True)
+        return lambda: self._reservation(self._answer(sent).save, keys, payload_bytes)
+
+    def _reservation(self, result, keys: Sequence[bytes], payload_bytes: int) -> SaveReservation:
         views = [
             self._payload_view(offset, payload_bytes) if reserved else None
             for reserved, offset in zip(result.reserved, result.offsets, strict=True)
@@ -321,9 +396,13 @@ class KVStoreClient:
     def commit_async(self, reservation: SaveReservation, **options) -> Future[int]:
         return self._executor.submit(self.commit, reservation, **options)
 
-    def abort(self, reservation: SaveReservation) -> None:
-        """Free every page of the reservation that was not committed."""
-        self._call("abort", save_id=reservation.save_id)
+    def abort(self, reservation: SaveReservation, wait: bool = True) -> None:
+        """Free every page of the reservation that was not committed. Without `wait`, the
+        answer is read (and an error only logged) by the next call."""
+        if wait:
+            self._call("abort", save_id=reservation.save_id)
+        else:
+            self._send_call("abort", {"save_id": reservation.save_id}, kept=False)
 
     def stats(self) -> str:
         return self._call("stats").stats.json

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvstore import framing
-from kvstore.client import KVStoreClient, LookupCounts
+from kvstore.client import MAX_CALLS_SENT, KVStoreClient, LookupCounts
 from kvstore.errors import ConfigError, NotFoundError, UnavailableError
 from kvstore.keys import Namespace, chunk_keys
 from kvstore.owned import owned_key
@@ -291,3 +291,36 @@ def test_a_corrupt_block_header_is_a_miss_purged_and_leaks_no_pin(tmp_path):
         client.release(loaded)
         assert agent.store.pins_held() == 0 and agent.store.checksum_failures == 1
         assert client.lookup("t", KEYS[:3]).total == 1
+
+
+def test_calls_sent_without_waiting_are_answered_in_order_before_the_next(tmp_path, caplog):
+    """Pipelined calls: a release and an abort sent without waiting, a save sent ahead of a
+    load: each answer reaches its own call, the unwaited ones' effects are done by the time
+    the next answer arrives, and an unwaited call's error is logged, not raised on another."""
+    with running_agent(tmp_path) as agent, KVStoreClient(agent.config.socket_path) as client:
+        save_chain(client, KEYS[:3])
+        loaded = client.load("t", KEYS[:3])
+        client.release(loaded, wait=False)
+        reservation = client.save_sent("t", KEYS[3:5], PAYLOAD)  # sent; its answer kept
+        second = client.load("t", KEYS[:3])  # reads the release's and the save's answers
+        assert len(second) == 3 and agent.store.pins_held() == 3
+        client.release(second, wait=False)
+        reserved = reservation()
+        assert len(reserved.reserved_keys()) == 2
+        client.abort(reserved, wait=False)
+        with caplog.at_level("WARNING", logger="kvstore.client"):
+            client.release(loaded, wait=False)  # released already: NOT_FOUND, logged
+            assert client.lookup("t", KEYS) == LookupCounts(local=3, remote=0)
+        assert agent.store.pins_held() == 0
+        assert "release failed" in caplog.text and "no load" in caplog.text
+
+
+def test_unwaited_calls_past_the_bound_read_the_oldest_answers_first(tmp_path):
+    """More calls sent without waiting than MAX_CALLS_SENT: the client reads the oldest
+    answers as it goes, so neither side's socket fills and no answer is lost."""
+    with running_agent(tmp_path) as agent, KVStoreClient(agent.config.socket_path) as client:
+        save_chain(client, KEYS[:1])
+        for _ in range(3 * MAX_CALLS_SENT):
+            client.release(client.load("t", KEYS[:1]), wait=False)
+        assert client.lookup("t", KEYS[:1]).local == 1
+        assert agent.store.pins_held() == 0

@@ -1,14 +1,15 @@
-"""LayerwiseLoad, the worker's layer-by-layer copy schedule, in both of its modes and with a
-helper's share: a layer is copied before anyone who waits for it returns, in layer order,
-each exactly once; a copy that fails releases every waiter and is reported (the worker turns
-it into load errors)."""
+"""LayerwiseLoad and PooledLoad, the worker's layer-by-layer copy schedules (inline, in the
+background, and pooled between a helper and the forward's thread): a layer is copied before
+anyone who waits for it returns, each chunk's layers in order, each copy exactly once; a copy
+that fails releases every waiter and is reported (the worker turns it into load errors)."""
 
 import os
 import threading
+import time
 
 import pytest
 
-from kvstore.connectors.vllm.layerwise import LayerwiseLoad
+from kvstore.connectors.vllm.layerwise import LayerwiseLoad, PooledLoad
 
 NAMES = [f"layer{i}" for i in range(4)]
 
@@ -53,29 +54,91 @@ def test_a_failed_copy_releases_every_waiter_and_is_reported(background):
     assert copied == [0] and isinstance(load.error, RuntimeError)
 
 
-def test_a_helpers_share_is_copied_on_its_own_thread_bound_to_its_cores():
-    own, helped = [], []
-    helper_cores = []
+UNITS = 3
 
-    def copy_helped(index: int) -> None:
-        helper_cores.append(os.sched_getaffinity(0))
-        helped.append(index)
 
-    cores = frozenset([min(os.sched_getaffinity(0))])
-    load = LayerwiseLoad(NAMES, own.append, background=False, helpers=[copy_helped], cpus=cores)
-    load.wait("layer2")  # both shares have copied layers 0..2 when it returns
-    assert own == [0, 1, 2] and helped[:3] == [0, 1, 2]
+def pooled_load(copy_unit=None, cpus=None):
+    """A PooledLoad of NAMES x UNITS recording (layer, unit, helper, thread's cores)."""
+    copied: list[tuple[int, int, bool, frozenset]] = []
+
+    def record(layer: int, unit: int, helper: bool) -> None:
+        if copy_unit is not None:
+            copy_unit(layer, unit, helper)
+        copied.append((layer, unit, helper, frozenset(os.sched_getaffinity(0))))
+
+    cores = cpus or frozenset([min(os.sched_getaffinity(0))])
+    return PooledLoad(NAMES, UNITS, record, cores), copied, cores
+
+
+def test_a_pooled_load_copies_each_chunk_layer_once_and_a_waited_layer_before_returning():
+    load, copied, _ = pooled_load()
+    load.wait("layer2")
+    assert {(layer, unit) for layer, unit, *_ in copied} >= {
+        (layer, unit) for layer in range(3) for unit in range(UNITS)
+    }
     load.join()
-    assert own == helped == [0, 1, 2, 3] and load.error is None
-    assert set(map(frozenset, helper_cores)) == {cores}
+    assert sorted((layer, unit) for layer, unit, *_ in copied) == [
+        (layer, unit) for layer in range(len(NAMES)) for unit in range(UNITS)
+    ]
+    assert load.error is None
 
 
-def test_a_failed_helper_releases_every_waiter_and_fails_the_load():
-    def copy_helped(index: int) -> None:
-        if index == 1:
+def test_the_forward_copies_what_a_held_up_helper_has_not_claimed_and_the_helper_its_cores():
+    forward_copied = threading.Event()
+
+    def copy_unit(layer: int, unit: int, helper: bool) -> None:
+        if helper and layer == 1:
+            assert forward_copied.wait(timeout=10)  # held up until the forward helps
+        elif not helper and layer == 1:
+            forward_copied.set()
+
+    load, copied, cores = pooled_load(copy_unit)
+    for name in NAMES:
+        load.wait(name)
+    load.join()
+    assert load.error is None
+    forward = [layer for layer, _, helper, _ in copied if not helper]
+    helped = [cpus for _, _, helper, cpus in copied if helper]
+    assert 1 in forward, "the forward waited for a held-up helper instead of copying"
+    assert set(helped) <= {cores} and load.helper_copies == len(helped)
+
+
+def test_no_chunk_layer_starts_before_every_copy_of_the_layer_before_is_done():
+    done_layers: list[int] = []
+    lock = threading.Lock()
+    starts: list[tuple[int, int]] = []  # (layer, layers fully done when it started)
+    finished = {layer: 0 for layer in range(len(NAMES))}
+
+    def copy_unit(layer: int, unit: int, helper: bool) -> None:
+        with lock:
+            starts.append((layer, len(done_layers)))
+        time.sleep(0.001)
+        with lock:
+            finished[layer] += 1
+            if finished[layer] == UNITS:
+                done_layers.append(layer)
+
+    load, _, _ = pooled_load(copy_unit)
+    for name in NAMES:
+        load.wait(name)
+    load.join()
+    assert done_layers == list(range(len(NAMES)))
+    assert all(layers_done >= layer for layer, layers_done in starts)
+
+
+@pytest.mark.parametrize("failing", ["helper", "forward"])
+def test_a_failed_pooled_copy_releases_every_waiter_and_fails_the_load(failing):
+    tried = threading.Event()  # the failing thread met its failure
+
+    def copy_unit(layer: int, unit: int, helper: bool) -> None:
+        if helper == (failing == "helper"):
+            tried.set()
             raise RuntimeError("page gone")
+        assert tried.wait(timeout=10)  # the other thread holds its unit until then
 
-    load = LayerwiseLoad(NAMES, lambda index: None, background=False, helpers=[copy_helped])
+    load, _, _ = pooled_load(copy_unit)
+    if failing == "helper":
+        assert tried.wait(timeout=10)  # the helper claims first
     load.wait("layer3")  # must not hang
     load.join()
     assert isinstance(load.error, RuntimeError)

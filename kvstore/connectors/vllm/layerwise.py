@@ -2,19 +2,27 @@
 layer i waits only for layer i. Runs in each vLLM worker process (the connector's worker half,
 worker.py).
 
-The step's copies are split into shares, each copied layer after layer by one thread:
-- the forward's share, on its own thread as each layer's attention first waits for it (the
-  CPU: the forward's cores would otherwise idle in that wait), or on a background thread
-  ahead of the forward (CUDA: it only submits copies and hashes, so the forward keeps going);
-- on the CPU, where vLLM bound its OpenMP team to some of the process's cores and left others
-  free (VLLM_CPU_NUM_OF_RESERVED_CPU: the engine's other processes and, by vLLM's own rule, a
-  KV connector's transfers: kvstore/cores.py), a helper's share, on a thread bound to those
-  free cores. A load is memory-bound: two cores copy a step's chunks in ~0.7-0.85 of the
-  time one takes.
+Two schedules:
+- `LayerwiseLoad`: the step's copies of a layer are copied by one thread, layer after layer:
+  on the forward's own thread as each layer's attention first waits for it (the CPU: the
+  forward's cores would otherwise idle in that wait), or on a background thread ahead of the
+  forward (CUDA: it only submits copies and hashes, so the forward keeps going).
+- `PooledLoad`, on the CPU where vLLM bound its OpenMP team to some of the process's cores and
+  left others free (VLLM_CPU_NUM_OF_RESERVED_CPU: the engine's other processes and, by vLLM's
+  own rule, a KV connector's transfers: kvstore/cores.py): a helper thread bound to those free
+  cores copies every layer from the step's start, ahead of the forward, one chunk layer at a
+  time; the forward's thread, when a layer's attention waits for it, copies that layer's
+  chunks the helper has not reached yet, then waits for the helper's. The helper starts
+  while the forward still runs everything before the first attention, and copies a layer in
+  about the time the forward computes one, so the forward mostly finds its layers copied.
+
+A chunk's digest runs over its layers in order (worker.py), so no schedule copies layer i + 1
+of a chunk before its layer i.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -24,10 +32,11 @@ from kvstore.cores import bind_this_thread
 logger = logging.getLogger(__name__)
 
 CopyLayer = Callable[[int], None]
+CopyUnit = Callable[[int, int, bool], None]  # (layer, unit, on the helper's thread)
 
 
 class _Share:
-    """One thread's part of a step's copies: its layers in order, an event per layer."""
+    """A step's copies, layer after layer by one thread at a time, an event per layer."""
 
     def __init__(self, layers: int, copy_layer: CopyLayer) -> None:
         self.done = [threading.Event() for _ in range(layers)]
@@ -53,55 +62,128 @@ class _Share:
 
 class LayerwiseLoad:
     """One step's loads, layer after layer: `wait(layer)` returns once that layer (and every
-    earlier one) is copied by every share. `copy_layer` is the forward's share: copied inline
-    by the forward's thread when it first waits for a layer, or with `background` by a thread
-    of its own; each of `helpers` is copied by a thread bound to `cpus` (None: unbound)."""
+    earlier one) is copied. `copy_layer` copies one layer of every chunk: inline by the
+    forward's thread when it first waits for a layer, or with `background` by a thread of its
+    own."""
 
-    def __init__(
-        self,
-        names: Sequence[str],
-        copy_layer: CopyLayer,
-        background: bool,
-        helpers: Sequence[CopyLayer] = (),
-        cpus: frozenset[int] | None = None,
-    ) -> None:
+    def __init__(self, names: Sequence[str], copy_layer: CopyLayer, background: bool) -> None:
         self.index = {name: i for i, name in enumerate(names)}
-        self._own = _Share(len(names), copy_layer)
-        self._shares = [self._own, *(_Share(len(names), helper) for helper in helpers)]
+        self._share = _Share(len(names), copy_layer)
         self._inline = not background
-        self._threads = [] if self._inline else [_start(self._own, None, "kvstore-load")]
-        self._threads += [_start(share, cpus, "kvstore-load-helper") for share in self._shares[1:]]
+        self._thread = None if self._inline else _start(self._share.run, "kvstore-load")
 
     @property
     def error(self) -> BaseException | None:
-        """The first share's failure, if any share failed (the whole load is then an error)."""
-        return next((share.error for share in self._shares if share.error), None)
+        """The copy's failure, if any (the whole load is then an error)."""
+        return self._share.error
 
     def wait(self, layer_name: str) -> None:
         index = self.index.get(layer_name)
         if index is None:
             return
         if self._inline:
-            self._own.run(stop=index + 1)
-        for share in self._shares:
-            share.done[index].wait()
+            self._share.run(stop=index + 1)
+        self._share.done[index].wait()
 
     def join(self) -> None:
         """Every layer copied (inline: the ones the forward did not wait for, now)."""
         if self._inline:
-            self._own.run()
-        for thread in self._threads:
-            thread.join()
+            self._share.run()
+        if self._thread is not None:
+            self._thread.join()
 
 
-def _start(share: _Share, cpus: frozenset[int] | None, name: str) -> threading.Thread:
-    thread = threading.Thread(target=_bound, args=(share, cpus), name=name, daemon=True)
+class _Layer:
+    """One layer's copies (units), each claimed by whichever thread asks first."""
+
+    def __init__(self, units: int) -> None:
+        self.units = units
+        self.done = threading.Event()  # every unit copied (or the load failed)
+        self._claims = itertools.count()  # next() is atomic: one claimant per unit
+        self._left = units
+        self._lock = threading.Lock()
+        if not units:
+            self.done.set()
+
+    def claim(self) -> int | None:
+        unit = next(self._claims)
+        return unit if unit < self.units else None
+
+    def finish(self) -> None:
+        with self._lock:
+            self._left -= 1
+            if not self._left:
+                self.done.set()
+
+
+class PooledLoad:
+    """One step's loads on the CPU with a helper: `units` chunk layers per layer, copied by
+    `copy_unit(layer, unit, helper)` on a helper thread bound to `cpus` from the start, or on
+    the forward's thread in `wait` for what the helper has not claimed yet. `wait(layer)`
+    returns once that layer (and every earlier one) is copied."""
+
+    def __init__(
+        self, names: Sequence[str], units: int, copy_unit: CopyUnit, cpus: frozenset[int]
+    ) -> None:
+        self.index = {name: i for i, name in enumerate(names)}
+        self.error: BaseException | None = None
+        self.helper_copies = 0  # units the helper copied
+        self._layers = [_Layer(units) for _ in names]
+        self._copy_unit = copy_unit
+        self._waited = 0  # layers [0, _waited) are copied and waited for by the forward
+        self._thread = _start(lambda: self._help(cpus), "kvstore-load-helper")
+
+    def wait(self, layer_name: str) -> None:
+        index = self.index.get(layer_name)
+        if index is not None:
+            self._copy_until(index + 1)
+
+    def join(self) -> None:
+        """Every layer copied (by the forward's thread, what the helper did not reach)."""
+        self._copy_until(len(self._layers))
+        self._thread.join()
+
+    def _copy_until(self, stop: int) -> None:
+        """On the forward's thread: layers [_waited, stop) copied, in order, helping each."""
+        while self._waited < stop:
+            layer = self._layers[self._waited]
+            self._copy_claimed(self._waited, helper=False)
+            layer.done.wait()
+            self._waited += 1
+
+    def _help(self, cpus: frozenset[int]) -> None:
+        """The helper's thread: every layer in order, each begun once the one before is done
+        (a chunk's digest takes its layers in order)."""
+        bind_this_thread(cpus)
+        for index in range(len(self._layers)):
+            if index:
+                self._layers[index - 1].done.wait()
+            if self.error is not None:
+                return
+            self.helper_copies += self._copy_claimed(index, helper=True)
+
+    def _copy_claimed(self, index: int, helper: bool) -> int:
+        """Copy the units of layer `index` nobody has claimed yet; how many this thread did."""
+        layer, copied = self._layers[index], 0
+        while self.error is None and (unit := layer.claim()) is not None:
+            try:
+                self._copy_unit(index, unit, helper)
+            except BaseException as exc:  # reported as load errors; never leave a waiter
+                self._fail(exc)
+                break
+            layer.finish()
+            copied += 1
+        return copied
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+            logger.exception("layer-wise load failed")
+        for layer in self._layers:
+            layer.done.set()
+
+
+def _start(run: Callable[[], None], name: str) -> threading.Thread:
+    thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
     return thread
-
-
-def _bound(share: _Share, cpus: frozenset[int] | None) -> None:
-    """On a share's thread: bind it to `cpus` (it inherits the forward's binding), then copy."""
-    if cpus:
-        bind_this_thread(cpus)
-    share.run()

@@ -5,13 +5,16 @@ verifier thread once each DMA completes, kvcopy/streams.py), and committed with 
 checksums once the copies and hashes are done: at the end of the step on the CPU; on CUDA
 when the step's StepDone completes, off the forward's critical path (the forward only asks,
 never waits, and the agent has nothing to hash), while vLLM's delayed free (request_finished
-→ True, released through get_finished) keeps the source blocks alive. Runs in each vLLM
-worker process.
+→ True, released through get_finished) keeps the source blocks alive. The pages are asked for
+as the step starts, before its loads, so their answer comes with the loads' (one round trip);
+a reservation that got no page (every chunk stored already) is dropped without waiting. Runs
+in each vLLM worker process.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvstore.client import SaveReservation
@@ -70,13 +73,46 @@ class SavePipeline:
         self._load_failed: set[str] = set()  # requests whose saves are never committed
         self._failed_finished: set[str] = set()  # of those, finished, saves still submitted
         self.committed: list[bytes] | None = None  # with KV events: chunks stored this step
+        # the step's reservations, asked for as it starts: (spec, its answer when read)
+        self._asked: list[tuple[SaveSpec, Callable[[], SaveReservation]]] = []
 
     def expect(self, saves: list[SaveSpec]) -> None:
-        """The step's save specs, seen before its forward: each request named is reported by
-        finished_saving once finished, even if none of its layers reach save_layer (the
-        scheduler delays its blocks' free on that promise)."""
+        """The step's save specs, seen before its forward: their pages are asked for now (read
+        at the first save_layer). Each request named is reported by finished_saving once
+        finished, even if none of its layers reach save_layer (the scheduler delays its
+        blocks' free on that promise)."""
         if self.delayed_frees:
             self._requests_with_saves.update(spec.req_id for spec in saves)
+        if self._asked:  # a step that never ended (its forward failed)
+            self._abort_unwritten()
+        self._ask_all(saves)
+
+    def _ask_all(self, saves: list[SaveSpec]) -> None:
+        for spec in saves:
+            asked = self._ask(spec)
+            if asked is None:
+                break
+            self._asked.append((spec, asked))
+
+    def _ask(self, spec: SaveSpec) -> Callable[[], SaveReservation] | None:
+        """Send the reservation of `spec`'s chunks; None without an agent, or when sending
+        fails (the step saves nothing then)."""
+        layout = self.kv.block_layout(spec.tail_blocks)
+        try:
+            if self.agent.client is None:
+                return None
+            return self.agent.client.save_sent(
+                self.settings.tenant,
+                self.kv.block_keys(spec.keys),
+                layout.payload_bytes,
+                first_parent=self.kv.parent_key(spec.first_parent) or None,
+                layout_hash=layout.layout_hash,
+                codec_id=CODEC_IDS[layout.codec],
+            )
+        except KVStoreError as exc:
+            logger.warning("kvstore save skipped (%s)", exc)
+            self.stats["save_failures"] += len(spec.keys)
+            return None
 
     def load_failed(self, req_id: str) -> None:
         """A load of `req_id` failed: the chunks it computes over the missing blocks are
@@ -85,8 +121,12 @@ class SavePipeline:
         self._load_failed.add(req_id)
 
     def save_layer(self, saves: list[SaveSpec], layer: int, paged: PagedLayer) -> None:
+        """Copy layer `layer` of the step's reserved chunks into their pages (reserved now
+        if `expect` did not ask for them)."""
         if self._step is None:
-            self._step = self._reserve(saves)
+            if not self._asked:
+                self._ask_all(saves)
+            self._step = self._reserve()
         step = self._step
         step.in_order &= layer == step.layers
         step.layers += 1
@@ -124,21 +164,13 @@ class SavePipeline:
                     blocks = self._blocks(spec, chunk, cache_group)
                     step.indexes[key] = self.copier.block_index(blocks)
 
-    def _reserve(self, saves: list[SaveSpec]) -> _StepSaves:
+    def _reserve(self) -> _StepSaves:
+        """The step's reservations, as the agent answered them."""
         step = _StepSaves([])
-        for spec in saves:
-            layout = self.kv.block_layout(spec.tail_blocks)
+        asked, self._asked = self._asked, []
+        for spec, answer in asked:
             try:
-                if self.agent.client is None:
-                    break
-                reservation = self.agent.client.save(
-                    self.settings.tenant,
-                    self.kv.block_keys(spec.keys),
-                    layout.payload_bytes,
-                    first_parent=self.kv.parent_key(spec.first_parent) or None,
-                    layout_hash=layout.layout_hash,
-                    codec_id=CODEC_IDS[layout.codec],
-                )
+                reservation = answer()
             except KVStoreError as exc:
                 logger.warning("kvstore save skipped (%s)", exc)
                 self.stats["save_failures"] += len(spec.keys)
@@ -150,7 +182,10 @@ class SavePipeline:
 
     # ---- commits ---------------------------------------------------------------------------
     def end_step(self) -> None:
-        """The step's copies are all submitted: commit what is done (everything, on the CPU)."""
+        """The step's copies are all submitted: commit what is done (everything, on the CPU).
+        Reservations no layer was saved into are aborted."""
+        if self._asked:
+            self._abort_unwritten()
         step, self._step = self._step, None
         if step is not None:
             if self.copier is not None:
@@ -182,6 +217,9 @@ class SavePipeline:
             if spec.req_id in self._load_failed:
                 self._drop(reservation)
                 continue
+            if not reservation.reserved_keys():  # every chunk was stored already
+                self._forget(reservation)
+                continue
             try:
                 checksums = _checksums(reservation, step.digests[reservation.save_id], complete)
                 committed = self.agent.client.commit(reservation, checksums=checksums)
@@ -202,11 +240,27 @@ class SavePipeline:
                 committed * self.kv.block_layout(spec.tail_blocks).payload_bytes
             )
 
+    def _abort_unwritten(self) -> None:
+        """Reservations asked for that no layer was saved into: dropped."""
+        asked, self._asked = self._asked, []
+        for _, answer in asked:
+            try:
+                self._forget(answer())
+            except KVStoreError as exc:
+                logger.info("kvstore save skipped (%s)", exc)
+
     def _drop(self, reservation: SaveReservation) -> None:
         self.stats["saves_dropped_after_load_errors"] += len(reservation.reserved_keys())
         try:
             self.agent.client.abort(reservation)
         except (KVStoreError, AttributeError) as exc:  # the agent frees a broken connection's
+            logger.info("kvstore abort failed (%s)", exc)
+
+    def _forget(self, reservation: SaveReservation) -> None:
+        """A reservation of no page: the agent drops it, nobody waits for the answer."""
+        try:
+            self.agent.client.abort(reservation, wait=False)
+        except (KVStoreError, AttributeError) as exc:
             logger.info("kvstore abort failed (%s)", exc)
 
     def forget(self, req_ids: set[str]) -> None:

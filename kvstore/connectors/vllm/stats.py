@@ -27,7 +27,7 @@ COUNTERS = {  # name in the connector halves' stats -> what it counts
     "recomputed_chunks": "Cached chunks computed instead: predicted slower to load than compute",
     "loaded_blocks": "kvstore blocks loaded into vLLM's KV cache and verified",
     "loaded_bytes": "Bytes of KV loaded from kvstore",
-    "helper_loaded_blocks": "kvstore blocks a load helper copied beside the forward's thread (CPU)",
+    "helper_loaded_blocks": "kvstore blocks a CPU load helper copied (its chunk layers / layers)",
     "saved_blocks": "kvstore blocks saved from vLLM's KV cache",
     "saved_bytes": "Bytes of KV saved to kvstore",
     "load_failures": "kvstore blocks that could not be loaded (recomputed)",

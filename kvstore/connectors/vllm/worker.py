@@ -20,7 +20,7 @@ from kvstore.client import LoadedBlocks
 from kvstore.connectors.vllm import compat
 from kvstore.connectors.vllm.agent import AgentConnection
 from kvstore.connectors.vllm.config import ConnectorSettings, EngineKV
-from kvstore.connectors.vllm.layerwise import LayerwiseLoad
+from kvstore.connectors.vllm.layerwise import LayerwiseLoad, PooledLoad
 from kvstore.connectors.vllm.metadata import KVStoreConnectorMetadata, LoadSpec
 from kvstore.connectors.vllm.saves import SavePipeline
 from kvstore.cores import spare_cpus
@@ -60,7 +60,7 @@ class WorkerSide:
         self.agent = AgentConnection(settings, "vllm-worker")
         self.kv_caches: dict[str, torch.Tensor] = {}
         self._layer_indexes: dict[str, int] = {}
-        self._load: LayerwiseLoad | None = None
+        self._load: LayerwiseLoad | PooledLoad | None = None
         self._loaded: list[tuple[LoadSpec, LoadedBlocks]] = []
         self._digests: list[list[Hasher | None]] = []  # per load, per block (None: unused)
         self._plan: list[_CopyIn] = []  # the step's copies, for every layer
@@ -148,17 +148,20 @@ class WorkerSide:
         # CUDA, on the forward's thread: loads go after the compute stream's work so far
         # (vLLM may zero new blocks there), as vLLM's own offloader orders them
         self._loader.after_compute()
-        own, helped = self._shares()
-        helpers = []
-        if helped:
-            helpers.append(lambda i: self._copy_layer_in(i, tensors[i], self._helper, helped))
-        self._load = LayerwiseLoad(
-            names,
-            lambda i: self._copy_layer_in(i, tensors[i], self._loader, own),
-            background=self._load_thread,
-            helpers=helpers,
-            cpus=self._helper_cpus,
-        )
+        helper_cpus = self._helper_cores()
+        if helper_cpus:
+            self._load = PooledLoad(
+                names,
+                len(self._plan),
+                lambda layer, unit, helper: self._copy_unit_in(tensors, layer, unit, helper),
+                helper_cpus,
+            )
+        else:
+            self._load = LayerwiseLoad(
+                names,
+                lambda i: self._copy_layer_in(i, tensors[i], self._loader, self._plan),
+                background=self._load_thread,
+            )
         self.stats["load_s"] += time.perf_counter() - started
 
     def _fetch(self, spec: LoadSpec) -> LoadedBlocks | None:
@@ -244,20 +247,21 @@ class WorkerSide:
             first += 1
         return self._loader.block_index(blocks, range(min(first, len(blocks)), len(blocks)))
 
-    def _shares(self) -> tuple[list[_CopyIn], list[_CopyIn]]:
-        """The step's copies split between the forward's thread and the load helper (every
-        other one), or all the forward's where there is no helper, or no core free for one
-        (layerwise.spare_cpus, looked up once, at the first load with two copies)."""
+    def _helper_cores(self) -> frozenset[int]:
+        """The load helper's cores, where there is a helper (the CPU: load_thread auto), a
+        step with two copies or more, and cores vLLM left free (kvstore/cores.py, looked up
+        once, at the first such load); else none."""
         if self._helper is None or len(self._plan) < 2:
-            return self._plan, []
+            return frozenset()
         if self._helper_cpus is None:
             self._helper_cpus = spare_cpus()
             logger.info("kvstore load helper cores: %s", sorted(self._helper_cpus) or "none")
-        if not self._helper_cpus:
-            return self._plan, []
-        helped = self._plan[1::2]
-        self.stats["helper_loaded_blocks"] += len(helped)
-        return self._plan[0::2], helped
+        return self._helper_cpus
+
+    def _copy_unit_in(self, tensors: list, layer: int, unit: int, helper: bool) -> None:
+        """One chunk layer of the plan, on the helper's thread or the forward's (PooledLoad)."""
+        loader = self._helper if helper else self._loader
+        self._copy_layer_in(layer, tensors[layer], loader, self._plan[unit : unit + 1])
 
     def _copy_layer_in(
         self, layer: int, paged: PagedLayer, loader: ChunkCopier, copies: list[_CopyIn]
@@ -313,6 +317,9 @@ class WorkerSide:
             self._load.join()
             self._loader.synchronize()
             failed = self._load.error is not None
+            if isinstance(self._load, PooledLoad):  # in blocks: its chunk layers / layers
+                copies = self._load.helper_copies
+                self.stats["helper_loaded_blocks"] += round(copies / len(self.kv_caches))
             if failed:
                 for spec, _ in self._loaded:
                     self._fail_blocks(spec, spec.skip_blocks)
@@ -333,8 +340,10 @@ class WorkerSide:
         self.agent.drop_if_broken()
 
     def _release(self, loaded: LoadedBlocks, suspect: list[int]) -> None:
+        """Unpin, without waiting for the answer (the next call reads it): the step's output
+        does not wait for the agent."""
         try:
-            self.agent.client.release(loaded, suspect)
+            self.agent.client.release(loaded, suspect, wait=False)
         except (KVStoreError, AttributeError) as exc:
             logger.info("release after a lost agent: %s", exc)
 
