@@ -1,6 +1,7 @@
 """Load or recompute: the predicted time to load a prompt's cached chunks from their tiers
 against the time to compute them, for any engine (the vLLM connector, SGLang, `kvstore plan`).
-Pure arithmetic plus small measured-rate estimators; no I/O, no locks (one caller thread).
+Pure arithmetic plus small measured-rate estimators, no I/O; runs in the caller's process
+(the vLLM connector's scheduler, `kvstore plan`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import numpy as np
 
 from kvstore.errors import ConfigError
 
-LOAD_MARGIN = 2.0  # online: a load is refused only when predicted this many times slower
+LOAD_MARGIN = 2.0  # kvstore plan validate: a load refused only when predicted this much slower
+FETCH_SAMPLES = 8  # reads outside steps that price a tier: the newest, so a tier's figure moves
 
 
 @dataclass(frozen=True)
@@ -118,36 +120,49 @@ class Step:
 
 
 class OnlineLoadPlanner:
-    """Load-or-recompute from the engine's own steps: the compute rate is fitted on steps that
-    loaded nothing, each tier's seconds per chunk on steps that loaded from it alone (their time
-    beyond the predicted compute). Until a tier is measured its chunks are loaded (that is how
-    it gets measured); a tier judged slow is still loaded once every `probe_every` decisions so
-    its figure follows the tier. Loads are refused only when predicted `margin` times slower
-    than computing (noise must not undo hits). Loads made outside a step (disk chunks promoted
-    to host, other hosts' chunks pulled, before the request is scheduled) are reported through
-    `observe_fetch`; such a chunk costs its own tier's time plus the step's load from
+    """Load-or-recompute from measurements: the compute rate is fitted on the engine's steps
+    that loaded nothing; each tier's seconds per chunk come from its reads timed outside the
+    forward (`observe_fetch`: the staging of the chunks a request loads, and background
+    probes of one chunk: see kvstore/connectors/vllm/probes.py) and from steps that loaded
+    from it alone (their time beyond the predicted compute). A chunk is loaded only when that
+    is predicted faster than computing it (`margin` times faster; ties load): no live
+    request loads from a tier to find out how fast it is.
+
+    A tier never measured yet cannot be priced: its chunks are computed (with everything
+    after them: engines take one loaded prefix) until a probe times it (the vLLM connector
+    probes the tiers of the chunks it computes, off the request's path, and never holds a
+    request for a probe). Computing is the choice whose regret is
+    bounded: the requests that find a tier before its first probe ends compute a prefix they
+    could have loaded, while loading from a tier that turns out slow (a throttled link, a
+    failing disk) can cost many times the compute. Until the engine has timed its own compute
+    (`min_compute_steps` plain steps) nothing can be priced, and every cached chunk is loaded,
+    as without this rule.
+
+    Loads made outside a step (disk chunks promoted to host, other hosts' chunks pulled,
+    before the request is scheduled) cost their own tier's time plus the step's load from
     `loaded_from`. Tier names are the caller's (the vLLM connector: host, disk, remote).
     `free_tiers` are always loaded and cost nothing on top of another tier's fetch: the vLLM
     connector's host arena, which the forward copies in place at memory speed (a chunk in a
     fraction of a millisecond, against milliseconds to compute it), and whose per-step residual
     is mostly compute noise on a busy machine (it made hits into recomputes).
-    Thread-safe: the scheduler observes steps while its lookup thread decides."""
+    Thread-safe: the scheduler observes steps while its lookup and probe threads decide and
+    observe reads."""
 
     def __init__(
         self,
         chunk_tokens: int,
         window: int = 256,
         min_compute_steps: int = 3,
-        probe_every: int = 32,
-        margin: float = LOAD_MARGIN,
+        margin: float = 1.0,
         free_tiers: frozenset[str] = frozenset(),
+        fetch_samples: int = FETCH_SAMPLES,
     ) -> None:
         self.chunk_tokens = chunk_tokens
         self.free_tiers = free_tiers  # always loaded: read in place at copy speed (see below)
-        self.margin = margin  # recompute only chunks predicted `margin` times slower: noise
+        self.margin = margin  # load only chunks predicted `margin` times faster than compute
         self.steps: deque[Step] = deque(maxlen=window)
         self.min_compute_steps = min_compute_steps
-        self.probe_every = probe_every
+        self.fetch_samples = fetch_samples
         self._loads: dict[str, dict[str, int]] = {}  # request -> chunks per tier, until scheduled
         self._running: tuple[float, int, float, dict[str, int]] | None = None
         self.recomputed_chunks = 0
@@ -161,16 +176,16 @@ class OnlineLoadPlanner:
     ) -> int:
         """How many of the leading cached chunks (`tiers[i]`: where chunk i is) to load;
         `loaded_from`: the tier the step will read them from, when not their own (brought
-        there first: promoted, pulled)."""
+        there first: promoted, pulled). Counts the others in `recomputed_chunks`."""
         with self._lock:
             self.decisions += 1
             count = len(tiers)
             rate, per_chunk_s = self._estimates()
-            if tiers and rate is not None and self.decisions % self.probe_every:
-                # an unmeasured (or free) tier costs nothing: loading it is how it gets measured
-                links = {tier: self._link(per_chunk_s, tier, loaded_from) for tier in set(tiers)}
-                sizes = [self.chunk_tokens] * len(tiers)
-                count = best_load_prefix(tiers, sizes, 1, prompt_tokens, rate, links)[0]
+            if tiers and rate is not None:
+                priced = _priced_prefix(tiers, self.free_tiers.union(per_chunk_s))
+                links = {t: self._link(per_chunk_s, t, loaded_from) for t in set(priced)}
+                sizes = [self.chunk_tokens] * len(priced)
+                count = best_load_prefix(priced, sizes, 1, prompt_tokens, rate, links)[0]
             self.recomputed_chunks += len(tiers) - count
             if count:
                 used = [loaded_from or tier for tier in tiers[:count]]
@@ -178,19 +193,20 @@ class OnlineLoadPlanner:
             return count
 
     def _link(self, per_chunk_s: dict[str, float], tier: str, loaded_from: str) -> TierLink:
-        """How one chunk of `tier` reaches the engine (a chunk a byte, `margin` times faster
-        than measured): its own tier's time, plus the step's load from `loaded_from` when it
-        is brought there first."""
+        """How one chunk of `tier` reaches the engine (a chunk a byte, priced `margin` times
+        its measured time): its own tier's time, plus the step's load from `loaded_from` when
+        it is brought there first."""
         seconds = 0.0 if tier in self.free_tiers else per_chunk_s.get(tier, 0.0)
         if loaded_from and loaded_from != tier and loaded_from not in self.free_tiers:
             seconds += per_chunk_s.get(loaded_from, 0.0)
-        return TierLink(self.margin / max(seconds, 1e-30))
+        return TierLink(1 / max(seconds * self.margin, 1e-30))
 
     def observe_fetch(self, tier: str, chunks: int, seconds: float) -> None:
-        """Chunks of `tier` pulled in `seconds` outside any step."""
+        """Chunks of `tier` read in `seconds` outside any step (staged for a request, or
+        probed); the last `fetch_samples` price the tier, so its figure follows it."""
         if chunks > 0:
             with self._lock:
-                samples = self._fetched.setdefault(tier, deque(maxlen=self.steps.maxlen))
+                samples = self._fetched.setdefault(tier, deque(maxlen=self.fetch_samples))
                 samples.append(seconds / chunks)
 
     def estimates(self) -> tuple[PrefillRate | None, dict[str, float]]:
@@ -247,6 +263,14 @@ class OnlineLoadPlanner:
     def forget(self, request_id: str) -> None:
         with self._lock:
             self._loads.pop(request_id, None)
+
+
+def _priced_prefix(tiers: list[str], known: frozenset[str]) -> list[str]:
+    """The leading `tiers` up to the first one not in `known`."""
+    for index, tier in enumerate(tiers):
+        if tier not in known:
+            return tiers[:index]
+    return tiers
 
 
 def _pairs_s(rate: PrefillRate, step: Step) -> float:

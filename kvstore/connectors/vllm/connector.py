@@ -210,6 +210,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self.scheduler is not None:
             self.scheduler.lookups.close()
+            self.scheduler.probes.close()
             self.scheduler.agent.drop()
             self.scheduler.stage_agents.drop()
         if self.events is not None:

@@ -2,7 +2,8 @@
 which tier), and per step which chunks each worker loads and saves. Runs in vLLM's scheduler
 (engine core) process; lookups run on its lookup thread, and the promotion of disk chunks into
 the host arena and the pull of other hosts' chunks into it on its staging threads (see
-lookups.py), so a forward pass copies from the arena only.
+lookups.py), so a forward pass copies from the arena only; tiers are timed on its probe thread
+(probes.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from kvstore.connectors.vllm.agent import AgentConnection, ThreadConnections
 from kvstore.connectors.vllm.config import ConnectorSettings, EngineKV
 from kvstore.connectors.vllm.lookups import LookupQueue, chunk_tiers, tokens_by_tier
 from kvstore.connectors.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
+from kvstore.connectors.vllm.probes import TierProbes
 from kvstore.connectors.vllm.request_keys import RequestKeys
 from kvstore.connectors.vllm.stats import LatencySamples
 from kvstore.connectors.vllm.tails import (
@@ -108,6 +110,8 @@ class SchedulerSide:
         self.lookups = LookupQueue(self._lookup, settings.stage_threads)
         # load only what beats compute; the arena is read in place, always worth loading
         self.cost = OnlineLoadPlanner(kv.layout.chunk_tokens, free_tiers=frozenset({"host"}))
+        probing = AgentConnection(settings, "vllm-scheduler-probe", pin_mapping=False)
+        self.probes = TierProbes(probing, settings.tenant, self.cost)
         self.bypassed: dict[str, int] = {}  # reason -> requests (see RequestKeys.bypass_reason)
         self.samples = LatencySamples()
         self.longest_match_s = 0.0
@@ -181,15 +185,40 @@ class SchedulerSide:
         answer = client.lookup(self.settings.tenant, block_keys, chunk_tokens=tokens)
         found = chunk_tiers(answer, groups)
         tiers = found[: self._chunks_worth_loading(req_id, found)]
+        self._probe_computed(req_id, found, len(tiers), block_keys)
         block_keys = block_keys[: len(tiers) * groups]
         whole = len(tiers)
         tail = self._tail(req_id, client, whole) if tiers == found else None
+        if tail is not None and tail[2] not in self.cost.free_tiers and tail[2] not in tiers:
+            tail = None  # its tier is not one loading was predicted faster from: computed
         if tail is not None:  # staged as one more chunk: its blocks after the whole chunks'
             block_keys += self.kv.lookup_keys([tail[0]])
             tiers = [*tiers, tail[2]]
         if set(tiers) <= {"host"}:
             return self._found(self._stage(client, block_keys, tiers, groups), whole, tail)
         return functools.partial(self._stage_apart, block_keys, tiers, groups, whole, tail)
+
+    def _probe_computed(
+        self, req_id: str, found: list[str], loaded: int, block_keys: list[bytes]
+    ) -> None:
+        """Probe (in the background) each tier of the chunks computed after the `loaded`
+        ones: a slow tier is timed again (at most once per probes.interval_s), so it is loaded
+        from again once it recovers, without a live request paying for finding out."""
+        for tier in dict.fromkeys(found[loaded:]):
+            if tier not in self.cost.free_tiers:
+                self._probe_chunk(req_id, found, block_keys, found.index(tier, loaded))
+
+    def _probe_chunk(self, req_id: str, found: list[str], block_keys: list[bytes], index: int):
+        """Probe chunk `index` of the request's lookup (in tier `found[index]`; block keys
+        chunk-major). A started probe stores that chunk here (promoted, pulled), so the
+        request does not save it, nor the stored ones before it: its own save of the same
+        key, were it first, would be what the probe reads, pricing a far tier at the arena's
+        speed."""
+        groups = self.kv.lookup_blocks_per_chunk
+        keys = block_keys[index * groups : (index + 1) * groups]
+        state = self.requests.get(req_id)
+        if self.probes.probe(found[index], keys) is not None and state is not None:
+            state.saved_chunks = max(state.saved_chunks, index + 1)
 
     def _tail(self, req_id: str, client, chunks: int) -> tuple[bytes, int, str] | None:
         """On the lookup thread: (key, engine blocks, tier) of the longest stored tail after
@@ -306,7 +335,7 @@ class SchedulerSide:
         state.tail_saved |= bool(state.load_tail[1])  # loaded: stored already
         self.stats["loaded_tails"] += bool(state.load_tail[1])
         self.stats["hit_prompt_tokens"] += state.prompt_tokens
-        state.saved_chunks = state.load_chunks
+        state.saved_chunks = max(state.saved_chunks, state.load_chunks)  # probed: _probe_chunk
         self._pending_loads[request.request_id] = state
 
     def hit_sources(self, request, num_external_tokens: int) -> dict[str, int]:
