@@ -33,6 +33,15 @@ class LoopLookups(ABC):
         found. None: not answerable on the loop now (a server moved or failed: ask the index
         itself, off the loop, then `refresh`). UnavailableError where a server is too slow."""
 
+    keeps = False  # whether `lookup_now` may answer (the lookups keep what they read)
+
+    def lookup_now(
+        self, tenant: str, keys: Sequence[bytes], anchor: bytes | None = None
+    ) -> Found | None:
+        """`lookup`'s answer where it needs no I/O (from what the lookups keep, where
+        `keeps`); None: await `lookup`. Default: None."""
+        return None
+
     @abstractmethod
     def refresh(self) -> None:
         """Find the index's servers again (after a failover). Blocks: call it off the loop."""

@@ -4,16 +4,20 @@ trip for the records of the holders found (what `live_addresses` would give of t
 
 Runs in the metadata service process: built off the loop (the servers its links lead to), used
 on the gRPC loop by lookup-port connections and LookupStream calls. What the index would answer
-it answers, from the same commands (`RedisIndex.lookup_commands`' parts, `ShardedRedisIndex`'s
-names, the MGET packed without building them: `pack_mget`), its cached live set, and
-`holders_prefix`. A server gone or moved (a refused or lost connection,
-MOVED, CLUSTERDOWN, ...) answers None: the service asks the index itself off the loop, which
-follows failovers, then `refresh` finds the servers again. A late reply is UnavailableError.
+it answers, from the same keys (`RedisIndex`'s holder records, live set and node hashes;
+`ShardedRedisIndex`'s names, the MGET packed without building them: `pack_mget`), its cached
+live set, and `holders_prefix`. RedisIndex's are read on a tracking pipe and kept until Redis
+invalidates them (redis_tracking.py: what that staleness is), so a lookup asked again is
+answered without I/O (`lookup_now`); the sharded index's are read at every lookup. A server
+gone or moved (a refused or lost connection, MOVED, CLUSTERDOWN, ...) answers None: the service
+asks the index itself off the loop, which follows failovers, then `refresh` finds the servers
+again. A late reply is UnavailableError.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from itertools import chain
@@ -25,13 +29,16 @@ from kvstore.metadata.index.base import Found, LoopLookups
 from kvstore.metadata.index.redis_holders import holders_prefix
 from kvstore.metadata.index.redis_index import RedisIndex
 from kvstore.metadata.index.redis_pipe import (
+    Fill,
     PipeAddress,
     PipeError,
     RedisPipe,
     ReplyError,
     ReplyLate,
+    Tracker,
     pack_mget,
 )
+from kvstore.metadata.index.redis_tracking import TrackedRecords, live_set, node_records
 from kvstore.metadata.records import Holding, NodeRecord
 
 # error replies of a server that no longer serves the slot, or not yet: ask the index itself
@@ -44,9 +51,16 @@ class _Pipes:
     """A pipe to the server each of the index's links leads to now (`by_link`, in the links'
     order; one pipe per server)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, links: Sequence) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        links: Sequence,
+        tracker: Callable[[], Tracker] | None = None,
+    ) -> None:
+        """`tracker`: makes each pipe's Tracker (None: reads are not tracked)."""
         self.loop = loop
         self.links = links
+        self.tracker = tracker
         self.by_link: list[RedisPipe] = []
         self._pipes: dict[PipeAddress, RedisPipe] = {}
         self._lock = threading.Lock()  # refreshes from several threads at once
@@ -60,7 +74,8 @@ class _Pipes:
         with self._lock:
             for address in addresses:
                 if address not in self._pipes:
-                    self._pipes[address] = RedisPipe(self.loop, address)
+                    tracker = None if self.tracker is None else self.tracker()
+                    self._pipes[address] = RedisPipe(self.loop, address, tracker=tracker)
             unused = [self._pipes.pop(a) for a in set(self._pipes) - set(addresses)]
             self.by_link = [self._pipes[address] for address in addresses]
         for pipe in unused:
@@ -72,10 +87,12 @@ class _Pipes:
             pipe.close()
 
 
-async def _ask(pipe: RedisPipe, commands: Sequence[tuple | bytes]) -> list | None:
+async def _ask(
+    pipe: RedisPipe, commands: Sequence[tuple | bytes], fill: Fill | None = None
+) -> list | None:
     """The replies; None where the server is gone or no longer serves the keys."""
     try:
-        return await pipe.call(commands)
+        return await pipe.call(commands, fill)
     except ReplyLate:
         raise
     except PipeError:
@@ -150,12 +167,16 @@ class _Addresses:
             if more is None:
                 return None
             records |= self._records(missing, more)
+        self.remember(holders)
+        return found, {node_id: records[node_id] for node_id in holders if node_id in records}
+
+    def remember(self, holders: list[str]) -> None:
+        """`holders` held the last prompt: the next lookups guess them first."""
         for node_id in holders:
             self.recent.pop(node_id, None)
             self.recent[node_id] = None
         while len(self.recent) > RECENT_HOLDERS:
             del self.recent[next(iter(self.recent))]
-        return found, {node_id: records[node_id] for node_id in holders if node_id in records}
 
 
 class _PipedLookups(LoopLookups):
@@ -175,29 +196,74 @@ class _PipedLookups(LoopLookups):
 
 
 class RedisLoopLookups(_PipedLookups):
-    """RedisIndex's: its one round trip (the live ids, the holder records), then the holders'."""
+    """RedisIndex's: from what its tracking pipe read before (TrackedRecords) where that
+    answers, else one round trip (the live set, the holder records, the recent holders'
+    records), then one for the other holders' records."""
+
+    keeps = True
 
     @classmethod
     def of(cls, index, loop: asyncio.AbstractEventLoop) -> RedisLoopLookups | None:
-        pipes = _Pipes(loop, [index._link])
+        prefix = index._prefix
+        pipes = _Pipes(loop, [index._link], lambda: TrackedRecords(prefix))
         if not pipes.refresh():
             return None
-        return cls(index, pipes, _Addresses(index._prefix, index._clock))
+        return cls(index, pipes, _Addresses(prefix, index._clock))
 
-    async def lookup(
+    def lookup_now(
         self, tenant: str, keys: Sequence[bytes], anchor: bytes | None = None
     ) -> Found | None:
         if not keys:
             return [], {}
         pipe = self.pipes.by_link[0]
-        guessed, guesses = self.addresses.guess()
-        mget = pack_mget(self.index.holders_stem(tenant), keys)
-        replies = await _ask(pipe, [self.index.live_command(), mget, *guesses])
+        if not pipe.drain():  # not open, or not tracked: nothing kept is known fresh
+            return None
+        return pipe.tracker.found(self.index.holders_stem(tenant), keys, self.addresses.clock())
+
+    async def lookup(
+        self, tenant: str, keys: Sequence[bytes], anchor: bytes | None = None
+    ) -> Found | None:
+        found = self.lookup_now(tenant, keys, anchor)
+        if found is not None:
+            return found
+        pipe, addresses = self.pipes.by_link[0], self.addresses
+        tracked: TrackedRecords | None = pipe.tracker
+        stem = self.index.holders_stem(tenant)
+        guessed = [node_id.encode() for node_id in addresses.recent]
+        commands = [(b"ZRANGE", self.index._prefix + b":exp", b"0", b"-1", b"WITHSCORES")]
+        commands += [pack_mget(stem, keys), *map(self._node_hash, guessed)]
+        fill = None if tracked is None else _filled(tracked, stem, keys, guessed)
+        replies = await _ask(pipe, commands, fill)
         if replies is None:
             return None
-        live_ids, blobs, *records = replies
-        found = holders_prefix(blobs, frozenset(live_ids))
-        return await self.addresses.of(pipe, found, guessed, records)
+        scores, blobs, *hashes = replies
+        live, now = live_set(scores), addresses.clock()
+        found = holders_prefix(blobs, frozenset(n for n, t in live.items() if t > now))
+        holders = list(dict.fromkeys(map(_NODE_ID, chain.from_iterable(found))))
+        by_node = dict(zip(guessed, hashes, strict=True))
+        missing = [n.encode() for n in holders if n.encode() not in by_node]
+        if missing:
+            fill = None if tracked is None else functools.partial(tracked.fill_nodes, missing)
+            more = await _ask(pipe, list(map(self._node_hash, missing)), fill)
+            if more is None:
+                return None
+            by_node |= zip(missing, more, strict=True)
+        addresses.remember(holders)
+        return found, node_records(holders, live, by_node, now)
+
+    def _node_hash(self, node: bytes) -> tuple:
+        return (b"HMGET", self.index._prefix + b":node:" + node, *_FIELDS)
+
+
+def _filled(tracked: TrackedRecords, stem: bytes, keys: Sequence[bytes], guessed: list) -> Fill:
+    """A lookup's round trip's fill: the live set, the holder records, the guessed hashes."""
+
+    def fill(replies: list) -> None:
+        tracked.fill_live(replies[0])
+        tracked.fill_holders(stem, keys, replies[1])
+        tracked.fill_nodes(guessed, replies[2:])
+
+    return fill
 
 
 class ShardedLoopLookups(_PipedLookups):

@@ -7,14 +7,23 @@ redis-py client's settings. Opened at the first call (AUTH and SELECT as the cli
 reply later than `reply_timeout_s`, a protocol error or a lost connection fails every call
 waiting on it (PipeError) and the next call opens another. Bounded by its callers: the lookup
 port and LookupStream calls have one lookup each in flight per connection or call.
+
+A pipe given a `Tracker` asks Redis to track what it reads (RESP3, CLIENT TRACKING ON: Redis 6
+or later) and hands the tracker each invalidation in the order of the replies, so a value
+filled from a reply (`call`'s `fill`, run as the reply is read) is dropped by any later change;
+a connection opened or lost resets the tracker (invalidations on it are lost). `drain` reads
+what the socket holds now, so a caller about to answer from the tracker first takes every
+invalidation Redis has sent. A server that refuses tracking is read without it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Sequence
+import socket
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import hiredis
 import redis
@@ -88,10 +97,10 @@ class PipeAddress:
     def name(self) -> str:
         return self.path or f"{self.host}:{self.port}"
 
-    def handshake(self) -> list[tuple]:
-        """The commands a new connection sends first."""
+    def handshake(self, authenticated: bool = False) -> list[tuple]:
+        """The commands a new connection sends first (`authenticated`: by its HELLO)."""
         commands: list[tuple] = []
-        if self.password is not None:
+        if self.password is not None and not authenticated:
             user = () if self.username is None else (self.username,)
             commands.append(("AUTH", *user, self.password))
         if self.db:
@@ -99,41 +108,88 @@ class PipeAddress:
         return commands
 
 
-class _Call:
-    __slots__ = ("count", "future", "replies", "timer")
+class Tracker(Protocol):
+    """What a tracking pipe tells of the values its connection read."""
 
-    def __init__(self, future: asyncio.Future, count: int, timer: asyncio.TimerHandle) -> None:
+    def invalidate(self, names: list[bytes] | None) -> None:
+        """Redis says these keys changed (None: every key, as at FLUSHALL)."""
+
+    def reset(self) -> None:
+        """A connection was opened or lost: nothing read before is tracked any more."""
+
+
+Fill = Callable[[list], None]  # given a call's replies as they are read, before any later reply
+
+
+class _Call:
+    __slots__ = ("count", "fill", "future", "replies", "timer")
+
+    def __init__(
+        self, future: asyncio.Future, count: int, timer: asyncio.TimerHandle, fill: Fill | None
+    ) -> None:
         self.future, self.count, self.replies, self.timer = future, count, [], timer
+        self.fill = fill
 
 
 class _Replies(asyncio.Protocol):
     """The connection: calls waiting for their replies, oldest first."""
 
-    def __init__(self, pipe: RedisPipe) -> None:
+    def __init__(self, pipe: RedisPipe, sock: socket.socket) -> None:
         self.pipe = pipe
+        self.sock = sock  # read by `drain` too
         self.reader = hiredis.Reader()
         self.transport: asyncio.Transport | None = None
         self.waiting: collections.deque[_Call] = collections.deque()
         self.failed: PipeError | None = None
+        self.tracking = False  # set once Redis agreed to track this connection's reads
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         self.transport = transport
 
-    def send(self, packed: bytes, count: int, timeout_s: float) -> asyncio.Future:
+    def send(
+        self, packed: bytes, count: int, timeout_s: float, fill: Fill | None = None
+    ) -> asyncio.Future:
         loop = self.pipe.loop
         future = loop.create_future()
         timer = loop.call_later(timeout_s, self._late, future, timeout_s)
-        self.waiting.append(_Call(future, count, timer))
+        self.waiting.append(_Call(future, count, timer, fill))
         self.transport.write(packed)
         return future
+
+    def drain(self) -> bool:
+        """Read what the socket holds now (no wait); False where the connection failed."""
+        if self.failed is not None:
+            return False
+        try:
+            while data := self.sock.recv(1 << 16):
+                self.data_received(data)
+                if self.failed is not None:
+                    return False
+        except (BlockingIOError, InterruptedError):
+            return True
+        except OSError as exc:
+            self.fail(self.error(f"the connection was lost ({exc})"))
+            return False
+        self.fail(self.error("the connection was lost (closed by the server)"))  # EOF
+        return False
 
     def data_received(self, data: bytes) -> None:
         self.reader.feed(data)
         try:
             while (reply := self.reader.gets()) is not False:
-                self._take(reply)
+                if isinstance(reply, hiredis.PushNotification):
+                    self._pushed(reply)
+                else:
+                    self._take(reply)
         except (hiredis.ProtocolError, IndexError) as exc:  # IndexError: a reply unasked for
             self.fail(self.error(f"a reply that is not RESP, or was not asked for ({exc!r})"))
+
+    def _pushed(self, push: list) -> None:
+        tracker = self.pipe.tracker
+        if self.tracking and push and push[0] == b"invalidate" and tracker is not None:
+            tracker.invalidate(push[1] if len(push) > 1 else None)
+            if self.waiting and self.waiting[0].replies:  # a change amid a call's replies:
+                self.waiting[0].fill = None  # those before it may be stale, fill none
 
     def _take(self, reply) -> None:
         call = self.waiting[0]
@@ -141,6 +197,8 @@ class _Replies(asyncio.Protocol):
         if len(call.replies) == call.count:
             self.waiting.popleft()
             call.timer.cancel()
+            if call.fill is not None and self.tracking and not _refused(call.replies):
+                call.fill(call.replies)
             if not call.future.done():  # its caller may have been cancelled
                 call.future.set_result(call.replies)
 
@@ -156,6 +214,9 @@ class _Replies(asyncio.Protocol):
         another."""
         if self.failed is None:
             self.failed = error
+        if self.tracking and self.pipe.tracker is not None:
+            self.tracking = False
+            self.pipe.tracker.reset()
         self.pipe.forget(self)
         while self.waiting:
             call = self.waiting.popleft()
@@ -175,30 +236,45 @@ class RedisPipe:
         loop: asyncio.AbstractEventLoop,
         address: PipeAddress,
         reply_timeout_s: float | None = None,
+        tracker: Tracker | None = None,
     ) -> None:
-        """`reply_timeout_s`: None, REPLY_TIMEOUT_S."""
+        """`reply_timeout_s`: None, REPLY_TIMEOUT_S. `tracker`: told what Redis invalidates of
+        the reads of this pipe's connections (None: nothing is tracked)."""
         self.loop = loop
         self.address = address
         self.reply_timeout_s = REPLY_TIMEOUT_S if reply_timeout_s is None else reply_timeout_s
+        self.tracker = tracker
         self._open: _Replies | None = None
         self._opening: asyncio.Future | None = None
 
-    async def call(self, commands: Sequence[tuple | bytes]) -> list:
+    @property
+    def tracking(self) -> bool:
+        """Whether the open connection's reads are tracked (its tracker's values are fresh)."""
+        return self._open is not None and self._open.tracking
+
+    def drain(self) -> bool:
+        """Take what the open connection's socket holds now (invalidations, replies); True
+        where it is open and tracked afterwards. On the loop; no wait."""
+        connection = self._open
+        return connection is not None and connection.drain() and connection.tracking
+
+    async def call(self, commands: Sequence[tuple | bytes], fill: Fill | None = None) -> list:
         """The replies of `commands` (each its words, or bytes already in RESP: pack_mget),
         sent as one write. PipeError where the connection fails or a reply is late;
-        ReplyError where Redis refuses a command."""
+        ReplyError where Redis refuses a command. `fill`: given the replies as they are read,
+        where the connection is tracked and none is an error."""
         packed = b"".join(c if isinstance(c, bytes) else hiredis.pack_command(c) for c in commands)
-        replies = await self._send(packed, len(commands))
+        replies = await self._send(packed, len(commands), fill)
         for reply in replies:
             if isinstance(reply, hiredis.ReplyError):
                 raise ReplyError(f"redis at {self.address.name()}: {reply}", str(reply))
         return replies
 
-    async def _send(self, packed: bytes, count: int) -> list:
+    async def _send(self, packed: bytes, count: int, fill: Fill | None = None) -> list:
         connection = self._open
         if connection is None:
             connection = await self._connect()
-        return await connection.send(packed, count, self.reply_timeout_s)
+        return await connection.send(packed, count, self.reply_timeout_s, fill)
 
     async def _connect(self) -> _Replies:
         """The connection, opened once for every caller waiting on it."""
@@ -211,25 +287,72 @@ class RedisPipe:
                 self._opening = None
 
     async def _opened(self) -> _Replies:
-        address, loop = self.address, self.loop
-        try:
-            if address.path:
-                opening = loop.create_unix_connection(lambda: _Replies(self), address.path)
-            else:
-                opening = loop.create_connection(lambda: _Replies(self), address.host, address.port)
-            _, connection = await asyncio.wait_for(opening, CONNECT_TIMEOUT_S)
-        except (OSError, TimeoutError) as exc:
-            raise PipeError(f"redis at {address.name()} is unavailable: {exc!r}") from None
-        handshake = address.handshake()
+        connection = await self._connected()
+        if self.tracker is not None:
+            if await self._tracked(connection):
+                self.tracker.reset()  # what was read on an earlier connection is not tracked
+                connection.tracking = True
+            else:  # refused: read untracked from now on (on a new connection: RESP2)
+                self.tracker = None
+                connection.fail(connection.error("refused tracking"))
+                connection = await self._connected()
+        handshake = self.address.handshake(authenticated=connection.tracking)
         if handshake:
-            packed = b"".join(map(hiredis.pack_command, handshake))
-            replies = await connection.send(packed, len(handshake), self.reply_timeout_s)
-            refused = [r for r in replies if isinstance(r, hiredis.ReplyError)]
-            if refused:
-                connection.fail(connection.error(f"refused the connection: {refused[0]}"))
+            replies = await self._handshake(connection, handshake)
+            if _refused(replies):
+                refused = next(r for r in replies if isinstance(r, hiredis.ReplyError))
+                connection.fail(connection.error(f"refused the connection: {refused}"))
                 raise connection.failed
         self._open = connection
         return connection
+
+    async def _connected(self) -> _Replies:
+        """A new connection, its socket kept for `drain`."""
+        address, loop = self.address, self.loop
+        sock = None
+        try:
+            async with asyncio.timeout(CONNECT_TIMEOUT_S):
+                targets = [(socket.AF_UNIX, address.path)]
+                if not address.path:
+                    infos = await loop.getaddrinfo(
+                        address.host, address.port, type=socket.SOCK_STREAM
+                    )
+                    targets = [(family, target) for family, _, _, _, target in infos]
+                for i, (family, target) in enumerate(targets):
+                    sock = socket.socket(family, socket.SOCK_STREAM)
+                    sock.setblocking(False)
+                    try:
+                        await loop.sock_connect(sock, target)
+                        break
+                    except OSError:
+                        sock.close()
+                        if i == len(targets) - 1:
+                            raise
+                if address.path:
+                    _, connection = await loop.create_unix_connection(
+                        lambda: _Replies(self, sock), sock=sock
+                    )
+                else:
+                    _, connection = await loop.create_connection(
+                        lambda: _Replies(self, sock), sock=sock
+                    )
+        except (OSError, TimeoutError) as exc:
+            if sock is not None:
+                sock.close()
+            raise PipeError(f"redis at {address.name()} is unavailable: {exc!r}") from None
+        return connection
+
+    async def _tracked(self, connection: _Replies) -> bool:
+        """RESP3 (as whom the address says) and CLIENT TRACKING ON; False where refused."""
+        hello: tuple = (b"HELLO", b"3")
+        if self.address.password is not None:
+            hello += (b"AUTH", self.address.username or b"default", self.address.password)
+        replies = await self._handshake(connection, [hello, (b"CLIENT", b"TRACKING", b"ON")])
+        return not _refused(replies)
+
+    async def _handshake(self, connection: _Replies, commands: list[tuple]) -> list:
+        packed = b"".join(map(hiredis.pack_command, commands))
+        return await connection.send(packed, len(commands), self.reply_timeout_s)
 
     def forget(self, connection: _Replies) -> None:
         if self._open is connection:
@@ -239,3 +362,7 @@ class RedisPipe:
         """Abort the connection (on the loop); a later call opens another."""
         if self._open is not None:
             self._open.fail(self._open.error("the pipe was closed"))
+
+
+def _refused(replies: list) -> bool:
+    return any(isinstance(reply, hiredis.ReplyError) for reply in replies)

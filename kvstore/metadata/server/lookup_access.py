@@ -3,7 +3,8 @@ lookup-port connections (lookup_port.py) are authorised by the same tokens, hold
 kind ("lookup") under one cap, get the same answers and end after the same idle time.
 
 Runs in the metadata service process; built once by the servicer (service.py). Answers run on
-the loop (`answer`) where the index's reads never block, else are awaited (`answer_later`).
+the loop (`answer`) where the index's reads never block, else are awaited (`answer_later`),
+but for those ready without I/O (`answer_now`: the Redis lookups' tracked records).
 """
 
 from __future__ import annotations
@@ -28,3 +29,9 @@ class LookupAccess:
     answer: Answer
     idle_s: float  # a call or connection with no request for this long is ended
     answer_later: LaterAnswer | None = None  # where set, `answer` would block the loop
+    # where answer_later is set: its answer where it is ready without I/O, else None
+    answer_now: Callable[[bytes, TenantScope], pb.LookupStreamResponse | None] | None = None
+
+    def answer_ready(self, payload: bytes, scope: TenantScope) -> pb.LookupStreamResponse | None:
+        """Where `answer_later` is set: its answer if `answer_now` has it, else None."""
+        return None if self.answer_now is None else self.answer_now(payload, scope)

@@ -5,12 +5,13 @@ Runs in the metadata service process, on the gRPC loop (an asyncio Protocol). A 
 the instance id from Describe, bearer token), answered by a status; each later frame
 is a LookupRequest, answered by a LookupStreamResponse. A connection is counted from its accept,
 TLS handshake included, until its hello is accepted or it ends, and must say hello within
-HELLO_TIMEOUT_S. Its answers run on the loop, at most FRAMES_PER_TURN before the loop's other
-callbacks get their turn, or, where the index's reads block (Redis), are awaited one at a time
-(`LookupAccess.answer_later`); reading stops while frames wait for their turn or an answer and
+HELLO_TIMEOUT_S. Its answers run on the loop, at most FRAMES_PER_TURN and the port's turn
+budget (lookup_port.py) before the loop's other callbacks get their turn, or, where the index's
+reads block (Redis), are awaited one at a time (`LookupAccess.answer_later`) unless ready
+without I/O (`answer_now`); reading stops while frames wait for their turn or an answer and
 while the client leaves answers unread (the transport's flow control), so what it can make the
-service hold is a read, a frame, an answer and a write buffer. A connection ended by the service
-gets CLOSE_GRACE_S to take its last frames, then is cut.
+service hold is a read, a frame, an answer and a write buffer. A connection ended by the
+service gets CLOSE_GRACE_S to take its last frames, then is cut.
 """
 
 from __future__ import annotations
@@ -110,20 +111,25 @@ class LookupConnection(asyncio.Protocol):
             self._read(False)
 
     def _process(self) -> None:
-        """Answer the complete frames, FRAMES_PER_TURN at a time (the rest on the loop's
-        next turn); read on only when every frame is answered and the client takes its
-        answers."""
+        """Answer the complete frames, FRAMES_PER_TURN at a time and while the loop's turn
+        has time for lookups (LookupPort.turn_left; the rest at a later turn); read on only
+        when every frame is answered and the client takes its answers."""
         self._scheduled = False
         if self.ended or self._write_blocked:
             return  # resume_writing comes back here
         answers: list[bytes] = []
-        while len(answers) < FRAMES_PER_TURN and (payload := self._next_payload(answers)):
+        while len(answers) < FRAMES_PER_TURN and self._has_frame() and self.port.turn_left():
+            if (payload := self._next_payload(answers)) is None:
+                break  # over its limit: the connection is ending
             if self.scope is None:
                 if not self._hello(payload[0], answers):
                     return
             elif self.port.access.answer_later is not None:
-                self._answer_later(payload[0], answers)
-                return
+                ready = self.port.access.answer_ready(payload[0], self.scope)
+                if ready is None:
+                    self._answer_later(payload[0], answers)
+                    return
+                answers.append(wire.frame(ready))
             else:
                 answers.append(wire.frame(self.port.access.answer(payload[0], self.scope)))
         if self.ended:
@@ -132,13 +138,25 @@ class LookupConnection(asyncio.Protocol):
             self.last_request = self.port.loop.time()
         if answers:
             self.transport.write(b"".join(answers))  # may block writes (pause_writing)
-        if len(answers) < FRAMES_PER_TURN:
+        if not self._has_frame():
             self._read(not self._write_blocked)
             return
-        self._read(False)
+        self._read(False)  # frames left for a later turn (FRAMES_PER_TURN, or its time spent)
         if not self._write_blocked:
             self._scheduled = True
-            self.port.loop.call_soon(self._process)
+            self.port.wait_turn(self)
+
+    def take_turn(self) -> None:
+        """Answer on from where the last turn left off (LookupPort.wait_turn)."""
+        self._process()
+
+    def _has_frame(self) -> bool:
+        """Whether the buffer holds a whole frame (or one's length over the limit)."""
+        if len(self.buffer) < wire.LENGTH.size:
+            return False
+        (length,) = wire.LENGTH.unpack_from(self.buffer)
+        limit = HELLO_MAX_BYTES if self.scope is None else self.port.max_request_bytes
+        return len(self.buffer) >= wire.LENGTH.size + length or length > limit
 
     def _answer_later(self, payload: bytes, answers: list[bytes]) -> None:
         """Send the answers so far, await this one; nothing more is answered until it is

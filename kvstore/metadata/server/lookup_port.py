@@ -14,6 +14,11 @@ cannot be sent to another service's port (a forwarded or reused port). The id is
 that asked one replica behind a Service may be answered on another's port, and the check still
 refuses any other index's service; an embedded index's id is its process's own.
 
+Fair: the answers of one turn of the loop stop after TURN_BUDGET_S (its first always runs), and
+connections with frames left answer on at the next turn in the order they stopped, before new
+ones, so gRPC's callbacks (heartbeats) never wait behind more than that and a connection with
+many frames never starves the others.
+
 Bounded: connections by their scope's slots, or, until their hello, by MAX_AWAITING_HELLO and
 HELLO_TIMEOUT_S; each by its frame limit, its buffers and its one awaited answer
 (lookup_connection.py); an idle one is closed after `idle_s`. Offered on every backend: the
@@ -25,8 +30,10 @@ unary pool).
 from __future__ import annotations
 
 import asyncio
+import collections
 import hmac
 import ssl
+import time
 from collections.abc import Callable
 
 import grpc
@@ -37,6 +44,7 @@ from kvstore.metadata.server.lookup_access import LookupAccess
 from kvstore.metadata.server.lookup_connection import LookupConnection
 from kvstore.metadata.server.slots import StreamSlots
 
+TURN_BUDGET_S = 0.002  # lookups answered in one turn of the loop, every connection's together
 REQUEST_OVERHEAD_BYTES = 1024  # a LookupRequest's fields besides its keys (names are short)
 WILDCARD_HOSTS = ("", "0.0.0.0", "::")  # every address, of both families where the port is fixed
 
@@ -80,6 +88,33 @@ class LookupPort:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.Server | None = None
         self._sweep_handle: asyncio.TimerHandle | None = None
+        self._turn_started: float | None = None  # the first answer of this turn of the loop
+        self._waiting: collections.deque[LookupConnection] = collections.deque()
+
+    def turn_left(self) -> bool:
+        """Whether this turn of the loop may answer another lookup: its first always, then
+        until TURN_BUDGET_S of answers, so the loop's other callbacks (gRPC's: heartbeats)
+        wait for at most that, however many connections have frames."""
+        now = time.perf_counter()
+        if self._turn_started is None:
+            self._turn_started = now
+            self.loop.call_soon(self._next_turn)  # the next turn's first callback
+            return True
+        return now - self._turn_started < TURN_BUDGET_S
+
+    def wait_turn(self, connection: LookupConnection) -> None:
+        """`connection` has frames left: it answers on at the next turn, after those that
+        waited before it."""
+        self._waiting.append(connection)
+        if self._turn_started is None:
+            self._turn_started = time.perf_counter()
+            self.loop.call_soon(self._next_turn)
+
+    def _next_turn(self) -> None:
+        self._turn_started = None
+        waiting, self._waiting = self._waiting, collections.deque()
+        for connection in waiting:
+            connection.take_turn()
 
     def adopt(self, instance: bytes) -> None:
         """Describe `instance` from now on (the index's id, read at start and re-read while

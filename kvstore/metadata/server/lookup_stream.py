@@ -61,7 +61,7 @@ class LookupStreams:
                 self._last_request[task] = (ANSWERING, context)  # not idle, however long
                 if self.access.answer_later is None:
                     answer = self.access.answer(payload, scope)
-                else:
+                elif (answer := self.access.answer_ready(payload, scope)) is None:
                     answer = await self.access.answer_later(payload, scope)
                 self._last_request[task] = (loop.time(), context)  # idle from here
                 yield answer

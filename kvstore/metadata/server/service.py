@@ -5,7 +5,8 @@ an index whose reads block, Redis) run in the `pool` of unary threads, non-block
 streams on the loop itself, in the collaborators the servicer holds (WatchEvents and Snapshot:
 StreamRpcs, streams.py; LookupStream: LookupStreams, lookup_stream.py), so streams never take
 the threads heartbeats need. The lookups of LookupStream calls and the lookup port are awaited
-on the loop from the index's LoopLookups where its reads block (Redis: redis_lookups.py). Every
+on the loop from the index's LoopLookups where its reads block (Redis: redis_lookups.py), or
+answered at once where those keep what they need (`answer_lookup_now`). Every
 unary RPC is wrapped by `_unary`, which authenticates, times it, and maps kvstore errors to
 status codes through STATUS_FOR (status.py), the one table of that mapping. Heartbeats run in
 a pool of their own (`lease_pool`): however many publishes queue for the unary pool, no lease
@@ -126,6 +127,7 @@ class MetadataServicer:
             self.answer_lookup,
             limits.lookup_stream_idle_s,
             None if index.nonblocking_reads else self.answer_lookup_later,
+            None if index.nonblocking_reads else self.answer_lookup_now,
         )
         self.lookup_streams = LookupStreams(self.lookup_access, metrics.count_calls("LookupStream"))
 
@@ -233,6 +235,24 @@ class MetadataServicer:
         try:
             request = wire.parse(pb.LookupRequest, payload)
             return self._answered(self._lookup(request, scope), started)
+        except Exception as exc:
+            return self._refused(exc, started)
+
+    def answer_lookup_now(
+        self, payload: bytes, scope: TenantScope
+    ) -> pb.LookupStreamResponse | None:
+        """`answer_lookup_later`'s answer where it needs no I/O: a refused request, or a
+        lookup its LoopLookups answer from what they keep (`lookup_now`); None: await it."""
+        if self.loop_lookups is None or not self.loop_lookups.keeps:
+            return None
+        started = time.perf_counter()
+        try:
+            request = wire.parse(pb.LookupRequest, payload)
+            tenant, keys, anchor = self._lookup_args(request, scope)
+            found = self.loop_lookups.lookup_now(tenant, keys, anchor)
+            if found is None:
+                return None
+            return self._answered(self._lookup_response(request, keys, *found), started)
         except Exception as exc:
             return self._refused(exc, started)
 
