@@ -102,7 +102,7 @@ class ChunkCopier:
         with the block's checksum once every layer of the chunk was copied, and `streams`
         synchronized: a mismatch means the KV written is not the block's and must be
         recomputed). `layout`: a tail's (fewer tokens), else the chunk's."""
-        self._load([LayerLoad(page, hasher, paged, index, self._checked(layout))])
+        self._load([LayerLoad(page, hasher, paged, index, layout)])
 
     def load_layers(self, loads: Sequence[LayerLoad]) -> None:
         """`load_layer` for each of `loads`, chunk layers of one layer, in their order: the
@@ -110,16 +110,18 @@ class ChunkCopier:
         loads (CUDA), the pages of consecutive loads that lie at one stride in one host
         buffer (arena pages next to each other, the same layout) are uploaded by one DMA, up
         to `upload_batch_bytes`; on the CPU, raw pages still go straight into the engine."""
-        self._load([replace(load, layout=self._checked(load.layout)) for load in loads])
+        self._load(loads)
 
     def _load(self, loads: Sequence[LayerLoad]) -> None:
-        """`load_layers` of loads whose layouts are named and checked."""
+        """`load_layers`: a raw load in place (CPU), the others staged, with their layouts named
+        and checked."""
         staged = []
-        for load in loads:
-            if self.streams.in_place and load.layout.codec == "raw":
-                self._load_in_place(load)
+        layouts = [self._checked(load.layout) for load in loads]  # all refused before any copy
+        for load, layout in zip(loads, layouts, strict=True):
+            if self.streams.in_place and layout.codec == "raw":
+                self._load_in_place(load, layout)
             else:
-                staged.append(load)
+                staged.append(load if load.layout is layout else replace(load, layout=layout))
         limit = self.upload_batch_bytes if self.streams.strided_uploads else 0
         for run in batches(staged, limit):
             self._load_staged(run)
@@ -146,21 +148,20 @@ class ChunkCopier:
             )
         return self._batch[: count * row_bytes].view(count, row_bytes)
 
-    def _load_in_place(self, load: LayerLoad) -> None:
+    def _load_in_place(self, load: LayerLoad, layout: KVLayout) -> None:
         """Host memory, raw payloads: K, then V, of each engine block straight from the page,
         hashed as copied (a K kept as [head][dim][token] is transposed on the way: see
         kvstore/native/copyhash.c); positions the engine has already go into staging, so
         the digest still covers every byte of the layer, each byte as it was copied."""
-        layout = load.layout
         stored = self._by_blocks(load.page, layout)
-        spare = self._by_blocks(self._staging[: layout.layer_bytes], layout)
+        copy = load.hasher.copy
         for part, engine in enumerate(self._engine_views(load.paged)):
             for start, stop, block in load.index.runs:
-                source = stored[part, start:stop]
                 if block is None:
-                    load.hasher.copy(spare[part, start:stop], source)
+                    spare = self._by_blocks(self._staging[: layout.layer_bytes], layout)
+                    copy(spare[part, start:stop], stored[part, start:stop])
                 else:
-                    load.hasher.copy(engine[block : block + stop - start], source)
+                    copy(engine[block : block + stop - start], stored[part, start:stop])
 
     def _decode(self, layout: KVLayout, staging: torch.Tensor) -> torch.Tensor:
         if layout.codec == "raw":
@@ -191,9 +192,11 @@ class ChunkCopier:
         layout = self._checked(layout)
         if index.first != 0 or len(index) * self.block_size != layout.chunk_tokens:
             raise ValueError(f"a save fills every position of its block, not {index.first}..")
-        if self.streams.in_place and layout.codec == "raw" and self._rows_dense(paged):
-            self._save_in_place(paged, index, page, hasher, layout)
-            return
+        if self.streams.in_place and layout.codec == "raw":
+            engine = self._engine_views(paged)
+            if _rows_dense(engine):
+                self._save_in_place(engine, index, page, hasher, layout)
+                return
         staging = self._staging[: layout.layer_bytes]
         with self.streams.submitting():
             canonical = self._canonical_for(layout, staging)
@@ -204,7 +207,7 @@ class ChunkCopier:
 
     def _save_in_place(
         self,
-        paged: PagedLayer,
+        engine: tuple[np.ndarray, np.ndarray],
         index: BlockIndex,
         page: torch.Tensor,
         hasher: Hasher | None,
@@ -215,13 +218,10 @@ class ChunkCopier:
         one pass over the bytes, where gathering into staging and then writing it out took
         two. A page under reservation is this worker's alone until it commits."""
         stored = self._by_blocks(page, layout)
-        for part, engine in enumerate(self._engine_views(paged)):
+        copy = np.copyto if hasher is None else _streamed(hasher)
+        for part, views in enumerate(engine):
             for start, stop, block in index.runs:
-                source = engine[block : block + stop - start]
-                if hasher is None:
-                    np.copyto(stored[part, start:stop], source)
-                else:
-                    hasher.copy(stored[part, start:stop], source)
+                copy(stored[part, start:stop], views[block : block + stop - start])
 
     def _by_blocks(self, flat: torch.Tensor, layout: KVLayout) -> np.ndarray:
         """A flat uint8 host layer as [2, blocks, block_size, kv_heads, head_dim] items."""
@@ -250,11 +250,6 @@ class ChunkCopier:
     def _decoded(self, layout: KVLayout) -> torch.Tensor:
         return self._decoded_flat[: layout.layer_elements].view(layout.layer_shape)
 
-    def _rows_dense(self, paged: PagedLayer) -> bool:
-        """Whether K's and V's head-dim axes are contiguous (runs of a row each, which the
-        host copies move at memory speed; a K kept transposed is gathered by torch)."""
-        return all(view.strides[-1] == view.itemsize for view in self._engine_views(paged))
-
     def _by_block(self, part: torch.Tensor) -> torch.Tensor:
         """One of K or V, [tokens, kv_heads, head_dim], as [blocks, block_size, ...] (a view)."""
         return part.unflatten(0, (-1, self.block_size))
@@ -276,6 +271,18 @@ class ChunkCopier:
     def synchronize(self) -> None:
         """Block until every submitted copy and hash is done (before verifying or committing)."""
         self.streams.synchronize()
+
+
+def _streamed(hasher: Hasher):
+    """`hasher.copy` writing around the caches: a saved page is read by nobody soon (a load's
+    copy keeps its stores cached: the layer's attention reads them next)."""
+    return lambda destination, source: hasher.copy(destination, source, True)
+
+
+def _rows_dense(engine: tuple[np.ndarray, np.ndarray]) -> bool:
+    """Whether K's and V's head-dim axes are contiguous (runs of a row each, which the host
+    copies move at memory speed; a K kept transposed is gathered by torch)."""
+    return all(view.strides[-1] == view.itemsize for view in engine)
 
 
 _WORDS = (torch.int64, torch.int32, torch.int16)

@@ -154,6 +154,45 @@ def test_a_transposed_k_block_of_vllms_cpu_layout_moves_in_vectors():
     assert set(digests) == {reference(source)}
 
 
+def _aligned(shape, dtype, misalign: int) -> np.ndarray:
+    """Zeros of `shape` starting `misalign` bytes past a 64-byte boundary."""
+    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    raw = np.zeros(size + 128, np.uint8)
+    start = -raw.ctypes.data % 64 + misalign
+    return raw[start : start + size].view(dtype).reshape(shape)
+
+
+@pytest.mark.parametrize("misalign", [0, 16])
+@pytest.mark.parametrize("before", [0, 1024])
+@pytest.mark.parametrize("stream", [False, True])
+def test_long_strided_copies_of_kv_rows_arrive_and_hash_whole_both_ways(misalign, before, stream):
+    """A chunk layer's K of a head-major engine layer (512 KiB of 256-byte rows a head's block
+    apart), into a payload and back out: past STREAM_MIN_BYTES, asked to `stream`, the avx2
+    loop writes with streaming stores where the destination's rows are 32-byte aligned
+    (misalign 0) and through the cache elsewhere (16); the same bytes arrive and the digest
+    is xxh3's."""
+    rng = np.random.default_rng(misalign + before)
+    prefix = rng.integers(0, 256, before, dtype=np.uint8)
+    engine = _aligned((16, 8, 16, 2, 128), np.int16, misalign)  # [block][head][token][K|V]
+    engine[...] = rng.integers(-(2**15), 2**15, engine.shape, dtype=np.int16)
+    key = engine[:, :, :, 0].transpose(0, 2, 1, 3)  # [block][token][head][dim]
+    for isa in ISAS:
+        payload = _aligned(key.shape, np.int16, misalign)
+        saver = Hasher(isa=isa)
+        saver.update(prefix)
+        saver.copy(payload, key, stream)
+        assert np.array_equal(payload, key)
+        whole = np.concatenate([prefix, payload.view(np.uint8).ravel()])
+        assert saver.intdigest() == reference(whole)
+        target = _aligned(engine.shape, np.int16, misalign)
+        loader = Hasher(isa=isa)
+        loader.update(prefix)
+        loader.copy(target[:, :, :, 0].transpose(0, 2, 1, 3), payload, stream)
+        assert np.array_equal(target[:, :, :, 0], engine[:, :, :, 0])
+        assert not target[:, :, :, 1].any()  # V's rows, between K's, untouched
+        assert loader.intdigest() == reference(whole)
+
+
 def test_a_page_first_host_page_copies_into_a_layer_major_payload():
     """SGLang's page_first pool keeps a page token-major ([components, tokens, layers, row]);
     the payload is layer-major ([layers, components, tokens, row])."""
