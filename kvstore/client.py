@@ -304,27 +304,42 @@ class KVStoreClient:
         A consumer that copies the payloads out should pass verify=False and copy with
         `LoadedBlocks.copy_to`, which verifies the copy itself in the same pass.
         """
-        timeout_ms = int(timeout_s * 1000)
-        result = self._call("load", tenant=tenant, keys=keys, timeout_ms=timeout_ms).load
-        payloads = [
-            self._payload_view(offset, size)
-            for offset, size in zip(result.offsets, result.payload_bytes, strict=True)
-        ]
-        checksums = list(result.checksums)
-        loaded = LoadedBlocks(
-            result.load_id, payloads, checksums, result.local_blocks, result.remote_blocks
-        )
+        loaded = self.load_sent(tenant, keys, timeout_s)()
         if verify:
             good = next(
                 (
                     i
-                    for i, (view, expected) in enumerate(zip(payloads, checksums, strict=True))
+                    for i, (view, expected) in enumerate(
+                        zip(loaded.payloads, loaded.checksums, strict=True)
+                    )
                     if payload_checksum(view) != expected
                 ),
-                len(payloads),
+                len(loaded),
             )
             del loaded.payloads[good:], loaded.checksums[good:]
         return loaded
+
+    def load_sent(
+        self, tenant: str, keys: Sequence[bytes], timeout_s: float = 0.0
+    ) -> Callable[[], LoadedBlocks]:
+        """`load` (unverified), sent now; the returned function waits for its answer, on any
+        thread (a call made meanwhile reads this one's answer first, and keeps it)."""
+        fields = {"tenant": tenant, "keys": keys, "timeout_ms": int(timeout_s * 1000)}
+        sent = self._send_call("load", fields, kept=True)
+        return lambda: self._loaded(self._answer(sent).load)
+
+    def _loaded(self, result) -> LoadedBlocks:
+        payloads = [
+            self._payload_view(offset, size)
+            for offset, size in zip(result.offsets, result.payload_bytes, strict=True)
+        ]
+        return LoadedBlocks(
+            result.load_id,
+            payloads,
+            list(result.checksums),
+            result.local_blocks,
+            result.remote_blocks,
+        )
 
     def load_async(self, tenant: str, keys: Sequence[bytes], **options) -> Future[LoadedBlocks]:
         return self._executor.submit(self.load, tenant, keys, **options)

@@ -67,7 +67,7 @@ def pooled_load(copy_unit=None, cpus=None):
         copied.append((layer, unit, helper, frozenset(os.sched_getaffinity(0))))
 
     cores = cpus or frozenset([min(os.sched_getaffinity(0))])
-    return PooledLoad(NAMES, UNITS, record, cores), copied, cores
+    return PooledLoad(NAMES, lambda: UNITS, record, cores), copied, cores
 
 
 def test_a_pooled_load_copies_each_chunk_layer_once_and_a_waited_layer_before_returning():
@@ -139,6 +139,46 @@ def test_a_failed_pooled_copy_releases_every_waiter_and_fails_the_load(failing):
     load, _, _ = pooled_load(copy_unit)
     if failing == "helper":
         assert tried.wait(timeout=10)  # the helper claims first
+    load.wait("layer3")  # must not hang
+    load.join()
+    assert isinstance(load.error, RuntimeError)
+
+
+def test_the_helper_prepares_the_load_before_any_copy_and_the_forward_waits_for_it():
+    prepared = threading.Event()
+    release = threading.Event()
+    events: list[str] = []
+
+    def prepare() -> int:  # the step's fetch: the agent's answer, the plan
+        events.append(f"prepare on {threading.current_thread().name}")
+        assert release.wait(timeout=10)
+        prepared.set()
+        return UNITS
+
+    def copy_unit(layer: int, unit: int, helper: bool) -> None:
+        assert prepared.is_set()
+        events.append("copy")
+
+    load = PooledLoad(NAMES, prepare, copy_unit, frozenset([min(os.sched_getaffinity(0))]))
+    waiter = threading.Thread(target=load.wait, args=("layer0",))
+    waiter.start()
+    waiter.join(timeout=0.2)
+    assert waiter.is_alive()  # the forward's wait holds until the load is prepared
+    release.set()
+    waiter.join(timeout=10)
+    load.join()
+    assert events[0] == "prepare on kvstore-load-helper"
+    assert events.count("copy") == len(NAMES) * UNITS and load.error is None
+
+
+def test_a_failed_preparation_releases_every_waiter_and_fails_the_load():
+    def prepare() -> int:
+        raise RuntimeError("agent gone")
+
+    def copy_unit(layer: int, unit: int, helper: bool) -> None:
+        raise AssertionError("nothing is copied of a load that was never prepared")
+
+    load = PooledLoad(NAMES, prepare, copy_unit, frozenset([min(os.sched_getaffinity(0))]))
     load.wait("layer3")  # must not hang
     load.join()
     assert isinstance(load.error, RuntimeError)

@@ -123,10 +123,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        started = time.perf_counter()
         self.worker.start_load(meta)
         if meta.loads:
-            self._samples.add("load_fetch_seconds", time.perf_counter() - started)
             self._load_wait_s = 0.0
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -145,6 +143,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self._samples.add(
                 "load_wait_seconds", self._load_wait_s + time.perf_counter() - started
             )
+            self._samples.add("load_fetch_seconds", self.worker.fetch_s)
             self._load_wait_s = None
         started = time.perf_counter()
         self.worker.finish_save()

@@ -10,11 +10,12 @@ Two schedules:
 - `PooledLoad`, on the CPU where vLLM bound its OpenMP team to some of the process's cores and
   left others free (VLLM_CPU_NUM_OF_RESERVED_CPU: the engine's other processes and, by vLLM's
   own rule, a KV connector's transfers: kvstore/cores.py): a helper thread bound to those free
-  cores copies every layer from the step's start, ahead of the forward, one chunk layer at a
-  time; the forward's thread, when a layer's attention waits for it, copies that layer's
-  chunks the helper has not reached yet, then waits for the helper's. The helper starts
-  while the forward still runs everything before the first attention, and copies a layer in
-  about the time the forward computes one, so the forward mostly finds its layers copied.
+  cores takes the agent's answer to the step's load (the pins: sent as the step starts), then
+  copies every layer, ahead of the forward, one chunk layer at a time; the forward's thread,
+  when a layer's attention waits for it, copies that layer's chunks the helper has not
+  reached yet, then waits for the helper's. The helper starts while the forward still runs
+  everything before the first attention, and copies a layer in about the time the forward
+  computes one, so the forward mostly finds its layers copied and waits for no round trip.
 
 A chunk's digest runs over its layers in order (worker.py), so no schedule copies layer i + 1
 of a chunk before its layer i.
@@ -117,21 +118,28 @@ class _Layer:
 
 
 class PooledLoad:
-    """One step's loads on the CPU with a helper: `units` chunk layers per layer, copied by
-    `copy_unit(layer, unit, helper)` on a helper thread bound to `cpus` from the start, or on
-    the forward's thread in `wait` for what the helper has not claimed yet. `wait(layer)`
-    returns once that layer (and every earlier one) is copied."""
+    """One step's loads on the CPU with a helper. The helper thread, bound to `cpus`, first
+    runs `prepare` (the step's fetch: how many chunk layers, `units`, each layer has; the
+    forward meanwhile runs what comes before its first attention), then copies every layer
+    by `copy_unit(layer, unit, helper)`; the forward's thread copies in `wait` what the helper
+    has not claimed yet. `wait(layer)` returns once that layer (and every earlier one) is
+    copied, or the load failed (`error`)."""
 
     def __init__(
-        self, names: Sequence[str], units: int, copy_unit: CopyUnit, cpus: frozenset[int]
+        self,
+        names: Sequence[str],
+        prepare: Callable[[], int],
+        copy_unit: CopyUnit,
+        cpus: frozenset[int],
     ) -> None:
         self.index = {name: i for i, name in enumerate(names)}
         self.error: BaseException | None = None
         self.helper_copies = 0  # units the helper copied
-        self._layers = [_Layer(units) for _ in names]
+        self._layers: list[_Layer] = []
+        self._ready = threading.Event()  # prepared (the layers are known), or failed
         self._copy_unit = copy_unit
         self._waited = 0  # layers [0, _waited) are copied and waited for by the forward
-        self._thread = _start(lambda: self._help(cpus), "kvstore-load-helper")
+        self._thread = _start(lambda: self._help(prepare, len(names), cpus), "kvstore-load-helper")
 
     def wait(self, layer_name: str) -> None:
         index = self.index.get(layer_name)
@@ -140,22 +148,30 @@ class PooledLoad:
 
     def join(self) -> None:
         """Every layer copied (by the forward's thread, what the helper did not reach)."""
-        self._copy_until(len(self._layers))
+        self._copy_until(len(self.index))
         self._thread.join()
 
     def _copy_until(self, stop: int) -> None:
         """On the forward's thread: layers [_waited, stop) copied, in order, helping each."""
-        while self._waited < stop:
+        self._ready.wait()
+        while self._waited < min(stop, len(self._layers)):
             layer = self._layers[self._waited]
             self._copy_claimed(self._waited, helper=False)
             layer.done.wait()
             self._waited += 1
 
-    def _help(self, cpus: frozenset[int]) -> None:
-        """The helper's thread: every layer in order, each begun once the one before is done
-        (a chunk's digest takes its layers in order)."""
+    def _help(self, prepare: Callable[[], int], layers: int, cpus: frozenset[int]) -> None:
+        """The helper's thread: prepare, then every layer in order, each begun once the one
+        before is done (a chunk's digest takes its layers in order)."""
         bind_this_thread(cpus)
-        for index in range(len(self._layers)):
+        try:
+            units = prepare()
+        except BaseException as exc:  # reported as load errors; never leave a waiter
+            self._fail(exc)
+            return
+        self._layers = [_Layer(units) for _ in range(layers)]
+        self._ready.set()
+        for index in range(layers):
             if index:
                 self._layers[index - 1].done.wait()
             if self.error is not None:
@@ -178,9 +194,10 @@ class PooledLoad:
     def _fail(self, exc: BaseException) -> None:
         if self.error is None:
             self.error = exc
-            logger.exception("layer-wise load failed")
+            logger.error("layer-wise load failed", exc_info=exc)
         for layer in self._layers:
             layer.done.set()
+        self._ready.set()
 
 
 def _start(run: Callable[[], None], name: str) -> threading.Thread:

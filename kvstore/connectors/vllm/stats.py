@@ -42,7 +42,7 @@ HIT_TIERS = ANSWER_NAMES
 LATENCIES = {  # sample name -> what one sample measures, in seconds
     "lookup_seconds": "Time of one kvstore prompt lookup, from its start to its answer (staged)",
     "match_seconds": "Time vLLM's scheduler waited in one kvstore get_num_new_matched_tokens",
-    "load_fetch_seconds": "Time a step's kvstore loads took to pin their blocks (worker)",
+    "load_fetch_seconds": "Time a step's kvstore loads waited for the agent's pins (worker)",
     "load_wait_seconds": "Time a step's forward waited for kvstore layer loads (worker)",
     "save_seconds": "Time a step's kvstore saves took to commit at the end of the step (worker)",
 }

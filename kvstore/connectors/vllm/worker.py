@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -61,7 +62,9 @@ class WorkerSide:
         self.kv_caches: dict[str, torch.Tensor] = {}
         self._layer_indexes: dict[str, int] = {}
         self._load: LayerwiseLoad | PooledLoad | None = None
-        self._loaded: list[tuple[LoadSpec, LoadedBlocks]] = []
+        self._specs: list[LoadSpec] = []  # the step's loads
+        self._loaded: list[tuple[LoadSpec, LoadedBlocks | None]] = []  # as the agent answered
+        self.fetch_s = 0.0  # how long the step's loads waited for the agent's answers
         self._digests: list[list[Hasher | None]] = []  # per load, per block (None: unused)
         self._plan: list[_CopyIn] = []  # the step's copies, for every layer
         self._loader: ChunkCopier | None = None  # the forward's share of the loads
@@ -140,23 +143,23 @@ class WorkerSide:
             return
         # Layer i of a payload is the i-th registered KV cache, for loads and saves alike.
         started = time.perf_counter()
-        self._loaded = [(spec, self._fetch(spec)) for spec in meta.loads]
-        self._digests = [self._new_digests(spec, loaded) for spec, loaded in self._loaded]
-        self._plan = self._copy_plan()
+        self._specs, self._loaded, self._digests, self._plan = list(meta.loads), [], [], []
         names = list(self.kv_caches)
         tensors = [compat.paged_layer_view(self.kv_caches[name], self.kv.isa) for name in names]
         # CUDA, on the forward's thread: loads go after the compute stream's work so far
         # (vLLM may zero new blocks there), as vLLM's own offloader orders them
         self._loader.after_compute()
-        helper_cpus = self._helper_cores()
-        if helper_cpus:
+        helper_cpus = self._helper_cores(meta.loads)
+        if helper_cpus:  # the helper takes the pins' answer: the forward waits for no agent
+            asked = [(spec, self._ask_load(spec)) for spec in meta.loads]
             self._load = PooledLoad(
                 names,
-                len(self._plan),
+                lambda: self._prepare(asked),
                 lambda layer, unit, helper: self._copy_unit_in(tensors, layer, unit, helper),
                 helper_cpus,
             )
         else:
+            self._prepare([(spec, self._ask_load(spec)) for spec in meta.loads])
             self._load = LayerwiseLoad(
                 names,
                 lambda i: self._copy_layer_in(i, tensors[i], self._loader, self._plan),
@@ -164,18 +167,38 @@ class WorkerSide:
             )
         self.stats["load_s"] += time.perf_counter() - started
 
-    def _fetch(self, spec: LoadSpec) -> LoadedBlocks | None:
-        """Pin the chunks in the arena; chunks that cannot be had are load errors."""
-        loaded = None
+    def _prepare(self, asked: list) -> int:
+        """The agent's answers to the step's loads, their digests and the copy plan (on the
+        load helper's thread where there is one); the plan's chunk layers per layer."""
+        started = time.perf_counter()
+        for spec, answer in asked:
+            self._loaded.append((spec, self._fetched(spec, answer)))
+        self.fetch_s = time.perf_counter() - started
+        self._digests = [self._new_digests(spec, loaded) for spec, loaded in self._loaded]
+        self._plan = self._copy_plan()
+        return len(self._plan)
+
+    def _ask_load(self, spec: LoadSpec) -> Callable[[], LoadedBlocks] | None:
+        """Send the load (the pins) of `spec`'s chunks; None without an agent, or when sending
+        failed (its chunks are then load errors)."""
         try:
             if self.agent.client is not None:
                 tail = [spec.tail_key] if spec.tail_blocks else []
-                loaded = self.agent.client.load(  # verified as copied, not here
+                return self.agent.client.load_sent(  # verified as copied, not here
                     self.settings.tenant,
                     self.kv.block_keys([*spec.keys, *tail]),
                     timeout_s=self.settings.load_timeout_s,
-                    verify=False,
                 )
+        except KVStoreError as exc:
+            logger.warning("kvstore load failed (%s); recomputing", exc)
+        return None
+
+    def _fetched(self, spec: LoadSpec, answer) -> LoadedBlocks | None:
+        """The pinned chunks of `spec`, as the agent answered; chunks that cannot be had are
+        load errors."""
+        loaded = None
+        try:
+            loaded = answer() if answer is not None else None
         except KVStoreError as exc:
             # Not dropped here: earlier loads of this step are pinned through this connection.
             logger.warning("kvstore load failed (%s); recomputing", exc)
@@ -247,11 +270,12 @@ class WorkerSide:
             first += 1
         return self._loader.block_index(blocks, range(min(first, len(blocks)), len(blocks)))
 
-    def _helper_cores(self) -> frozenset[int]:
+    def _helper_cores(self, loads: list[LoadSpec]) -> frozenset[int]:
         """The load helper's cores, where there is a helper (the CPU: load_thread auto), a
-        step with two copies or more, and cores vLLM left free (kvstore/cores.py, looked up
-        once, at the first such load); else none."""
-        if self._helper is None or len(self._plan) < 2:
+        step that loads two chunks or more, and cores vLLM left free (kvstore/cores.py, looked
+        up once, at the first such load); else none."""
+        chunks = sum(len(spec.keys) + bool(spec.tail_blocks) for spec in loads)
+        if self._helper is None or chunks * self.kv.groups.count < 2:
             return frozenset()
         if self._helper_cpus is None:
             self._helper_cpus = spare_cpus()
@@ -321,11 +345,12 @@ class WorkerSide:
                 copies = self._load.helper_copies
                 self.stats["helper_loaded_blocks"] += round(copies / len(self.kv_caches))
             if failed:
-                for spec, _ in self._loaded:
+                for spec in self._specs:
                     self._fail_blocks(spec, spec.skip_blocks)
+        self._finished_loads.update(spec.req_id for spec in self._specs if spec.asynchronous)
+        if len(self._digests) != len(self._loaded):  # failed while fetching: nothing copied
+            self._digests = [[] for _ in self._loaded]
         for (spec, loaded), digests in zip(self._loaded, self._digests, strict=True):
-            if spec.asynchronous:
-                self._finished_loads.add(spec.req_id)
             if loaded is None:
                 continue
             mismatched = [] if failed else self._mismatched(loaded, digests)
@@ -336,7 +361,8 @@ class WorkerSide:
                 self.stats["loaded_blocks"] += good
                 self.stats["loaded_bytes"] += sum(p.numel() for p in loaded.payloads[:good])
             self._release(loaded, mismatched)
-        self._loaded, self._digests, self._plan, self._load = [], [], [], None
+        self._specs, self._loaded, self._digests, self._plan = [], [], [], []
+        self._load = None
         self.agent.drop_if_broken()
 
     def _release(self, loaded: LoadedBlocks, suspect: list[int]) -> None:
