@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from kvstore.connectors.vllm import layerwise
 from kvstore.connectors.vllm.layerwise import LayerwiseLoad, PooledLoad
 
 NAMES = [f"layer{i}" for i in range(4)]
@@ -144,31 +145,53 @@ def test_a_failed_pooled_copy_releases_every_waiter_and_fails_the_load(failing):
     assert isinstance(load.error, RuntimeError)
 
 
-def test_the_helper_prepares_the_load_before_any_copy_and_the_forward_waits_for_it():
-    prepared = threading.Event()
+def test_the_load_is_prepared_once_before_any_copy_and_a_waiting_forward_waits_for_it():
     release = threading.Event()
-    events: list[str] = []
+    prepared_by: list[str] = []
+    copies: list[int] = []
 
     def prepare() -> int:  # the step's fetch: the agent's answer, the plan
-        events.append(f"prepare on {threading.current_thread().name}")
+        prepared_by.append(threading.current_thread().name)
         assert release.wait(timeout=10)
-        prepared.set()
         return UNITS
 
     def copy_unit(layer: int, unit: int, helper: bool) -> None:
-        assert prepared.is_set()
-        events.append("copy")
+        assert len(prepared_by) == 1 and release.is_set()
+        copies.append(layer)
 
     load = PooledLoad(NAMES, prepare, copy_unit, frozenset([min(os.sched_getaffinity(0))]))
-    waiter = threading.Thread(target=load.wait, args=("layer0",))
+    waiter = threading.Thread(target=load.wait, args=("layer0",), name="forward")
     waiter.start()
     waiter.join(timeout=0.2)
     assert waiter.is_alive()  # the forward's wait holds until the load is prepared
     release.set()
     waiter.join(timeout=10)
     load.join()
-    assert events[0] == "prepare on kvstore-load-helper"
-    assert events.count("copy") == len(NAMES) * UNITS and load.error is None
+    assert len(prepared_by) == 1 and prepared_by[0] in {"kvstore-load-helper", "forward"}
+    assert len(copies) == len(NAMES) * UNITS and load.error is None
+
+
+def test_a_forward_that_finds_the_helper_not_started_prepares_and_copies_itself(monkeypatch):
+    """The helper's core is busy elsewhere (here: its binding never returns in time): the
+    forward's thread prepares the load and copies what it needs; nothing waits on the helper."""
+    helper_may_start = threading.Event()
+    monkeypatch.setattr(layerwise, "bind_this_thread", lambda cpus: helper_may_start.wait(10))
+    prepared_by: list[str] = []
+
+    def prepare() -> int:
+        prepared_by.append(threading.current_thread().name)
+        return UNITS
+
+    copied: list[bool] = []
+    load = PooledLoad(
+        NAMES, prepare, lambda layer, unit, helper: copied.append(helper), frozenset([0])
+    )
+    load.wait("layer3")  # returns with the helper still held at its start
+    assert prepared_by == [threading.current_thread().name]
+    assert copied == [False] * (len(NAMES) * UNITS)
+    helper_may_start.set()
+    load.join()
+    assert load.error is None and load.helper_copies == 0
 
 
 def test_a_failed_preparation_releases_every_waiter_and_fails_the_load():

@@ -118,12 +118,14 @@ class _Layer:
 
 
 class PooledLoad:
-    """One step's loads on the CPU with a helper. The helper thread, bound to `cpus`, first
-    runs `prepare` (the step's fetch: how many chunk layers, `units`, each layer has; the
-    forward meanwhile runs what comes before its first attention), then copies every layer
-    by `copy_unit(layer, unit, helper)`; the forward's thread copies in `wait` what the helper
-    has not claimed yet. `wait(layer)` returns once that layer (and every earlier one) is
-    copied, or the load failed (`error`)."""
+    """One step's loads on the CPU with a helper. `prepare` (the step's fetch: how many chunk
+    layers, `units`, each layer has) runs once, on whichever thread gets to it first: the
+    helper, bound to `cpus`, as it starts (the forward meanwhile runs what comes before its
+    first attention), or the forward's, when that attention finds the helper not started yet
+    (its core busy elsewhere). Then the helper copies every layer by `copy_unit(layer, unit,
+    helper)`, and the forward's thread copies in `wait` what the helper has not claimed yet.
+    `wait(layer)` returns once that layer (and every earlier one) is copied, or the load
+    failed (`error`)."""
 
     def __init__(
         self,
@@ -136,10 +138,12 @@ class PooledLoad:
         self.error: BaseException | None = None
         self.helper_copies = 0  # units the helper copied
         self._layers: list[_Layer] = []
+        self._prepare = prepare
+        self._prepare_claims = itertools.count()  # the first to draw 0 prepares
         self._ready = threading.Event()  # prepared (the layers are known), or failed
         self._copy_unit = copy_unit
         self._waited = 0  # layers [0, _waited) are copied and waited for by the forward
-        self._thread = _start(lambda: self._help(prepare, len(names), cpus), "kvstore-load-helper")
+        self._thread = _start(lambda: self._help(cpus), "kvstore-load-helper")
 
     def wait(self, layer_name: str) -> None:
         index = self.index.get(layer_name)
@@ -153,25 +157,31 @@ class PooledLoad:
 
     def _copy_until(self, stop: int) -> None:
         """On the forward's thread: layers [_waited, stop) copied, in order, helping each."""
-        self._ready.wait()
+        self._prepared()
         while self._waited < min(stop, len(self._layers)):
             layer = self._layers[self._waited]
             self._copy_claimed(self._waited, helper=False)
             layer.done.wait()
             self._waited += 1
 
-    def _help(self, prepare: Callable[[], int], layers: int, cpus: frozenset[int]) -> None:
-        """The helper's thread: prepare, then every layer in order, each begun once the one
+    def _prepared(self) -> None:
+        """Prepare, unless another thread did or does (then wait for it)."""
+        if next(self._prepare_claims) == 0:
+            try:
+                units = self._prepare()
+            except BaseException as exc:  # reported as load errors; never leave a waiter
+                self._fail(exc)
+                return
+            self._layers = [_Layer(units) for _ in self.index]
+            self._ready.set()
+        self._ready.wait()
+
+    def _help(self, cpus: frozenset[int]) -> None:
+        """The helper's thread: prepared, then every layer in order, each begun once the one
         before is done (a chunk's digest takes its layers in order)."""
         bind_this_thread(cpus)
-        try:
-            units = prepare()
-        except BaseException as exc:  # reported as load errors; never leave a waiter
-            self._fail(exc)
-            return
-        self._layers = [_Layer(units) for _ in range(layers)]
-        self._ready.set()
-        for index in range(layers):
+        self._prepared()
+        for index in range(len(self._layers)):
             if index:
                 self._layers[index - 1].done.wait()
             if self.error is not None:
