@@ -199,6 +199,13 @@ class KVStoreClient:
         message built from a dict: a lookup pays no copy)."""
         return self._answer(self._send_call(name, fields, kept=True))
 
+    def _call_or_send(self, name: str, fields: dict, wait: bool) -> None:
+        """`name`'s call, answered now (`wait`), or sent, its answer read by the next call."""
+        if wait:
+            self._call(name, **fields)
+        else:
+            self._send_call(name, fields, kept=False)
+
     def _send_call(self, name: str, fields: dict, kept: bool) -> _Sent:
         """Send a call without reading its answer (`_answer` reads it; unless `kept`, the
         next call reads it, and only logs an error it carries)."""
@@ -348,24 +355,15 @@ class KVStoreClient:
         """Unpin a load. Its payload views must not be read afterwards. `suspect`: positions
         of payloads whose copy failed its checksum (the agent purges them if corrupt).
         Without `wait`, the answer is read (and an error only logged) by the next call."""
-        fields = {"load_id": loaded.load_id, "suspect": suspect}
-        if wait:
-            self._call("release", **fields)
-        else:
-            self._send_call("release", fields, kept=False)
+        self._call_or_send("release", {"load_id": loaded.load_id, "suspect": suspect}, wait)
 
     # ---- writes ----------------------------------------------------------------------------
     def save(
-        self,
-        tenant: str,
-        keys: Sequence[bytes],
-        payload_bytes: int,
-        first_parent: bytes | None = None,
-        layout_hash: int = 0,
-        codec_id: int = 0,
+        self, tenant: str, keys: Sequence[bytes], payload_bytes: int, **options
     ) -> SaveReservation:
-        """Reserve arena pages for a chain of chunk keys; write payloads in place, then commit."""
-        return self.save_sent(tenant, keys, payload_bytes, first_parent, layout_hash, codec_id)()
+        """Reserve arena pages for a chain of chunk keys; write payloads in place, then commit.
+        `options`: save_sent's (first_parent, layout_hash, codec_id)."""
+        return self.save_sent(tenant, keys, payload_bytes, **options)()
 
     def save_sent(
         self,
@@ -414,10 +412,7 @@ class KVStoreClient:
     def abort(self, reservation: SaveReservation, wait: bool = True) -> None:
         """Free every page of the reservation that was not committed. Without `wait`, the
         answer is read (and an error only logged) by the next call."""
-        if wait:
-            self._call("abort", save_id=reservation.save_id)
-        else:
-            self._send_call("abort", {"save_id": reservation.save_id}, kept=False)
+        self._call_or_send("abort", {"save_id": reservation.save_id}, wait)
 
     def stats(self) -> str:
         return self._call("stats").stats.json
